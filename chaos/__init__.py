@@ -1,0 +1,1 @@
+"""Chaos-testing harness for commlib."""

@@ -1,0 +1,1 @@
+"""Reference training workload used by tests, benchmarks and chaos runs."""

@@ -1,0 +1,1 @@
+"""Backends: the engines a `Communicator` drives (torch.distributed, torchcomms)."""

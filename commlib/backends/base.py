@@ -1,0 +1,58 @@
+"""The narrow protocol a backend implements.
+
+A backend launches one already-validated, already-numbered `Collective` and hands back a
+`BackendWork`; it splits, aborts and finalizes itself, and it says what a raw failure of
+its engine means (`classify`). Everything else (validation, sequence numbers, deadlines,
+hooks, logs, flight recording, the progress board) belongs to `Communicator`; a backend
+that repeats any of it is a bug.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+from commlib.ops import Collective, Reduction
+
+
+class Failure(enum.Enum):
+    """What a raw backend exception means."""
+
+    TIMEOUT = "timeout"  # the op did not complete in time
+    PEER = "peer"  # a peer died or closed the connection
+    ABORTED = "aborted"  # the communicator was aborted, finalized or is dead
+    OTHER = "other"
+
+
+class BackendWork(Protocol):
+    def wait(self, timeout: timedelta) -> bool:
+        """Block until done; False if `timeout` passed first. Raises the engine's error."""
+
+    def is_completed(self) -> bool: ...
+
+
+class Backend(Protocol):
+    name: str  # e.g. "gloo", "nccl", "torchcomms:gloo"
+    rank: int
+    size: int
+    device: torch.device
+
+    def launch(self, call: Collective, timeout: timedelta) -> BackendWork:
+        """Start `call` without blocking on its completion."""
+
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "Backend | None":
+        """Collective over every member: a backend for `ranks`, None where not a member."""
+
+    def supports(self, device: torch.device, op: Reduction | None) -> str | None:
+        """None if the backend serves tensors on `device` with reduction `op`, else why not."""
+
+    def classify(self, exc: BaseException) -> Failure: ...
+
+    def abort(self) -> None:
+        """Tear down without waiting for peers; returns at once."""
+
+    def finalize(self) -> None:
+        """Release resources after a clean run."""

@@ -1,0 +1,358 @@
+"""`Communicator`: commlib's public API, and the one path every operation takes.
+
+    validate -> next sequence number -> (consistency check) -> pre-hooks -> record start
+    -> backend launch -> Work -> wait with deadline (sync) or return Work (async)
+    -> record end -> post-hooks
+
+"Record" means the flight recorder, the progress board and the structured log, together.
+Failures on that path become typed errors here and only here: a deadline that expires is a
+`CollectiveTimeout` naming the ranks that never arrived, a peer's death a `PeerFailure`,
+and either leaves the communicator dead, so every later call raises `CommAborted` at once
+instead of blocking. Backends only launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commlib.backends.base import Backend, BackendWork, Failure
+from commlib.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure
+from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
+from commlib.observe import log as _log
+from commlib.observe.board import ProgressBoard, explain_timeout
+from commlib.observe.flight import FlightEntry, FlightRecorder
+from commlib.ops import Collective, OpName, Reduction, ReduceOp
+from commlib.validation import check_call, seconds
+
+CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
+
+
+class Work:
+    """The handle of an asynchronous collective. `wait` takes the same path as a sync call."""
+
+    def __init__(self, comm: "Communicator", call: Collective, backend_work: BackendWork,
+                 entry: FlightEntry) -> None:
+        self._comm = comm
+        self.call = call
+        self._backend_work = backend_work
+        self._entry = entry
+        self.done = False
+
+    def wait(self, timeout: float | timedelta | None = None) -> None:
+        """Block until complete: at most `timeout`, else what is left of the op's deadline."""
+        if not self.done:
+            self._comm._complete(self, seconds(timeout))
+
+    def is_completed(self) -> bool:
+        return self.done or self._backend_work.is_completed()
+
+
+class Communicator:
+    """A group of ranks and the collectives among them. Create it with `commlib.init`."""
+
+    def __init__(self, backend: Backend, store: dist.Store, name: str, timeout: float,
+                 check_consistency: bool = False, world_rank: int | None = None) -> None:
+        self._backend = backend
+        self._store = store
+        self.name = name
+        self.rank = backend.rank
+        self.size = backend.size
+        self.timeout = timeout
+        self.check_consistency = check_consistency
+        self.world_rank = backend.rank if world_rank is None else world_rank
+        self.hooks = HookRegistry()
+        self._seq = 0
+        self._splits = 0
+        self._dead: str | None = None  # why the communicator can no longer be used
+        self.recorder = FlightRecorder(name, self.rank)
+        self.board = ProgressBoard(store, self.rank, self.size, os.getpid())
+        self._log = _log.get_logger().bind(comm=name, backend=backend.name,
+                                           comm_rank=self.rank, comm_size=self.size)
+        self._log.info("comm.init", timeout_s=timeout, check_consistency=check_consistency)
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def device(self) -> torch.device:
+        return self._backend.device
+
+    @property
+    def seq(self) -> int:
+        """Sequence number of the last collective issued (0: none yet)."""
+        return self._seq
+
+    def __repr__(self) -> str:
+        return f"Communicator(name={self.name!r}, backend={self.backend!r}, rank={self.rank}, size={self.size})"
+
+    # -- collectives (canonical torchcomms names) -------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Reduction = ReduceOp.SUM, *, async_op: bool = False,
+                   timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.ALL_REDUCE, async_op, timeout, tensor=tensor, reduce_op=op))
+
+    def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False,
+                  timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.BROADCAST, async_op, timeout, tensor=tensor, root=root))
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: Reduction = ReduceOp.SUM, *, async_op: bool = False,
+               timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.REDUCE, async_op, timeout, tensor=tensor, root=root, reduce_op=op))
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, async_op: bool = False,
+                   timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.ALL_GATHER, async_op, timeout, output_list=tensor_list, input=tensor))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                          timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.ALL_GATHER_SINGLE, async_op, timeout, output=output, input=input))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Reduction = ReduceOp.SUM, *,
+                       async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.REDUCE_SCATTER, async_op, timeout, output=output,
+                                      input_list=input_list, reduce_op=op))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: Reduction = ReduceOp.SUM, *,
+                              async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.REDUCE_SCATTER_SINGLE, async_op, timeout, output=output,
+                                      input=input, reduce_op=op))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
+                          timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.ALL_TO_ALL_SINGLE, async_op, timeout, output=output, input=input))
+
+    def gather(self, output_list: list[torch.Tensor] | None, input: torch.Tensor, root: int, *,
+               async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.GATHER, async_op, timeout, output_list=output_list,
+                                      input=input, root=root))
+
+    def scatter(self, output: torch.Tensor, input_list: list[torch.Tensor] | None, root: int, *,
+                async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.SCATTER, async_op, timeout, output=output,
+                                      input_list=input_list, root=root))
+
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False,
+             timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.SEND, async_op, timeout, tensor=tensor, peer=dst))
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False,
+             timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.RECV, async_op, timeout, tensor=tensor, peer=src))
+
+    def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+        return self._issue(self._call(OpName.BARRIER, async_op, timeout))
+
+    # -- hooks ------------------------------------------------------------------------
+    def register_pre_hook(self, fn: Any) -> RemovableHandle:
+        return self.hooks.register_pre_hook(fn)
+
+    def register_post_hook(self, fn: Any) -> RemovableHandle:
+        return self.hooks.register_post_hook(fn)
+
+    def register_failure_hook(self, fn: Any) -> RemovableHandle:
+        return self.hooks.register_failure_hook(fn)
+
+    # -- lifecycle --------------------------------------------------------------------
+    def split(self, ranks: list[int], name: str, *, timeout: float | timedelta | None = None) -> "Communicator | None":
+        """A communicator of `ranks` (ranks of this one, in the new rank order), named `name`.
+
+        Collective: every rank of this communicator calls it with the same arguments.
+        Returns None on ranks not in `ranks`.
+        """
+        self._ensure_usable("split")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"split on {self.name!r} rank {self.rank}: expected a non-empty name; found {name!r}")
+        ranks = list(ranks)
+        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.size]
+        if bad or len(set(ranks)) != len(ranks):
+            raise ValueError(f"split on {self.name!r} rank {self.rank}: expected distinct ranks in [0, {self.size}); "
+                             f"found {ranks}")
+        deadline = seconds(timeout) or self.timeout
+        self._splits += 1
+        store = dist.PrefixStore(f"{name}.{self._splits}/", self._store)
+        backend = self._backend.split(ranks, name, timedelta(seconds=deadline)) if ranks else None
+        self._log.info("comm.split", new_comm=name, ranks=ranks, member=backend is not None)
+        if backend is None:
+            return None
+        return Communicator(backend, store, name, self.timeout, self.check_consistency, self.world_rank)
+
+    def abort(self) -> None:
+        """Tear down at once, without waiting for peers; later calls raise CommAborted."""
+        if self._dead is None:
+            self._dead = "aborted"
+        self._log.warning("comm.abort", reason=self._dead)
+        self._dump("abort")
+        self.board.close()
+        self._backend.abort()
+
+    def finalize(self) -> None:
+        """Release the communicator after a clean run; later calls raise CommAborted."""
+        if self._dead is None:
+            self._dead = "finalized"
+            self.board.close()
+            self._backend.finalize()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+    # -- the one path ------------------------------------------------------------------
+    def _call(self, op: OpName, async_op: bool, timeout: float | timedelta | None, **fields: Any) -> Collective:
+        if not isinstance(async_op, bool):
+            raise TypeError(f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "
+                            f"found {type(async_op).__name__}")
+        deadline = seconds(timeout) or self.timeout
+        return Collective(op=op, comm=self.name, rank=self.rank, size=self.size, async_op=async_op,
+                          deadline_s=deadline, **fields)
+
+    def _issue(self, call: Collective) -> Work | None:
+        self._ensure_usable(call.op.value)
+        check_call(call, self._backend.supports)
+        self._seq += 1
+        call.seq = self._seq
+        call.context = _log.current_context()
+        if self.check_consistency and call.op not in (OpName.SEND, OpName.RECV):
+            self._agree(call)
+        run_hooks(self.hooks, "pre", call)
+        entry = self.recorder.start(call)
+        self.board.started(call.seq, call.op.value, call.context)
+        if _log.STATE.enabled:
+            self._log.info("collective.start", op=call.op.value, seq=call.seq, shapes=call.shapes(),
+                           dtype=str(call.dtype), bytes=call.nbytes(), root=entry.root,
+                           deadline_s=call.deadline_s, async_op=call.async_op)
+        try:
+            backend_work = self._backend.launch(call, timedelta(seconds=call.deadline_s))
+        except Exception as exc:
+            raise self._fail(call, entry, exc) from exc
+        work = Work(self, call, backend_work, entry)
+        if call.async_op:
+            return work
+        self._complete(work, None)
+        return None
+
+    def _complete(self, work: Work, timeout: float | None) -> None:
+        call, entry = work.call, work._entry
+        if timeout is None:
+            timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        try:
+            finished = work._backend_work.wait(timedelta(seconds=max(timeout, 1e-3)))
+        except Exception as exc:
+            raise self._fail(call, entry, exc) from exc
+        if not finished:
+            raise self._timed_out(call, entry, None)
+        work.done = True
+        FlightRecorder.end(entry, "completed")
+        self.board.finished(call.seq, call.op.value)
+        duration = entry.duration_s
+        if _log.STATE.enabled:
+            self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes,
+                           duration_s=duration, status="ok")
+        run_hooks(self.hooks, "post", call, duration)
+
+    def _ensure_usable(self, what: str) -> None:
+        if self._dead is not None:
+            raise CommAborted(
+                f"{what} on {self.name!r} rank {self.rank}: expected a live communicator; found it {self._dead}",
+                op=what, seq=self._seq, comm=self.name, rank=self.rank)
+
+    def _where(self, call: Collective) -> dict[str, Any]:
+        return {"op": call.op.value, "seq": call.seq, "comm": self.name, "rank": self.rank}
+
+    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None) -> CommError:
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        try:
+            diagnosis = explain_timeout(call.op.value, call.seq, self.name, self.rank, elapsed,
+                                        self.board.read(), time.time_ns())
+            message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
+        except Exception as exc:  # the store itself may be gone with a dead rank 0
+            message = (f"{call.op} #{call.seq} on {self.name!r} timed out after {elapsed:.1f} s on rank "
+                       f"{self.rank}; the progress board could not be read ({exc})")
+            missing, stale = None, None
+        error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s, missing_ranks=missing,
+                                  stale_ranks=stale, **self._where(call))
+        if cause is not None:
+            error.__cause__ = cause
+        return self._die(call, entry, error, "collective.timeout", "timed_out")
+
+    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException) -> CommError:
+        kind = self._backend.classify(exc)
+        if kind is Failure.TIMEOUT:
+            return self._timed_out(call, entry, exc)
+        where = self._where(call)
+        head = f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank}"
+        if kind is Failure.PEER:
+            error: CommError = PeerFailure(f"{head}: expected every peer alive; found a peer gone "
+                                           f"(the backend said: {exc})", **where)
+            event = "peer.failure"
+        elif kind is Failure.ABORTED:
+            error = CommAborted(f"{head}: expected a live communicator; the backend says it is not ({exc})", **where)
+            event = "collective.error"
+        else:
+            error = CommError(f"{head}: {type(exc).__name__}: {exc}", **where)
+            event = "collective.error"
+        error.__cause__ = exc
+        return self._die(call, entry, error, event, "failed")
+
+    def _die(self, call: Collective, entry: FlightEntry, error: CommError, event: str, state: str) -> CommError:
+        """Record a failure everywhere, mark the communicator dead, and hand back the error to raise."""
+        FlightRecorder.end(entry, state)
+        self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
+        self._log.error(event, op=call.op.value, seq=call.seq, duration_s=entry.duration_s, status=state,
+                        error=str(error), error_type=type(error).__name__, **_error_fields(error))
+        self._dump(event.replace(".", "_"))
+        self.board.close()
+        self._backend.abort()
+        run_hooks(self.hooks, "failure", call, error)
+        return error
+
+    def _dump(self, reason: str) -> None:
+        # Without a log dir the dump would flood stderr; SIGUSR1 still prints one on demand.
+        directory = _log.log_dir()
+        if directory is not None:
+            self.recorder.dump(directory, reason)
+
+    def _agree(self, call: Collective) -> None:
+        """Compare this call's fingerprint with every rank's through the store."""
+        mine = json.dumps(call.fingerprint(), sort_keys=True)
+        keys = [f"fp/{call.seq}/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], mine)
+        try:
+            self._store.wait(keys, timedelta(seconds=call.deadline_s))
+        except Exception as exc:
+            entry = self.recorder.start(call)
+            raise self._timed_out(call, entry, exc) from exc
+        values = [v.decode() for v in self._store.multi_get(keys)]
+        if call.seq > 2:
+            self._store.delete_key(f"fp/{call.seq - 2}/{self.rank}")
+        if len(set(values)) == 1:
+            return
+        groups: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        differing = sorted(r for v, rs in groups.items() if v != mine for r in rs)
+        detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+        error = CollectiveMismatch(
+            f"{call.op} #{call.seq} on {self.name!r} rank {self.rank}: expected every rank to issue the same "
+            f"collective; found {detail}", differing_ranks=differing, **self._where(call))
+        self._log.error("collective.mismatch", op=call.op.value, seq=call.seq, error=str(error),
+                        differing_ranks=differing)
+        run_hooks(self.hooks, "failure", call, error)
+        raise error
+
+
+def _error_fields(error: CommError) -> dict[str, Any]:
+    fields = {k: v for k, v in error.fields().items() if k not in ("op", "seq", "comm", "rank")}
+    return fields

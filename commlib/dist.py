@@ -1,0 +1,149 @@
+"""`commlib.dist`: a drop-in for code written against the `torch.distributed` free functions.
+
+Old and new names both work (`all_gather_into_tensor`, `_all_gather_base` and
+`all_gather_single`; `reduce_scatter_tensor`, `_reduce_scatter_base` and
+`reduce_scatter_single`; `broadcast(tensor, src=...)`, `reduce(tensor, dst=...)`), with no
+FutureWarning, because every call is routed through a `Communicator`: the one passed as
+`group=`, else the default one registered by `set_default` (done by the first
+`commlib.init` that calls it; see `use`). Old names come from `commlib.compat`'s table,
+so this module holds no list of renames of its own. `src`/`dst` here are ranks of the
+communicator (torch.distributed's `group_src`/`group_dst`), and reductions may be
+`torch.distributed.ReduceOp`s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as _tdist
+
+from commlib import compat
+from commlib.communicator import Communicator, Work
+from commlib.ops import ReduceOp, Reduction
+
+_DEFAULT: list[Communicator] = []  # the one registry this module owns
+
+_FROM_TORCH = {
+    _tdist.ReduceOp.SUM: ReduceOp.SUM,
+    _tdist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    _tdist.ReduceOp.MIN: ReduceOp.MIN,
+    _tdist.ReduceOp.MAX: ReduceOp.MAX,
+    _tdist.ReduceOp.BAND: ReduceOp.BAND,
+    _tdist.ReduceOp.BOR: ReduceOp.BOR,
+    _tdist.ReduceOp.BXOR: ReduceOp.BXOR,
+    _tdist.ReduceOp.AVG: ReduceOp.AVG,
+}
+
+
+def use(comm: Communicator) -> None:
+    """Make `comm` the communicator that calls without `group=` go to."""
+    _DEFAULT[:] = [comm]
+
+
+def _comm(group: Communicator | None) -> Communicator:
+    if group is not None:
+        if not isinstance(group, Communicator):
+            raise TypeError(f"commlib.dist: expected group to be a commlib Communicator; found {type(group).__name__}")
+        return group
+    if not _DEFAULT:
+        raise RuntimeError("commlib.dist: expected a default communicator; found none "
+                           "(call commlib.dist.use(comm) after commlib.init, or pass group=)")
+    return _DEFAULT[0]
+
+
+def to_reduction(op: Any) -> Reduction:
+    """A commlib reduction from a commlib or torch.distributed one."""
+    if isinstance(op, ReduceOp) or hasattr(op, "factor"):
+        return op
+    try:
+        return _FROM_TORCH[op]
+    except (KeyError, TypeError):
+        raise TypeError(f"commlib.dist: expected a commlib or torch.distributed ReduceOp; found {op!r}") from None
+
+
+def _root(name: str, kwargs: dict[str, Any]) -> int:
+    kwargs = compat.canonical_kwargs(name, kwargs)
+    group_root = kwargs.get("group_src", kwargs.get("group_dst"))
+    root = kwargs.get("root") if kwargs.get("root") is not None else group_root
+    if root is None:
+        raise TypeError(f"commlib.dist.{name}: expected a root rank (src/dst/root); found none")
+    return root
+
+
+def get_rank(group: Communicator | None = None) -> int:
+    return _comm(group).rank
+
+
+def get_world_size(group: Communicator | None = None) -> int:
+    return _comm(group).size
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
+               async_op: bool = False) -> Work | None:
+    return _comm(group).all_reduce(tensor, to_reduction(op), async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int | None = None, group: Communicator | None = None,
+              async_op: bool = False, **kwargs: Any) -> Work | None:
+    return _comm(group).broadcast(tensor, _root("broadcast", {"src": src, **kwargs}), async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Communicator | None = None,
+           async_op: bool = False, **kwargs: Any) -> Work | None:
+    return _comm(group).reduce(tensor, _root("reduce", {"dst": dst, **kwargs}), to_reduction(op), async_op=async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Communicator | None = None,
+               async_op: bool = False) -> Work | None:
+    return _comm(group).all_gather(tensor_list, tensor, async_op=async_op)
+
+
+def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Communicator | None = None,
+                      async_op: bool = False) -> Work | None:
+    return _comm(group).all_gather_single(output_tensor, input_tensor, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
+                   group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    return _comm(group).reduce_scatter(output, input_list, to_reduction(op), async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
+                          group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    return _comm(group).reduce_scatter_single(output, input, to_reduction(op), async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Communicator | None = None,
+                      async_op: bool = False) -> Work | None:
+    return _comm(group).all_to_all_single(output, input, async_op=async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
+           group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+    return _comm(group).gather(gather_list, tensor, _root("gather", {"dst": dst, **kwargs}), async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
+            group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+    return _comm(group).scatter(tensor, scatter_list, _root("scatter", {"src": src, **kwargs}), async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Communicator | None = None) -> None:
+    _comm(group).send(tensor, dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Communicator | None = None) -> None:
+    _comm(group).recv(tensor, src)
+
+
+def barrier(group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    return _comm(group).barrier(async_op=async_op)
+
+
+def __getattr__(name: str) -> Any:
+    """Old names (`all_gather_into_tensor`, `_reduce_scatter_base`, ...) from the compat table."""
+    row = compat.OLD_NAMES.get(name)
+    if row is not None and row.canonical in globals():
+        return globals()[row.canonical]
+    raise AttributeError(f"module 'commlib.dist' has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""The progress board: every rank's last started and finished collective, in the store.
+
+Each communicator owns a `ProgressBoard`. On the critical path a collective only updates a
+few attributes of it; a single daemon thread per process publishes changed boards to the
+communicator's store (at most every `PUBLISH_INTERVAL_S`) together with a heartbeat. So
+publishing never puts a store round trip on a collective's path, and a board is at most one
+interval behind. When a deadline expires, the rank that timed out reads every peer's entry
+and `explain_timeout` names who never started the collective, and who stopped beating.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+PUBLISH_INTERVAL_S = 0.05
+HEARTBEAT_S = 0.5
+STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead
+
+
+@dataclass
+class BoardEntry:
+    started_seq: int = -1
+    started_op: str | None = None
+    finished_seq: int = -1
+    finished_op: str | None = None
+    step: Any = None
+    phase: Any = None
+    heartbeat_ns: int = 0  # wall clock of the last publication
+    pid: int = 0
+
+
+class ProgressBoard:
+    def __init__(self, store: dist.Store, rank: int, size: int, pid: int) -> None:
+        self._store = store
+        self.rank = rank
+        self.size = size
+        self.entry = BoardEntry(pid=pid)
+        self._version = 0
+        self._published_version = -1
+        self._published_ns = 0
+        self.closed = False
+        _Publisher.register(self)
+
+    # The critical path: attribute stores only.
+    def started(self, seq: int, op: str, ctx: dict[str, Any]) -> None:
+        e = self.entry
+        e.started_seq, e.started_op = seq, op
+        e.step, e.phase = ctx.get("step"), ctx.get("phase")
+        self._version += 1
+
+    def finished(self, seq: int, op: str) -> None:
+        e = self.entry
+        e.finished_seq, e.finished_op = seq, op
+        self._version += 1
+
+    def publish_if_due(self, now_ns: int) -> None:
+        due = now_ns - self._published_ns >= HEARTBEAT_S * 1e9
+        if self.closed or (self._version == self._published_version and not due):
+            return
+        version = self._version
+        self.entry.heartbeat_ns = now_ns
+        self._store.set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
+        self._published_version, self._published_ns = version, now_ns
+
+    def read(self) -> dict[int, BoardEntry | None]:
+        """Every rank's published entry (None: never published). Never blocks on a missing key."""
+        out: dict[int, BoardEntry | None] = {}
+        for r in range(self.size):
+            key = f"board/{r}"
+            out[r] = BoardEntry(**json.loads(self._store.get(key))) if self._store.check([key]) else None
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Publisher:
+    """The process's one publishing thread (started with the first board)."""
+
+    _boards: "weakref.WeakSet[ProgressBoard]" = weakref.WeakSet()
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    @classmethod
+    def register(cls, board: ProgressBoard) -> None:
+        with cls._lock:
+            cls._boards.add(board)
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._run, name="commlib-board", daemon=True)
+                cls._thread.start()
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(PUBLISH_INTERVAL_S)
+            now = time.time_ns()
+            for board in list(cls._boards):
+                try:
+                    board.publish_if_due(now)
+                except Exception:
+                    # The store went away (job ending, server rank dead): stop this board
+                    # instead of raising in a daemon thread.
+                    board.close()
+
+
+@dataclass
+class Diagnosis:
+    message: str
+    missing_ranks: list[int]
+    stale_ranks: list[int]
+
+
+def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
+                    entries: dict[int, BoardEntry | None], now_ns: int) -> Diagnosis:
+    """Say who never started collective `seq`, and where each of them last was."""
+    missing: list[int] = []
+    stale: list[int] = []
+    notes: list[str] = []
+    for r, e in sorted(entries.items()):
+        if r == rank:
+            continue
+        if e is None:
+            missing.append(r)
+            stale.append(r)
+            notes.append(f"rank {r} never published progress (possibly dead)")
+            continue
+        age_s = (now_ns - e.heartbeat_ns) / 1e9
+        is_stale = age_s > STALE_AFTER_S
+        if is_stale:
+            stale.append(r)
+        if e.started_seq < seq:
+            missing.append(r)
+            where = (f"rank {r} last finished {e.finished_op} #{e.finished_seq}" if e.finished_seq >= 0
+                     else f"rank {r} finished no collective")
+            if e.step is not None or e.phase is not None:
+                where += f" at step {e.step}, phase {e.phase}"
+            note = f"rank {r} never started it ({where})"
+            if is_stale:
+                note += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
+            notes.append(note)
+        elif is_stale:
+            notes.append(f"rank {r} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped")
+    if not notes:
+        notes.append("every rank started it; the backend did not complete it")
+    message = f"{op} #{seq} on {comm!r} timed out after {elapsed:.1f} s on rank {rank}: " + "; ".join(notes)
+    return Diagnosis(message, missing, stale)

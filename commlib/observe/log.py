@@ -1,0 +1,173 @@
+"""Structured logs: structlog, JSON lines, one file per rank, and the caller's context.
+
+Configured once per process by `commlib.init` (or `configure` directly):
+- with a log dir (`init(log_dir=...)` or `COMMLIB_LOG_DIR`), every event at INFO and above
+  goes to `{log_dir}/rank{R}.jsonl`;
+- without one, only warnings and errors go to stderr.
+
+Each line is written with a single `os.write` on an `O_APPEND` descriptor, so a process
+killed mid-write leaves at most one truncated last line, and ranks restarted by torchrun
+append to the same file. `read_events` is the one reader of these files; it skips a
+truncated line instead of failing.
+
+The pipeline is a list of plain structlog processors: merge the caller's context
+(`commlib.context(step=..., phase=...)`, a ContextVar, so threads and asyncio tasks keep
+their own), add the static fields of the process, add wall and monotonic clocks, render
+JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+LOG_DIR_ENV = "COMMLIB_LOG_DIR"
+
+_CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})
+
+
+@contextlib.contextmanager
+def context(**fields: Any) -> Iterator[None]:
+    """Add `fields` (e.g. step=12, phase="backward") to every event logged inside the block."""
+    token = _CONTEXT.set({**_CONTEXT.get(), **fields})
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_context() -> dict[str, Any]:
+    return _CONTEXT.get()
+
+
+def _merge_context(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    ctx = _CONTEXT.get()
+    if ctx:
+        for k, v in ctx.items():
+            event.setdefault(k, v)
+    return event
+
+
+@dataclass(frozen=True)
+class ProcessFields:
+    """Fields every event of this process carries."""
+
+    rank: int
+    size: int
+    host: str
+    pid: int
+    attempt: int  # torchrun restart count: sequence numbers start over in each attempt
+
+    def __call__(self, _: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        event["rank"] = self.rank
+        event["size"] = self.size
+        event["host"] = self.host
+        event["pid"] = self.pid
+        event["attempt"] = self.attempt
+        return event
+
+
+def _add_clocks(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    event["ts_ns"] = time.time_ns()
+    event["mono_ns"] = time.monotonic_ns()
+    return event
+
+
+class LineWriter:
+    """A structlog logger that writes each rendered event as one line in one write(2)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def msg(self, line: str) -> None:
+        os.write(self._fd, (line + "\n").encode())
+
+    debug = info = warning = error = critical = exception = msg
+
+
+@dataclass
+class _State:
+    path: Path | None = None
+    enabled: bool = False  # INFO events are written (a log dir is configured)
+
+
+# The one piece of global state this module owns: where this process logs.
+STATE = _State()
+
+
+def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """Point this process's events at `{log_dir}/rank{rank}.jsonl` (or stderr, warnings only).
+
+    Returns the log file's path, or None when logging to stderr.
+    """
+    log_dir = log_dir if log_dir is not None else os.environ.get(LOG_DIR_ENV) or None
+    if log_dir is not None:
+        directory = Path(log_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank{rank}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        level = logging.INFO
+    else:
+        path, fd, level = None, sys.stderr.fileno(), logging.WARNING
+    fields = ProcessFields(
+        rank=rank,
+        size=size,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
+    structlog.configure(
+        processors=[
+            _merge_context,
+            fields,
+            structlog.processors.add_log_level,
+            _add_clocks,
+            structlog.processors.JSONRenderer(serializer=_dumps),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=lambda *_: LineWriter(fd),
+        cache_logger_on_first_use=False,
+    )
+    STATE.path = path
+    STATE.enabled = path is not None
+    return path
+
+
+def _dumps(obj: Any, **_: Any) -> str:
+    return json.dumps(obj, default=str, separators=(",", ":"))
+
+
+def get_logger(**bound: Any) -> Any:
+    """A structlog logger writing into this rank's log (the trainer and chaos use it too)."""
+    return structlog.get_logger(**bound)
+
+
+def log_dir() -> Path | None:
+    """The configured log directory, or None."""
+    return STATE.path.parent if STATE.path else None
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Events of one JSON-lines file in order; a truncated or garbled line is skipped."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                return  # the writer was killed mid-line: only ever the last line
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                yield event

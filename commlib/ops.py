@@ -1,0 +1,152 @@
+"""The vocabulary of a collective call: op names, reductions, and the `Collective` record.
+
+A `Collective` describes one call as it travels the single path in `Communicator`: hooks
+see it, the flight recorder and logs describe it, and a backend launches it. Field names
+follow torchcomms' per-op argument objects (`tensor`, `input`, `output`, `root`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OpName(str, enum.Enum):
+    """Canonical (torchcomms) names of every operation a Communicator issues."""
+
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    ALL_GATHER = "all_gather"
+    ALL_GATHER_SINGLE = "all_gather_single"
+    REDUCE_SCATTER = "reduce_scatter"
+    REDUCE_SCATTER_SINGLE = "reduce_scatter_single"
+    ALL_TO_ALL_SINGLE = "all_to_all_single"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    SEND = "send"
+    RECV = "recv"
+    BARRIER = "barrier"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReduceOp(str, enum.Enum):
+    """Reductions. `PREMUL_SUM` needs a factor: build it with `premul_sum(factor)`."""
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+    AVG = "avg"
+    PREMUL_SUM = "premul_sum"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class PremulSum:
+    """Sum of every rank's input multiplied by `factor` (torchcomms' PREMUL_SUM(factor))."""
+
+    factor: float
+    kind: ReduceOp = ReduceOp.PREMUL_SUM
+
+    def __str__(self) -> str:
+        return f"premul_sum({self.factor})"
+
+
+Reduction = ReduceOp | PremulSum
+
+
+def premul_sum(factor: float) -> PremulSum:
+    """The PREMUL_SUM reduction with the given factor."""
+    return PremulSum(float(factor))
+
+
+def reduction_kind(op: Reduction) -> ReduceOp:
+    return op.kind if isinstance(op, PremulSum) else op
+
+
+@dataclass
+class Collective:
+    """One call on a communicator, from validation to completion.
+
+    Only the tensor fields that the op takes are set. `peer` is the other rank of a
+    send/recv; `root` the root of a rooted collective; both are communicator ranks.
+    """
+
+    op: OpName
+    comm: str
+    rank: int
+    size: int
+    async_op: bool
+    deadline_s: float
+    seq: int = -1
+    tensor: torch.Tensor | None = None
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    input_list: list[torch.Tensor] | None = None
+    output_list: list[torch.Tensor] | None = None
+    root: int | None = None
+    peer: int | None = None
+    reduce_op: Reduction | None = None
+    context: dict[str, object] = field(default_factory=dict)
+
+    def inputs(self) -> list[torch.Tensor]:
+        """Tensors the op reads on this rank."""
+        if self.tensor is not None:
+            return [self.tensor] if self.op is not OpName.RECV else []
+        if self.input is not None:
+            return [self.input]
+        return list(self.input_list or [])
+
+    def outputs(self) -> list[torch.Tensor]:
+        """Tensors the op writes on this rank."""
+        if self.tensor is not None:
+            return [self.tensor] if self.op is not OpName.SEND else []
+        if self.output is not None:
+            return [self.output]
+        return list(self.output_list or [])
+
+    def tensors(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for t in self.inputs() + self.outputs():
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        ts = self.tensors()
+        return ts[0].dtype if ts else None
+
+    def shapes(self) -> list[list[int]]:
+        return [list(t.shape) for t in self.tensors()]
+
+    def nbytes(self) -> int:
+        """Bytes this rank contributes (the message size used for bandwidth figures)."""
+        return sum(t.numel() * t.element_size() for t in self.inputs())
+
+    def fingerprint(self) -> dict[str, object]:
+        """What every rank must agree on for the call to be well formed."""
+        fp: dict[str, object] = {"op": self.op.value}
+        if self.reduce_op is not None:
+            fp["reduce_op"] = str(self.reduce_op)
+        if self.root is not None:
+            fp["root"] = self.root
+        if self.op in (OpName.SEND, OpName.RECV):
+            return fp  # point-to-point: only the pair has to agree, and not on direction
+        # Rooted list arguments exist only on the root, so compare the per-rank tensor.
+        per_rank = {
+            OpName.GATHER: lambda: [self.input],
+            OpName.SCATTER: lambda: [self.output],
+        }.get(self.op, self.tensors)()
+        fp["shapes"] = [list(t.shape) for t in per_rank if t is not None]
+        fp["dtypes"] = sorted({str(t.dtype) for t in per_rank if t is not None})
+        return fp

@@ -1,0 +1,130 @@
+"""Run a function on N ranks in N real processes, for tests.
+
+`run(fn, world_size=2, backend="gloo", timeout=60.0, args=())` starts a fresh TCPStore on
+a free loopback port in the calling process, spawns one process per rank (with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, as torchrun would), and in each
+calls `fn(comm, *args)` with `comm = commlib.init(backend, ...)` on that store, or
+`fn(*args)` when `backend` is None (for code that builds its own communicator from the
+environment). It returns each rank's result in rank order, re-raises the first failing
+rank's exception as `RankError` with that rank and its traceback, and never outlives its
+timeout: ranks still running then are killed and `RankTimeout` says which.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+class RankError(RuntimeError):
+    """A rank's function raised. `exc` is the original exception (when it could be pickled)."""
+
+    def __init__(self, rank: int, exc: BaseException | None, tb: str) -> None:
+        super().__init__(f"rank {rank} raised:\n{tb}")
+        self.rank = rank
+        self.exc = exc
+        self.traceback = tb
+
+
+class RankTimeout(RuntimeError):
+    """Some ranks did not finish within the timeout; they were killed."""
+
+    def __init__(self, ranks: list[int], timeout: float) -> None:
+        super().__init__(f"ranks {ranks} did not finish within {timeout} s; killed")
+        self.ranks = ranks
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    exc: bytes | None = None
+    tb: str = ""
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str | None,
+           args: tuple[Any, ...], init_kwargs: dict[str, Any], results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        if backend is None:
+            value = fn(*args)
+        else:
+            import commlib
+
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+            comm = commlib.init(backend, rank=rank, world_size=world_size, store=store, **init_kwargs)
+            value = fn(comm, *args)
+        outcome = _Outcome(rank, True, value)
+    except BaseException as exc:  # report everything, SystemExit included
+        try:
+            blob = pickle.dumps(exc)
+        except Exception:
+            blob = None
+        outcome = _Outcome(rank, False, exc=blob, tb=traceback.format_exc())
+    results.put(outcome)
+    results.close()
+    results.join_thread()  # flush the queue's feeder thread before the hard exit below
+    # Skip interpreter teardown: process groups whose peers died can block it.
+    os._exit(0)
+
+
+def run(fn: Callable[..., Any], world_size: int = 2, backend: str | None = "gloo", timeout: float = 60.0,
+        args: tuple[Any, ...] = (), allow_dead_ranks: bool = False, **init_kwargs: Any) -> list[Any]:
+    """Run `fn` on `world_size` ranks; see the module docstring. `init_kwargs` go to `commlib.init`.
+
+    With `allow_dead_ranks`, a rank that exits without a result (killed on purpose by a
+    test) gets None instead of failing the run.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; found {world_size}")
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, backend, args, init_kwargs, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, _Outcome] = {}
+    try:
+        while len(outcomes) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                out = results.get(timeout=min(left, 0.2))
+                outcomes[out.rank] = out
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+                if dead and all(p.exitcode is not None for p in procs):
+                    break  # every process is gone; the missing ones died without reporting
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        del store
+    failed = sorted(r for r, o in outcomes.items() if not o.ok)
+    if failed:
+        o = outcomes[failed[0]]
+        raise RankError(o.rank, pickle.loads(o.exc) if o.exc else None, o.tb)
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if missing and time.monotonic() < deadline and allow_dead_ranks:
+        return [outcomes[r].value if r in outcomes else None for r in range(world_size)]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        if time.monotonic() >= deadline:
+            raise RankTimeout(missing, timeout)
+        raise RankError(missing[0], None, f"rank(s) {missing} exited without a result (exit codes {codes})")
+    return [outcomes[r].value for r in range(world_size)]
