@@ -72,7 +72,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backen
         except Exception:
             blob = None
         outcome = _Outcome(rank, False, exc=blob, tb=traceback.format_exc())
-    results.put(outcome)
+    # Pickled here, by value: the queue's own pickler would share tensor storage through
+    # file descriptors that die with this process.
+    results.put(pickle.dumps(outcome))
     results.close()
     results.join_thread()  # flush the queue's feeder thread before the hard exit below
     # Skip interpreter teardown: process groups whose peers died can block it.
@@ -103,7 +105,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, backend: str | None = "gloo
             if left <= 0:
                 break
             try:
-                out = results.get(timeout=min(left, 0.2))
+                out = pickle.loads(results.get(timeout=min(left, 0.2)))
                 outcomes[out.rank] = out
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]

@@ -85,9 +85,10 @@ def check_call(call: Collective, unsupported: "callable") -> None:  # type: igno
     if call.root is not None:
         chk.rank_arg(call.root, "root")
     if call.peer is not None:
-        chk.rank_arg(call.peer, "dst" if op is OpName.SEND else "src")
+        role = "dst" if op is OpName.SEND else "src"
+        chk.rank_arg(call.peer, role)
         if call.peer == call.rank:
-            raise chk.fail(ValueError, f"expected a peer other than this rank; found {call.peer}")
+            raise chk.fail(ValueError, f"expected {role} to be another rank than this one; found {call.peer}")
 
     if op is OpName.ALL_GATHER_SINGLE:
         chk.same_dtype(call.output, call.input, "output and input")

@@ -167,7 +167,8 @@ class C10dBackend:
         global_ranks = [self.global_ranks[r] for r in ranks]
         # Every member of this group calls new_group, non-members included when the parent
         # is the world group, because c10d numbers groups by call order.
-        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
+        # sort_ranks=False: new ranks follow the order of `ranks`, as torchcomms' split does.
+        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name, sort_ranks=False,
                                use_local_synchronization=self.size != dist.get_world_size())
         if self.rank not in ranks:
             return None

@@ -1,0 +1,873 @@
+"""The doctor's analyzer: what went wrong in a run, read from every rank's log and flight dumps.
+
+Pure functions over files that already exist: `load(logdir)` reads `rank*.jsonl` (through
+`log.read_events`, the one reader of those files) and `flight_rank*.json` into a `RunLogs`
+model, `analyze(run)` turns it into a `Diagnosis`, and `diagnose(logdir)` does both. Nothing
+here talks to a process group or a store.
+
+Everything is analyzed per torchrun attempt (the `attempt` field of every event), because
+sequence numbers start over in each attempt. Within an attempt a collective is identified
+by (communicator, seq); a communicator created twice under one name in one process gets a
+label `name#2` for its second incarnation. Ranks in results are always global ranks: the
+communicator ranks that `collective.timeout` and `collective.mismatch` carry are mapped
+through the `comm_rank` of each rank's events (or the `comm.split` that made the
+communicator).
+
+Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
+progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
+plus ranks that started it only after); for a peer failure, the members that stopped
+logging before it without logging a failure of their own; for a mismatch, the minority
+(every differing rank when there is no majority); for a hang (no deadline expired yet),
+the ranks that never started the oldest unfinished collective.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import json
+import math
+import os
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from commlib.observe.log import read_events
+
+FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
+MISMATCH_EVENT = "collective.mismatch"
+P2P_OPS = ("send", "recv")
+# Rooted list arguments exist only on the root: per-rank shapes legitimately differ.
+ROOT_ONLY_SHAPES = ("gather", "scatter")
+# op -> (algorithm size S as a multiple of the logged per-rank input bytes, or None for
+# "n", bus bandwidth factor as a function of n), after NCCL-tests' PERFORMANCE.md.
+BANDWIDTH: dict[str, tuple[str, Any]] = {
+    "all_reduce": ("1", lambda n: 2 * (n - 1) / n),
+    "all_gather": ("n", lambda n: (n - 1) / n),
+    "all_gather_single": ("n", lambda n: (n - 1) / n),
+    "reduce_scatter": ("1", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("1", lambda n: (n - 1) / n),
+    "all_to_all_single": ("1", lambda n: (n - 1) / n),
+    "broadcast": ("1", lambda n: 1.0),
+    "reduce": ("1", lambda n: 1.0),
+    "gather": ("n", lambda n: (n - 1) / n),
+    "scatter": ("1", lambda n: (n - 1) / n),
+    "send": ("1", lambda n: 1.0),
+}
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
+
+
+class DoctorInputError(ValueError):
+    """The log directory cannot be analyzed (missing, or holds no rank logs)."""
+
+
+class Kind(str, enum.Enum):
+    TIMEOUT = "timeout"
+    HANG = "hang"
+    MISMATCH = "mismatch"
+    DEAD_RANK = "dead_rank"
+    PEER_FAILURE = "peer_failure"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ---------------------------------------------------------------------------------------
+# The model of the logs
+# ---------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    """One rank's view of one collective."""
+
+    rank: int
+    comm: str
+    seq: int
+    op: str
+    start_ns: int | None
+    bytes: int | None = None
+    shapes: list[list[int]] | None = None
+    dtype: str | None = None
+    root: int | None = None
+    step: Any = None
+    phase: Any = None
+    end_ns: int | None = None
+    duration_s: float | None = None
+    status: str = "started"  # started | ok | timed_out | failed
+    source: str = "log"  # log | flight (found only in a flight-recorder dump)
+    stack: list[str] | None = None
+
+    def signature(self) -> tuple[Any, ...]:
+        """What every rank must agree on at one seq (send/recv pair up: they count as one)."""
+        if self.op in P2P_OPS:
+            return ("p2p",)
+        shapes = None if self.op in ROOT_ONLY_SHAPES else json.dumps(self.shapes)
+        return (self.op, shapes, self.dtype, self.root)
+
+
+@dataclass
+class RankLog:
+    """One rank in one attempt: its events (time, name, step, phase) and its collectives."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    events: list[tuple[int, str, Any, Any]] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)  # in start order
+    failures: list[dict[str, Any]] = field(default_factory=list)  # failure and mismatch events
+
+    @property
+    def first_ns(self) -> int:
+        return self.events[0][0]
+
+    @property
+    def last_ns(self) -> int:
+        return self.events[-1][0]
+
+    def failed_before(self, ts_ns: int) -> bool:
+        return any(f["ts_ns"] <= ts_ns for f in self.failures)
+
+
+@dataclass
+class CommLog:
+    """One communicator (one incarnation of a name) in one attempt."""
+
+    label: str
+    size: int | None = None
+    members: dict[int, int] = field(default_factory=dict)  # comm rank -> global rank
+    calls: dict[int, dict[int, Call]] = field(default_factory=lambda: defaultdict(dict))  # seq -> rank -> call
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    mismatches: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+    parent: tuple["CommLog", list[int]] | None = None  # the communicator it was split from, and ranks
+    first_p2p_seq: int | None = None
+
+    def global_rank(self, comm_rank: int) -> int:
+        if comm_rank in self.members:
+            return self.members[comm_rank]
+        if self.parent is not None and comm_rank < len(self.parent[1]):
+            return self.parent[0].global_rank(self.parent[1][comm_rank])
+        return comm_rank  # no event of that rank on this communicator: assume the world's numbering
+
+    def member_ranks(self) -> list[int]:
+        size = self.size if self.size is not None else len(self.members)
+        return sorted({self.global_rank(r) for r in range(size)} | set(self.members.values()))
+
+    def aligned(self, seq: int) -> bool:
+        """Whether seq names the same collective on every member.
+
+        Send/recv advance only the pair's counters, so in a communicator of more than two
+        ranks the numbering diverges after the first point-to-point op.
+        """
+        return self.first_p2p_seq is None or (self.size or 0) <= 2 or seq < self.first_p2p_seq
+
+
+@dataclass
+class AttemptLog:
+    attempt: int
+    world_size: int | None = None
+    ranks: dict[int, RankLog] = field(default_factory=dict)
+    comms: dict[str, CommLog] = field(default_factory=dict)
+
+
+@dataclass
+class DumpInfo:
+    """A flight-recorder dump found in the log directory."""
+
+    path: str
+    rank: int
+    comm: str
+    attempt: int | None
+    reason: str
+    dumped_ns: int | None
+    entries: int
+    unfinished: list[dict[str, Any]]  # entries still "started" at dump time: comm, op, seq
+
+
+@dataclass
+class RunLogs:
+    logdir: str
+    attempts: dict[int, AttemptLog]
+    dumps: list[DumpInfo]
+    files: list[str]
+
+
+def load(logdir: str | os.PathLike[str]) -> RunLogs:
+    """Read every rank's log and every flight-recorder dump of `logdir`."""
+    directory = Path(logdir)
+    if not directory.is_dir():
+        raise DoctorInputError(f"expected a log directory; found no directory at {directory}")
+    files = sorted((p for p in directory.glob("rank*.jsonl") if _RANK_FILE.search(p.name)),
+                   key=lambda p: int(_RANK_FILE.search(p.name).group(1)))  # type: ignore[union-attr]
+    if not files:
+        raise DoctorInputError(f"expected rank*.jsonl logs in {directory}; found none "
+                               f"(was the job run with log_dir= or COMMLIB_LOG_DIR set?)")
+    builder = _Builder()
+    for path in files:
+        file_rank = int(_RANK_FILE.search(path.name).group(1))  # type: ignore[union-attr]
+        for event in read_events(path):
+            builder.add(event, file_rank)
+    dumps = [builder.add_dump(p) for p in sorted(directory.glob("flight_rank*.json"))]
+    return RunLogs(str(directory), dict(sorted(builder.attempts.items())), [d for d in dumps if d], [str(p) for p in files])
+
+
+class _Builder:
+    """Folds events, in each file's order, into attempts, ranks, communicators and calls."""
+
+    def __init__(self) -> None:
+        self.attempts: dict[int, AttemptLog] = {}
+        self._incarnation: dict[tuple[int, int, str], int] = defaultdict(int)  # (attempt, rank, name)
+        self._pending_split: dict[tuple[int, int], tuple[str, str, list[int]]] = {}
+        self._pids: dict[int, tuple[int, int]] = {}  # pid -> (attempt, rank)
+
+    def _label(self, attempt: int, rank: int, name: str) -> str:
+        n = self._incarnation[(attempt, rank, name)]
+        return name if n <= 1 else f"{name}#{n}"
+
+    def add(self, e: dict[str, Any], file_rank: int) -> None:
+        ts = e.get("ts_ns")
+        if not isinstance(ts, int):
+            return
+        attempt = int(e.get("attempt") or 0)
+        rank = int(e.get("rank", file_rank))
+        att = self.attempts.get(attempt)
+        if att is None:
+            att = self.attempts[attempt] = AttemptLog(attempt)
+        if isinstance(e.get("size"), int):
+            att.world_size = max(att.world_size or 0, e["size"])
+        rl = att.ranks.get(rank)
+        if rl is None:
+            rl = att.ranks[rank] = RankLog(rank)
+        rl.host, rl.pid = e.get("host", rl.host), e.get("pid", rl.pid)
+        if rl.pid is not None:
+            self._pids[rl.pid] = (attempt, rank)
+        name = e.get("event", "")
+        rl.events.append((ts, name, e.get("step"), e.get("phase")))
+        comm_name = e.get("comm")
+        if not isinstance(comm_name, str):
+            return
+        if name == "comm.init":
+            self._incarnation[(attempt, rank, comm_name)] += 1
+        label = self._label(attempt, rank, comm_name)
+        comm = att.comms.get(label)
+        if comm is None:
+            comm = att.comms[label] = CommLog(label)
+        if isinstance(e.get("comm_rank"), int):
+            comm.members[e["comm_rank"]] = rank
+        if isinstance(e.get("comm_size"), int):
+            comm.size = e["comm_size"]
+        if name == "comm.split":
+            self._pending_split[(attempt, rank)] = (label, e.get("new_comm"), list(e.get("ranks") or []))
+        elif name == "comm.init":
+            pending = self._pending_split.pop((attempt, rank), None)
+            if pending and pending[1] == comm_name and pending[0] in att.comms and comm.parent is None:
+                comm.parent = (att.comms[pending[0]], pending[2])
+        elif name == "collective.start":
+            self._start(comm, rl, e, ts)
+        elif name == "collective.end":
+            call = self._call(comm, rl, e, ts)
+            call.status, call.end_ns, call.duration_s = "ok", ts, e.get("duration_s")
+            call.bytes = e.get("bytes", call.bytes)
+        elif name in FAILURE_EVENTS:
+            call = self._call(comm, rl, e, ts)
+            call.status, call.end_ns, call.duration_s = e.get("status") or "failed", ts, e.get("duration_s")
+            failure = {**e, "label": label}
+            comm.failures.append(failure)
+            rl.failures.append(failure)
+        elif name == MISMATCH_EVENT and isinstance(e.get("seq"), int):
+            failure = {**e, "label": label}
+            comm.mismatches[e["seq"]][rank] = failure
+            rl.failures.append(failure)
+
+    def _start(self, comm: CommLog, rl: RankLog, e: dict[str, Any], ts: int) -> None:
+        seq = e.get("seq")
+        if not isinstance(seq, int):
+            return
+        call = Call(rank=rl.rank, comm=comm.label, seq=seq, op=str(e.get("op")), start_ns=ts,
+                    bytes=e.get("bytes"), shapes=e.get("shapes"), dtype=e.get("dtype"), root=e.get("root"),
+                    step=e.get("step"), phase=e.get("phase"))
+        comm.calls[seq][rl.rank] = call
+        rl.calls.append(call)
+        if call.op in P2P_OPS and (comm.first_p2p_seq is None or seq < comm.first_p2p_seq):
+            comm.first_p2p_seq = seq
+
+    def _call(self, comm: CommLog, rl: RankLog, e: dict[str, Any], ts: int) -> Call:
+        """The call an end/failure event closes; made up when its start was never logged.
+
+        A failure inside the consistency check happens before the start is logged: the rank
+        did arrive, so the call starts `duration_s` before the failure.
+        """
+        seq = e.get("seq")
+        call = comm.calls[seq].get(rl.rank) if isinstance(seq, int) else None
+        if call is None:
+            duration = e.get("duration_s") or 0.0
+            call = Call(rank=rl.rank, comm=comm.label, seq=seq if isinstance(seq, int) else -1, op=str(e.get("op")),
+                        start_ns=ts - int(duration * 1e9), step=e.get("step"), phase=e.get("phase"))
+            if isinstance(seq, int):
+                comm.calls[seq][rl.rank] = call
+            rl.calls.append(call)
+        return call
+
+    def add_dump(self, path: Path) -> DumpInfo | None:
+        """Record a dump, and add its entries that the logs lack (a log that was cut short)."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("kind") != "commlib.flight_recorder":
+            return None
+        where = self._pids.get(data.get("pid"))
+        comm_name = str(data.get("comm"))
+        entries = [x for x in data.get("entries") or [] if isinstance(x, dict)]
+        info = DumpInfo(path=str(path), rank=data.get("rank", -1), comm=comm_name,
+                        attempt=where[0] if where else None, reason=str(data.get("reason")),
+                        dumped_ns=data.get("dumped_ns"), entries=len(entries),
+                        unfinished=[{"comm": comm_name, "op": x.get("op"), "seq": x.get("seq")}
+                                    for x in entries if x.get("state") == "started"])
+        if where is None:
+            return info
+        attempt, rank = where
+        info.rank = rank
+        att = self.attempts[attempt]
+        comm = att.comms.get(self._label(attempt, rank, comm_name))
+        if comm is None:
+            return info
+        rl = att.ranks[rank]
+        status = {"completed": "ok", "started": "started"}
+        for x in entries:
+            seq = x.get("seq")
+            if not isinstance(seq, int):
+                continue
+            call = comm.calls[seq].get(rank)
+            if call is None:
+                end, start_mono = x.get("end_mono_ns"), x.get("start_mono_ns")
+                duration = (end - start_mono) / 1e9 if end and start_mono else None
+                call = Call(rank=rank, comm=comm.label, seq=seq, op=str(x.get("op")), start_ns=x.get("start_ns"),
+                            bytes=x.get("nbytes"), shapes=x.get("shapes"), dtype=x.get("dtype"), root=x.get("root"),
+                            step=x.get("step"), phase=x.get("phase"), source="flight",
+                            status=status.get(x.get("state"), x.get("state") or "started"),
+                            duration_s=duration)
+                if duration is not None and call.start_ns is not None:
+                    call.end_ns = call.start_ns + int(duration * 1e9)
+                comm.calls[seq][rank] = call
+                bisect.insort(rl.calls, call, key=lambda c: c.start_ns or 0)
+            if x.get("stack") and call.stack is None:
+                call.stack = x["stack"]
+        return info
+
+
+# ---------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------
+@dataclass
+class CallRef:
+    comm: str
+    op: str
+    seq: int
+    status: str  # at the time the position is taken: ok, started (in progress), timed_out, failed
+    start_ns: int | None
+
+
+@dataclass
+class RankPosition:
+    """Where a rank was at a moment (a deadline, or the end of its log)."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    last_event: str | None
+    last_event_ns: int | None
+    step: Any
+    phase: Any
+    last_started: CallRef | None
+    last_finished: CallRef | None
+    log_ends_ns: int | None  # when this rank's log for the attempt ends
+    stack: list[str] | None = None  # call site of last_started, when a dump recorded it
+
+    def describe(self) -> str:
+        parts = []
+        s = self.last_started
+        if s is not None:
+            state = {"started": "still in it", "ok": "finished"}.get(s.status, s.status)
+            parts.append(f"last started {s.op} #{s.seq} on {s.comm!r} ({state})")
+        f = self.last_finished
+        if f is not None and (s is None or (f.comm, f.seq) != (s.comm, s.seq)):
+            parts.append(f"last finished {f.op} #{f.seq} on {f.comm!r}")
+        if s is None and f is None:
+            parts.append("no collective yet")
+        if self.step is not None or self.phase is not None:
+            parts.append(f"step {self.step}, phase {self.phase}")
+        if self.last_event:
+            parts.append(f"last event {self.last_event}")
+        if self.stack:
+            parts.append(f"called from {self.stack[-1].strip().splitlines()[0]}")
+        return "; ".join(parts)
+
+
+@dataclass
+class Problem:
+    kind: Kind
+    ranks: list[int]  # culprits (global ranks)
+    comm: str | None
+    op: str | None
+    seq: int | None
+    message: str
+    reporters: list[int] = field(default_factory=list)  # ranks whose logs show it
+    ts_ns: int | None = None  # when it first showed
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AttemptFinding:
+    attempt: int
+    status: str  # ok | failed | incomplete
+    ranks: list[int]
+    world_size: int | None
+    collectives: int  # distinct (communicator, seq) started
+    start_ns: int
+    end_ns: int
+    problems: list[Problem]
+    culprits: list[int]  # the culprits of the earliest problem that names any
+    positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
+
+
+@dataclass
+class StragglerStat:
+    """How long the other ranks waited for this rank to arrive (wall clocks: see README)."""
+
+    rank: int
+    collectives: int
+    last_count: int  # collectives this rank arrived last at
+    waited_total_s: float
+    waited_p50_s: float
+    waited_p99_s: float
+
+
+@dataclass
+class OpStat:
+    op: str
+    comm_size: int
+    bytes: int  # per-rank input bytes as logged
+    samples: int  # (rank, collective) pairs that completed
+    p50_s: float
+    p99_s: float
+    algbw_gbps: float | None  # S / p50, GB/s (1e9 bytes)
+    busbw_gbps: float | None
+
+
+@dataclass
+class Diagnosis:
+    logdir: str
+    world_size: int | None
+    hosts: list[str]
+    attempts: list[AttemptFinding]
+    stragglers: list[StragglerStat]
+    ops: list[OpStat]
+    dumps: list[DumpInfo]
+
+    @property
+    def final(self) -> AttemptFinding | None:
+        return self.attempts[-1] if self.attempts else None
+
+    @property
+    def ok(self) -> bool:
+        return all(a.status == "ok" for a in self.attempts)
+
+    @property
+    def exit_code(self) -> int:
+        """0: no problem; 1: the final attempt has a problem; 3: earlier attempts failed, the last is ok."""
+        if self.ok:
+            return 0
+        return 1 if self.final is None or self.final.status != "ok" else 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**_plain(asdict(self)), "ok": self.ok, "exit_code": self.exit_code}
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------
+# Analysis
+# ---------------------------------------------------------------------------------------
+def diagnose(logdir: str | os.PathLike[str]) -> Diagnosis:
+    """Read `logdir` and say what went wrong in every attempt (see the module docstring)."""
+    return analyze(load(logdir))
+
+
+def analyze(run: RunLogs) -> Diagnosis:
+    attempts = [_analyze_attempt(att) for att in run.attempts.values()]
+    hosts = sorted({rl.host for att in run.attempts.values() for rl in att.ranks.values() if rl.host})
+    world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
+    return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
+                     stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps)
+
+
+def _analyze_attempt(att: AttemptLog) -> AttemptFinding:
+    problems: list[Problem] = []
+    for comm in att.comms.values():
+        mismatches = _mismatches(comm)
+        problems += mismatches.values()
+        problems += _failures(att, comm, mismatches)
+    problems += _dead_ranks(att, problems)
+    problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
+    if not problems:
+        status = "ok"
+    elif all(p.kind is Kind.HANG for p in problems):
+        status = "incomplete"  # nobody reported a failure: a live hang, or a job killed from outside
+    else:
+        status = "failed"
+    culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
+    return AttemptFinding(
+        attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
+        collectives=sum(1 for c in att.comms.values() for calls in c.calls.values() if calls),
+        start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
+        problems=problems, culprits=culprits,
+        positions=[position(att, r) for r in sorted(att.ranks)] if problems else [])
+
+
+def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
+    """Where `rank` was at `at_ns` (default: the end of its log in this attempt)."""
+    rl = att.ranks.get(rank)
+    if rl is None:
+        return RankPosition(rank, None, None, None, None, None, None, None, None, None)
+    t = rl.last_ns if at_ns is None else at_ns
+    i = bisect.bisect_right(rl.events, t, key=lambda ev: ev[0])
+    last = rl.events[i - 1] if i else None
+    step = phase = None
+    for ev in reversed(rl.events[:i]):
+        if ev[2] is not None or ev[3] is not None:
+            step, phase = ev[2], ev[3]
+            break
+    started = [c for c in rl.calls if c.start_ns is not None and c.start_ns <= t]
+    finished = [c for c in started if c.status == "ok" and (c.end_ns or 0) <= t]
+
+    def ref(c: Call | None) -> CallRef | None:
+        if c is None:
+            return None
+        status = c.status if c.end_ns is not None and c.end_ns <= t else "started"  # still in it at t
+        return CallRef(c.comm, c.op, c.seq, status, c.start_ns)
+
+    last_started = started[-1] if started else None
+    return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last[1] if last else None,
+                        last_event_ns=last[0] if last else None, step=step, phase=phase,
+                        last_started=ref(last_started), last_finished=ref(finished[-1] if finished else None),
+                        log_ends_ns=rl.last_ns, stack=last_started.stack if last_started else None)
+
+
+def _ops_text(calls: dict[int, Call]) -> str:
+    return "/".join(sorted({c.op for c in calls.values()})) or "?"
+
+
+def _mismatches(comm: CommLog) -> dict[int, Problem]:
+    """The first seq of `comm` at which ranks disagree (later ones are its consequences)."""
+    found = [p for p in (_checked_mismatch(comm), _seen_mismatch(comm)) if p is not None]
+    first = min(found, key=lambda p: p.seq or 0) if found else None
+    return {first.seq: first} if first is not None and first.seq is not None else {}
+
+
+def _checked_mismatch(comm: CommLog) -> Problem | None:
+    """The first mismatch the consistency check raised (`collective.mismatch` events)."""
+    if not comm.mismatches:
+        return None
+    seq = min(comm.mismatches)
+    by_rank = comm.mismatches[seq]
+    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), {r: ev.get("op") for r, ev in by_rank.items()},
+                             reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
+                             detail=next(iter(by_rank.values())).get("error"), checked=True)
+
+
+def _seen_mismatch(comm: CommLog) -> Problem | None:
+    """The first seq whose `collective.start` events disagree (the check was off)."""
+    differing = [seq for seq, calls in sorted(comm.calls.items())
+                 if comm.aligned(seq) and len({c.signature() for c in calls.values()}) > 1]
+    if not differing:
+        return None
+    seq = differing[0]
+    calls = comm.calls[seq]
+    by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for r, c in sorted(calls.items()):
+        by_sig[c.signature()].append(r)
+    detail = "; ".join(f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})"
+                       for r, c in sorted(calls.items()))
+    problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
+                                reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
+                                detail=detail, checked=False)
+    problem.details["later_differing_seqs"] = len(differing) - 1
+    return problem
+
+
+def _agreement_groups(comm: CommLog, by_rank: dict[int, dict[str, Any]]) -> list[list[int]]:
+    """Ranks that agreed with each other, from each rank's `differing_ranks` (comm ranks)."""
+    differ = {r: {comm.global_rank(d) for d in ev.get("differing_ranks") or []} for r, ev in by_rank.items()}
+    groups: list[list[int]] = []
+    for r in sorted(by_rank):
+        for g in groups:
+            s = g[0]
+            if r not in differ.get(s, set()) and s not in differ.get(r, set()):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
+def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dict[int, Any], *,
+                      reporters: list[int], ts: int, detail: str | None, checked: bool) -> Problem:
+    groups = sorted(groups, key=lambda g: (-len(g), g))
+    majority = groups[0] if len(groups) > 1 and len(groups[0]) > len(groups[1]) else None
+    culprits = sorted(r for g in groups if g is not majority for r in g)
+    parts = []
+    for g in groups:
+        g_ops = sorted({str(ops[r]) for r in g if r in ops})
+        parts.append(f"ranks {g} issued {'/'.join(g_ops) or '?'}")
+    how = "the consistency check caught it" if checked else "seen in the collective.start events"
+    who = f"the minority {culprits}" if majority else f"no majority: all of {culprits}"
+    message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
+    op_names = sorted({str(o) for o in ops.values()})
+    return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,
+                   {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail,
+                    "checked": checked})
+
+
+def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) -> list[Problem]:
+    """Timeouts, peer failures and errors logged on `comm`, or else the oldest unfinished collective."""
+    problems: list[Problem] = []
+    by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for f in comm.failures:
+        by_key[(f.get("seq", -1), f["event"])].append(f)
+    for (seq, event), events in sorted(by_key.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
+        mismatch = mismatches.get(seq)
+        if event == "collective.timeout":
+            problems.append(_timeout(att, comm, seq, events, mismatch))
+        elif event == "peer.failure":
+            problems.append(_peer_failure(att, comm, seq, events))
+        else:
+            problems.append(_error(comm, seq, events, mismatch))
+    if not comm.failures:
+        hang = _hang(att, comm, mismatches)
+        if hang is not None:
+            problems.append(hang)
+    return problems
+
+
+def _arrivals(comm: CommLog, seq: int) -> dict[int, int | None]:
+    return {r: c.start_ns for r, c in comm.calls.get(seq, {}).items()}
+
+
+def _where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, Any]:
+    return {str(r): asdict(position(att, r, at_ns)) for r in ranks}
+
+
+def _where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
+    return "; ".join(f"rank {r}: {position(att, r, at_ns).describe()}" for r in ranks)
+
+
+def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
+             mismatch: Problem | None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    board_missing = {comm.global_rank(r) for e in events for r in (e.get("missing_ranks") or [])}
+    board_known = any(e.get("missing_ranks") is not None for e in events)
+    stale = sorted({comm.global_rank(r) for e in events for r in (e.get("stale_ranks") or [])})
+    arrivals = _arrivals(comm, seq)
+    members = comm.member_ranks()
+    late = sorted(r for r, ts in arrivals.items() if r not in reporters and ts is not None and ts > t)
+    never = sorted(r for r in members if r not in arrivals and r not in reporters)
+    missing = sorted(board_missing | set(late) | set(never))
+    arrived = sorted(r for r in members if r not in missing)
+    deadline = events[0].get("deadline")
+    head = (f"{op} #{seq} on {comm.label!r} timed out"
+            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
+            + f" on rank(s) {reporters}")
+    if missing:
+        culprits = missing
+        body = f"rank(s) {missing} had not arrived"
+        if late:
+            body += "; " + ", ".join(f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline"
+                                     for r in late)
+    elif mismatch is not None:
+        culprits = mismatch.ranks
+        body = f"every rank arrived, but they disagree on what it is: {mismatch.message}"
+    else:
+        culprits = stale
+        body = "every rank arrived and the backend did not complete it" + (
+            f"; rank(s) {stale} stopped sending heartbeats" if stale else "")
+    message = f"{head}: {body}. Arrived: {arrived}."
+    if missing:
+        message += f" Where the missing were at the deadline: {_where_text(att, missing, t)}."
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
+                   {"arrived": arrived, "missing": missing, "board_missing": sorted(board_missing) if board_known else None,
+                    "late": late, "stale": stale, "deadline_s": deadline,
+                    "where": _where(att, missing, t)})
+
+
+def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
+    return [r for r in ranks if r not in att.ranks or att.ranks[r].last_ns <= t]
+
+
+def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]]) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    others = [r for r in comm.member_ranks() if r not in reporters]
+    gone = _gone_before(att, others, t)
+    silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
+    head = f"rank(s) {reporters} saw a peer fail during {op} #{seq} on {comm.label!r}"
+    if silent:
+        message = (f"{head}: rank(s) {silent} had stopped logging before, without reporting an error "
+                   f"(killed or crashed). {_where_text(att, silent, None)}.")
+    elif gone:
+        message = (f"{head}: rank(s) {gone} had already failed and left: a consequence of their failure "
+                   f"(see the earlier problem).")
+    else:
+        message = (f"{head}: every other member kept logging after it, so a peer most likely aborted "
+                   f"its side after an earlier failure (see the earlier problem).")
+    return Problem(Kind.PEER_FAILURE, silent, comm.label, op, seq, message, reporters, t,
+                   {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}),
+                    "where": _where(att, gone, None)})
+
+
+def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    errors = sorted({f"{e.get('error_type')}: {e.get('error')}" for e in events})
+    culprits = mismatch.ranks if mismatch is not None else reporters
+    message = f"{op} #{seq} on {comm.label!r} failed on rank(s) {reporters}: {errors[0]}"
+    if mismatch is not None:
+        message += f" (ranks disagree on this collective: {mismatch.message})"
+    return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
+
+
+def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) -> Problem | None:
+    """The oldest collective of `comm` that some rank started and never left (no deadline expired)."""
+    unfinished = [seq for seq, calls in comm.calls.items()
+                  if comm.aligned(seq) and any(c.status == "started" for c in calls.values())]
+    if not unfinished:
+        return None
+    seq = min(unfinished)
+    calls = comm.calls[seq]
+    members = comm.member_ranks()
+    stuck = sorted(r for r, c in calls.items() if c.status == "started")
+    missing = sorted(r for r in members if r not in calls)
+    mismatch = mismatches.get(seq)
+    culprits = missing or (mismatch.ranks if mismatch else [])
+    t = min(c.start_ns or 0 for c in calls.values())
+    op = _ops_text(calls)
+    message = (f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: rank(s) {stuck} are in it "
+               f"at the end of their logs (hung, or killed while in it)")
+    if missing:
+        message += (f"; rank(s) {missing} never started it. Where they were: "
+                    f"{_where_text(att, missing, None)}")
+    elif mismatch is not None:
+        message += f"; every rank started it, but: {mismatch.message}"
+    else:
+        message += "; every rank started it (the backend did not complete it)"
+    return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
+                   {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None)})
+
+
+def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
+    """Ranks that stopped logging silently while peers saw them fail or go quiet on the board."""
+    evidence: dict[int, list[str]] = defaultdict(list)
+    for p in problems:
+        if p.kind is Kind.PEER_FAILURE:
+            for r in p.ranks:
+                evidence[r].append(f"rank(s) {p.reporters} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
+        elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
+            for r in _gone_before(att, p.details.get("stale", []), p.ts_ns):
+                if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
+                    evidence[r].append(f"its heartbeat had stopped when {p.op} #{p.seq} on {p.comm!r} timed out")
+    dead = []
+    for r, why in sorted(evidence.items()):
+        pos = position(att, r)
+        when = pos.log_ends_ns
+        message = (f"rank {r} ({pos.host}, pid {pos.pid}) stopped logging without reporting an error "
+                   f"(dead, killed or stopped): {pos.describe()}. Evidence: {'; '.join(sorted(set(why)))}.")
+        last = pos.last_started or pos.last_finished
+        dead.append(Problem(Kind.DEAD_RANK, [r], last.comm if last else None, last.op if last else None,
+                            last.seq if last else None, message, [], when, {"where": asdict(pos)}))
+    return dead
+
+
+# ---------------------------------------------------------------------------------------
+# Stragglers and performance
+# ---------------------------------------------------------------------------------------
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted, non-empty list."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def stragglers(run: RunLogs) -> list[StragglerStat]:
+    """Per rank, the time others waited for it: (last start - first start) when it arrived last, else 0.
+
+    Over every collective all of whose members logged a start (all attempts). Starts are
+    wall clocks (`ts_ns`) of different processes, so across hosts the figures include the
+    hosts' clock offset.
+    """
+    waits: dict[int, list[float]] = defaultdict(list)
+    last_count: dict[int, int] = defaultdict(int)
+    for att in run.attempts.values():
+        for comm in att.comms.values():
+            members = comm.member_ranks()
+            if len(members) < 2:
+                continue
+            for seq, calls in comm.calls.items():
+                starts = {r: c.start_ns for r, c in calls.items() if c.start_ns is not None and c.op not in P2P_OPS}
+                if len(starts) != len(members) or not comm.aligned(seq):
+                    continue
+                first = min(starts.values())
+                last_rank = max(starts, key=lambda r: starts[r])
+                last_count[last_rank] += 1
+                for r, ts in starts.items():
+                    waits[r].append((ts - first) / 1e9 if r == last_rank else 0.0)
+    out = []
+    for r, values in sorted(waits.items()):
+        values.sort()
+        out.append(StragglerStat(rank=r, collectives=len(values), last_count=last_count[r],
+                                 waited_total_s=sum(values), waited_p50_s=_percentile(values, 0.5),
+                                 waited_p99_s=_percentile(values, 0.99)))
+    return out
+
+
+def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | None, float | None]:
+    """(algbw, busbw) in GB/s for `op` on `n` ranks, each contributing `nbytes`, taking `seconds`.
+
+    algbw = S / t, busbw = algbw * factor(n), with NCCL-tests' S and factors (see README).
+    """
+    if op not in BANDWIDTH or nbytes <= 0 or seconds <= 0 or n < 1:
+        return None, None
+    scale, factor = BANDWIDTH[op]
+    size = nbytes * (n if scale == "n" else 1)
+    algbw = size / seconds / 1e9
+    return algbw, algbw * factor(n)
+
+
+def op_stats(run: RunLogs) -> list[OpStat]:
+    """Latency and bandwidth per (op, communicator size, bytes) over completed collectives."""
+    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for att in run.attempts.values():
+        for comm in att.comms.values():
+            n = comm.size or len(comm.members)
+            for calls in comm.calls.values():
+                for c in calls.values():
+                    if c.status == "ok" and c.duration_s is not None and c.source == "log":
+                        samples[(c.op, n, int(c.bytes or 0))].append(c.duration_s)
+    out = []
+    for (op, n, nbytes), values in sorted(samples.items()):
+        values.sort()
+        p50 = _percentile(values, 0.5)
+        algbw, busbw = bandwidth(op, nbytes, n, p50)
+        out.append(OpStat(op=op, comm_size=n, bytes=nbytes, samples=len(values), p50_s=p50,
+                          p99_s=_percentile(values, 0.99), algbw_gbps=algbw, busbw_gbps=busbw))
+    return out

@@ -1,0 +1,124 @@
+"""Chrome/Perfetto trace export of a run's collectives, built from the doctor's model of the logs.
+
+Layout (JSON object format, open it in https://ui.perfetto.dev or chrome://tracing):
+- one process per rank (pid = global rank, named "rank R (host)"), shared by all torchrun
+  attempts: attempts follow each other in time on the same tracks, and an instant event
+  "attempt N" marks where each begins (every event's args carry its attempt too);
+- one thread (track) per communicator (tid stable across ranks, named after the
+  communicator), so FSDP's all-gather and reduce-scatter communicators are separate tracks;
+- a complete event ("X") per collective: name = op, ts/dur in microseconds, args = seq,
+  bytes, step, phase, status, attempt; a collective never finished is drawn up to the rank's
+  last event with status "unfinished";
+- instant events ("i") for timeouts, peer failures, errors, mismatches, aborts, and any
+  other event logged at warning level or above (chaos faults, for instance).
+
+Timestamps are microseconds since the run's first event (wall clock, `ts_ns`); the origin
+is in `otherData.origin_ts_ns`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from commlib.observe.doctor import FAILURE_EVENTS, MISMATCH_EVENT, RunLogs
+from commlib.observe.log import read_events
+
+INSTANT_EVENTS = (*FAILURE_EVENTS, MISMATCH_EVENT, "comm.abort")
+INSTANT_LEVELS = ("warning", "error", "critical")
+_CALL_FIELDS = ("seq", "comm", "op", "error", "error_type", "missing_ranks", "stale_ranks", "differing_ranks",
+                "reason")
+
+
+def build_trace(run: RunLogs) -> dict[str, Any]:
+    """The trace of `run` as a JSON-serializable dict."""
+    atts = list(run.attempts.values())
+    starts = [rl.first_ns for att in atts for rl in att.ranks.values()]
+    origin = min(starts) if starts else 0
+
+    def us(ts_ns: int) -> float:
+        return (ts_ns - origin) / 1e3
+
+    # A communicator keeps its track across ranks and attempts; order tracks by first use.
+    first_use: dict[str, int] = {}
+    for att in atts:
+        for comm in att.comms.values():
+            for calls in comm.calls.values():
+                for c in calls.values():
+                    if c.start_ns is not None:
+                        first_use[comm.label] = min(first_use.get(comm.label, c.start_ns), c.start_ns)
+    tids = {label: i + 1 for i, label in enumerate(sorted(first_use, key=lambda k: (first_use[k], k)))}
+
+    events: list[dict[str, Any]] = []
+    hosts: dict[int, list[str]] = {}
+    tracks: set[tuple[int, int]] = set()
+    for att in atts:
+        for rank, rl in sorted(att.ranks.items()):
+            if rl.host and rl.host not in hosts.setdefault(rank, []):
+                hosts[rank].append(rl.host)
+            events.append({"name": f"attempt {att.attempt}", "ph": "i", "s": "p", "ts": us(rl.first_ns),
+                           "pid": rank, "tid": 0, "args": {"attempt": att.attempt, "pid": rl.pid}})
+            for c in rl.calls:
+                if c.start_ns is None:
+                    continue
+                if c.status == "started":
+                    status, end_ns = "unfinished", max(rl.last_ns, c.start_ns)
+                else:
+                    status = c.status
+                    end_ns = c.end_ns if c.end_ns is not None else c.start_ns
+                dur = c.duration_s * 1e6 if c.duration_s is not None and status != "unfinished" else (end_ns - c.start_ns) / 1e3
+                tid = tids[c.comm]
+                tracks.add((rank, tid))
+                events.append({"name": c.op, "cat": "collective", "ph": "X", "ts": us(c.start_ns), "dur": dur,
+                               "pid": rank, "tid": tid,
+                               "args": {"seq": c.seq, "bytes": c.bytes, "step": c.step, "phase": c.phase,
+                                        "status": status, "attempt": att.attempt, "comm": c.comm}})
+    events += _instants(run, us, tids, tracks)
+    meta: list[dict[str, Any]] = []
+    for rank, names in sorted(hosts.items()):
+        meta.append({"name": "process_name", "ph": "M", "ts": 0, "pid": rank, "tid": 0,
+                     "args": {"name": f"rank {rank} ({', '.join(names)})"}})
+        meta.append({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": 0,
+                     "args": {"sort_index": rank}})
+    labels = {tid: label for label, tid in tids.items()}
+    for rank, tid in sorted(tracks):
+        meta.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": tid,
+                     "args": {"name": labels[tid]}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": tid,
+                     "args": {"sort_index": tid}})
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
+            "otherData": {"origin_ts_ns": origin, "logdir": run.logdir}}
+
+
+def _instants(run: RunLogs, us: Any, tids: dict[str, int], tracks: set[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Failures on their communicator's track; other warnings on the rank's process track.
+
+    The doctor's model keeps only what it analyzes, so these come from a second read of the
+    files through the same reader.
+    """
+    out = []
+    for path in run.files:
+        for e in read_events(path):
+            name = e.get("event")
+            if not isinstance(e.get("ts_ns"), int) or not (
+                    name in INSTANT_EVENTS or e.get("level") in INSTANT_LEVELS):
+                continue
+            rank = int(e.get("rank", -1))
+            tid = tids.get(str(e.get("comm")), 0) if name in INSTANT_EVENTS else 0
+            if tid:
+                tracks.add((rank, tid))
+            args = {k: e[k] for k in _CALL_FIELDS if k in e}
+            args["attempt"] = e.get("attempt", 0)
+            out.append({"name": name, "cat": "failure" if name in INSTANT_EVENTS else "event", "ph": "i",
+                        "s": "t" if tid else "p", "ts": us(e["ts_ns"]), "pid": rank, "tid": tid, "args": args})
+    return out
+
+
+def write_trace(run: RunLogs, path: str | os.PathLike[str]) -> Path:
+    """Write `run`'s trace to `path` (JSON) and return the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(build_trace(run), default=str))
+    return out

@@ -1,0 +1,107 @@
+"""The compat table across torch surfaces, and commlib.dist's old and new names."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commlib import compat, testing
+
+
+def test_running_torch_resolves_new_names() -> None:
+    assert compat.resolve("all_gather_single") is dist.all_gather_single
+    assert compat.resolve("reduce_scatter_single") is dist.reduce_scatter_single
+
+
+def _remove(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make the running torch look like one without `names` (public module and c10d)."""
+    for owner in (dist, dist.distributed_c10d):
+        for name in names:
+            monkeypatch.delattr(owner, name, raising=False)
+
+
+def test_older_torch_without_new_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.9-2.12: no *_single names yet.
+    _remove(monkeypatch, "all_gather_single", "reduce_scatter_single")
+    assert compat.resolve("all_gather_single") is dist.all_gather_into_tensor
+    assert compat.resolve("reduce_scatter_single") is dist.reduce_scatter_tensor
+    all_gather_base = dist.distributed_c10d._all_gather_base
+    _remove(monkeypatch, "all_gather_into_tensor")
+    assert compat.resolve("all_gather_single") is all_gather_base
+
+
+def test_newer_torch_without_old_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.14-2.15: gather_single and set_timeout appear; old names may be gone.
+    sentinel_gather, sentinel_timeout = object(), object()
+    monkeypatch.setattr(dist, "gather_single", sentinel_gather, raising=False)
+    monkeypatch.setattr(dist, "set_timeout", sentinel_timeout, raising=False)
+    _remove(monkeypatch, "all_gather_into_tensor", "reduce_scatter_tensor")
+    assert compat.resolve("gather_single") is sentinel_gather
+    assert compat.resolve("set_timeout") is sentinel_timeout
+    assert compat.resolve("all_gather_single") is dist.all_gather_single
+
+
+def test_missing_everywhere_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _remove(monkeypatch, "gather_single", "gather_into_tensor")
+    with pytest.raises(compat.CompatError, match=r"none of \['gather_single', 'gather_into_tensor'\].*2\.14"):
+        compat.resolve("gather_single")
+
+
+def test_canonical_kwargs() -> None:
+    assert compat.canonical_kwargs("broadcast", {"src": 1}) == {"root": 1}
+    assert compat.canonical_kwargs("reduce", {"dst": 0, "op": "x"}) == {"root": 0, "op": "x"}
+    with pytest.raises(TypeError, match="both 'src' and 'root'"):
+        compat.canonical_kwargs("broadcast", {"src": 1, "root": 0})
+
+
+def _old_and_new_names(comm) -> dict[str, list[float]]:
+    import commlib.dist as cdist
+
+    warnings.simplefilter("error")  # any FutureWarning from a renamed API fails the rank
+    cdist.use(comm)
+    r = comm.rank
+    out: dict[str, list[float]] = {}
+    for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
+        o = torch.zeros(4)
+        getattr(cdist, name)(o, torch.full((2,), float(r)))
+        out[name] = o.tolist()
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
+        o = torch.zeros(2)
+        getattr(cdist, name)(o, torch.arange(4.0) + r, op=dist.ReduceOp.SUM)
+        out[name] = o.tolist()
+    t = torch.full((2,), float(r))
+    cdist.broadcast(t, src=1)
+    out["broadcast(src=)"] = t.tolist()
+    t = torch.full((2,), float(r + 1))
+    cdist.reduce(t, dst=0, op=dist.ReduceOp.MAX)
+    out["reduce(dst=)"] = t.tolist() if r == 0 else []
+    t = torch.ones(2)
+    cdist.all_reduce(t, group=comm)
+    out["all_reduce(group=)"] = t.tolist()
+    w = cdist.all_gather_into_tensor(torch.zeros(4), torch.ones(2), async_op=True)
+    w.wait()
+    out["async"] = [float(w.is_completed())]
+    return out
+
+
+def test_dist_drop_in_old_and_new_names_without_warnings(backend: str) -> None:
+    r0, r1 = testing.run(_old_and_new_names, 2, backend=backend)
+    for out in (r0, r1):
+        for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
+            assert out[name] == [0.0, 0.0, 1.0, 1.0]
+        assert out["broadcast(src=)"] == [1.0, 1.0]
+        assert out["all_reduce(group=)"] == [2.0, 2.0]
+        assert out["async"] == [1.0]
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
+        assert r0[name] == [1.0, 3.0] and r1[name] == [5.0, 7.0]
+    assert r0["reduce(dst=)"] == [2.0, 2.0]
+
+
+def test_dist_unknown_name() -> None:
+    import commlib.dist as cdist
+
+    with pytest.raises(AttributeError, match="no attribute 'all_gather_object'"):
+        cdist.all_gather_object  # noqa: B018

@@ -1,0 +1,102 @@
+"""Deadlines, dead peers and mismatched collectives become typed errors, never silent hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import commlib
+from commlib import testing
+
+
+def _rank1_never_joins(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.ones(2)
+    with commlib.context(step=7, phase="backward"):
+        comm.all_reduce(t)
+        if comm.rank == 1:
+            time.sleep(4)  # skips the next collective and outlives the peer's deadline
+            return {}
+        start = time.monotonic()
+        try:
+            comm.all_reduce(t, timeout=1.5)
+        except commlib.CollectiveTimeout as exc:
+            elapsed = time.monotonic() - start
+            error = exc
+        start = time.monotonic()
+        try:
+            comm.all_reduce(t)
+        except commlib.CommAborted as exc:
+            after = (str(exc), time.monotonic() - start)
+    return {"elapsed": elapsed, "message": str(error), "missing": error.missing_ranks, "op": error.op,
+            "seq": error.seq, "rank": error.rank, "deadline": error.deadline, "after": after}
+
+
+def test_rank_that_never_joins_gives_timeout_naming_it(backend: str) -> None:
+    r0 = testing.run(_rank1_never_joins, 2, backend=backend)[0]
+    assert r0["elapsed"] < 1.5 + 1.0, r0
+    assert r0["missing"] == [1]
+    assert (r0["op"], r0["seq"], r0["rank"], r0["deadline"]) == ("all_reduce", 2, 0, 1.5)
+    assert "all_reduce #2 on 'world' timed out after 1.5 s on rank 0: rank 1 never started it" in r0["message"]
+    assert "rank 1 last finished all_reduce #1 at step 7, phase backward" in r0["message"]
+    message, blocked_for = r0["after"]
+    assert "CollectiveTimeout in all_reduce #2" in message and blocked_for < 0.1
+
+
+def _rank1_killed(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t, timeout=30)
+    except commlib.PeerFailure as exc:
+        return {"elapsed": time.monotonic() - start, "message": str(exc), "cause": repr(exc.__cause__)}
+    return {"elapsed": time.monotonic() - start, "message": "no error"}
+
+
+def test_killed_peer_gives_peer_failure_within_a_second(backend: str) -> None:
+    r0, r1 = testing.run(_rank1_killed, 2, backend=backend, allow_dead_ranks=True)
+    assert r1 is None
+    assert r0["elapsed"] < 1.0, r0
+    assert "all_reduce #2 on 'world' failed on rank 0" in r0["message"]
+    assert "closed by peer" in r0["cause"] or "reset by peer" in r0["cause"]
+
+
+def _mismatch(comm: commlib.Communicator) -> str:
+    try:
+        if comm.rank == 0:
+            comm.all_reduce(torch.ones(4))
+        else:
+            comm.broadcast(torch.ones(4), 0)
+    except commlib.CollectiveMismatch as exc:
+        assert exc.seq == 1 and exc.op in ("all_reduce", "broadcast")
+        return f"{exc.differing_ranks}|{exc}"
+    return "no error"
+
+
+def test_consistency_check_names_mismatch_on_every_rank(backend: str) -> None:
+    r0, r1 = testing.run(_mismatch, 2, backend=backend, check_consistency=True)
+    assert r0.startswith("[1]|") and r1.startswith("[0]|")
+    for message in (r0, r1):
+        assert "expected every rank to issue the same collective" in message
+        assert '"op": "all_reduce"' in message and '"op": "broadcast"' in message
+
+
+def _shape_mismatch_then_recover(comm: commlib.Communicator) -> list[float]:
+    try:
+        comm.all_reduce(torch.ones(4 + comm.rank))
+    except commlib.CollectiveMismatch as exc:
+        assert "[4]" in str(exc) and "[5]" in str(exc)
+    t = torch.ones(3)
+    comm.all_reduce(t)  # a mismatch caught before launch leaves the communicator usable
+    return t.tolist()
+
+
+def test_shape_mismatch_caught_before_launch(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMMLIB_CHECK_CONSISTENCY", "1")  # the environment switch, inherited by the ranks
+    assert testing.run(_shape_mismatch_then_recover, 2, backend=backend) == [[2.0] * 3] * 2
