@@ -230,8 +230,8 @@ class Communicator:
         entry = self.recorder.start(call)
         self.board.started(call.seq, call.op.value, call.context)
         if _log.STATE.enabled:
-            self._log.info("collective.start", op=call.op.value, seq=call.seq, shapes=call.shapes(),
-                           dtype=str(call.dtype), bytes=call.nbytes(), root=entry.root,
+            self._log.info("collective.start", op=call.op.value, seq=call.seq, shapes=entry.shapes,
+                           dtype=entry.dtype, bytes=entry.nbytes, root=entry.root,
                            deadline_s=call.deadline_s, async_op=call.async_op)
         try:
             backend_work = self._backend.launch(call, timedelta(seconds=call.deadline_s))

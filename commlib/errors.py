@@ -31,6 +31,18 @@ class CommError(RuntimeError):
         """The structured fields, for logs and reports."""
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only fields: rebuild from the message and the field dict, so errors cross
+        # process boundaries (multiprocessing, commlib.testing) intact.
+        return _rebuild, (type(self), str(self), self.fields())
+
+
+def _rebuild(cls: type[CommError], message: str, fields: dict[str, object]) -> CommError:
+    error = cls.__new__(cls)
+    RuntimeError.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
+
 
 class CollectiveTimeout(CommError):
     """A collective did not complete within its deadline.

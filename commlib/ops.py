@@ -74,6 +74,13 @@ def reduction_kind(op: Reduction) -> ReduceOp:
     return op.kind if isinstance(op, PremulSum) else op
 
 
+@dataclass(frozen=True)
+class CallSummary:
+    shapes: list[list[int]]
+    dtype: str | None
+    nbytes: int  # bytes this rank contributes: the message size used for bandwidth figures
+
+
 @dataclass
 class Collective:
     """One call on a communicator, from validation to completion.
@@ -98,6 +105,7 @@ class Collective:
     peer: int | None = None
     reduce_op: Reduction | None = None
     context: dict[str, object] = field(default_factory=dict)
+    _summary: "CallSummary | None" = field(default=None, repr=False, compare=False)
 
     def inputs(self) -> list[torch.Tensor]:
         """Tensors the op reads on this rank."""
@@ -116,22 +124,23 @@ class Collective:
         return list(self.output_list or [])
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.tensor is not None:
+            return [self.tensor]
         seen: dict[int, torch.Tensor] = {}
         for t in self.inputs() + self.outputs():
             seen.setdefault(id(t), t)
         return list(seen.values())
 
-    @property
-    def dtype(self) -> torch.dtype | None:
-        ts = self.tensors()
-        return ts[0].dtype if ts else None
-
-    def shapes(self) -> list[list[int]]:
-        return [list(t.shape) for t in self.tensors()]
-
-    def nbytes(self) -> int:
-        """Bytes this rank contributes (the message size used for bandwidth figures)."""
-        return sum(t.numel() * t.element_size() for t in self.inputs())
+    def summary(self) -> "CallSummary":
+        """Shapes, dtype and bytes, computed once per call (logs and the recorder share it)."""
+        if self._summary is None:
+            ts = self.tensors()
+            self._summary = CallSummary(
+                shapes=[list(t.shape) for t in ts],
+                dtype=str(ts[0].dtype) if ts else None,
+                nbytes=sum(t.numel() * t.element_size() for t in self.inputs()),
+            )
+        return self._summary
 
     def fingerprint(self) -> dict[str, object]:
         """What every rank must agree on for the call to be well formed."""

@@ -1,6 +1,38 @@
-"""The torchcomms backend (work in progress: only availability is decided here so far)."""
+"""The torchcomms backend: a `torchcomms.TorchComm`, imported lazily.
+
+Written against torchcomms' documented Python API (`torchcomms.new_comm`, `TorchComm`
+methods that all take a required positional `async_op` and keyword `hints`/`timeout`,
+`root=` for rooted ops, its own `ReduceOp` with AVG and PREMUL_SUM(factor)). torchcomms
+cannot be installed on the machines this project is developed on, so this module is tested
+against the strict stand-in in tests/torchcomms_standin; see the README for what that
+does and does not prove.
+
+Rank and size: torchcomms reads them from the environment only (TORCHCOMM_RANK /
+TORCHCOMM_SIZE, then the launcher's), even when given a store, so `create` sets those two
+variables from commlib's explicit arguments. Every communicator gets commlib's store under a prefix of
+its own name, with the `persistent_store` hint (so torchcomms uses it directly instead of
+starting its own store server; it allows one communicator per store), so two commlib
+communicators, or a split, never collide.
+"""
 
 from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from commlib.backends.base import Failure
+from commlib.backends.c10d import classify_text
+from commlib.errors import CommError
+from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
+
+INSTALL_HINT = ("install torchcomms (pip install torchcomms, with a torch build it supports; see "
+                "https://github.com/meta-pytorch/torchcomms), or use backend='auto', 'gloo' or 'nccl'")
 
 
 def available() -> str | None:
@@ -12,3 +44,138 @@ def available() -> str | None:
     if not hasattr(torchcomms, "new_comm"):
         return "the installed torchcomms has no new_comm (the empty PyPI placeholder?)"
     return None
+
+
+def _torchcomms() -> Any:
+    why = available()
+    if why is not None:
+        raise CommError(f"commlib.init('torchcomms'): expected a usable torchcomms; found {why}. {INSTALL_HINT}")
+    import torchcomms
+
+    return torchcomms
+
+
+_POLL_MARGIN_S = 0.05  # a wait this close to the op's own deadline just waits for torchcomms
+
+
+@dataclass
+class TorchcommsWork:
+    work: Any  # torchcomms.TorchWork
+    deadline_mono: float  # when torchcomms itself times the op out (its per-op timeout)
+
+    def wait(self, timeout: timedelta) -> bool:
+        # TorchWork.wait() takes no timeout: the per-op timeout given at launch bounds it.
+        # A caller's shorter wait is honoured by polling up to that point.
+        until = time.monotonic() + timeout.total_seconds()
+        while until < self.deadline_mono - _POLL_MARGIN_S and not self.work.is_completed():
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.0005)
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            if classify_text(str(exc)) is Failure.TIMEOUT:
+                return False
+            raise
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+class TorchcommsBackend:
+    """A Communicator backend over one `torchcomms.TorchComm`."""
+
+    def __init__(self, comm: Any, device: torch.device) -> None:
+        self._tc = _torchcomms()
+        self.comm = comm
+        self.device = device
+        self.rank = comm.get_rank()
+        self.size = comm.get_size()
+        self.name = f"torchcomms:{comm.get_backend()}"
+        # The one torchcomms hook used: an abort torchcomms decides on its own (a watchdog
+        # on an op nobody waits for) is invisible to commlib's path; remember it so the next
+        # launch fails fast instead of blocking on a dead communicator.
+        self._engine_aborted = False
+        self._abort_hook = comm.register_abort_hook(self._on_engine_abort)
+
+    @classmethod
+    def create(cls, *, rank: int, size: int, store: dist.Store, name: str, device: torch.device,
+               timeout: timedelta, engine: str | None = None) -> "TorchcommsBackend":
+        tc = _torchcomms()
+        engine = engine or ("nccl" if device.type == "cuda" else "gloo")
+        os.environ["TORCHCOMM_RANK"] = str(rank)
+        os.environ["TORCHCOMM_SIZE"] = str(size)
+        comm = tc.new_comm(engine, device, abort_process_on_timeout_or_error=False, timeout=timeout,
+                           store=dist.PrefixStore(f"torchcomms/{name}/", store), name=name,
+                           hints={"persistent_store": "true"})
+        return cls(comm, device)
+
+    def _on_engine_abort(self, *_: Any) -> None:
+        self._engine_aborted = True
+
+    # -- launch -------------------------------------------------------------------------
+    def launch(self, call: Collective, timeout: timedelta) -> TorchcommsWork:
+        if self._engine_aborted:
+            raise RuntimeError("torchcomms communicator was aborted by torchcomms")
+        c, op = self.comm, call.op
+        kw = {"timeout": timeout}
+        if op is OpName.ALL_REDUCE:
+            w = c.all_reduce(call.tensor, self._op(call.reduce_op), True, **kw)
+        elif op is OpName.BROADCAST:
+            w = c.broadcast(call.tensor, call.root, True, **kw)
+        elif op is OpName.REDUCE:
+            w = c.reduce(call.tensor, call.root, self._op(call.reduce_op), True, **kw)
+        elif op is OpName.ALL_GATHER:
+            w = c.all_gather(call.output_list, call.input, True, **kw)
+        elif op is OpName.ALL_GATHER_SINGLE:
+            w = c.all_gather_single(call.output, call.input, True, **kw)
+        elif op is OpName.REDUCE_SCATTER:
+            w = c.reduce_scatter(call.output, call.input_list, self._op(call.reduce_op), True, **kw)
+        elif op is OpName.REDUCE_SCATTER_SINGLE:
+            w = c.reduce_scatter_single(call.output, call.input, self._op(call.reduce_op), True, **kw)
+        elif op is OpName.ALL_TO_ALL_SINGLE:
+            w = c.all_to_all_single(call.output, call.input, True, **kw)
+        elif op is OpName.GATHER:
+            w = c.gather(call.output_list or [], call.input, call.root, True, **kw)
+        elif op is OpName.SCATTER:
+            w = c.scatter(call.output, call.input_list or [], call.root, True, **kw)
+        elif op is OpName.SEND:
+            w = c.send(call.tensor, call.peer, True, **kw)
+        elif op is OpName.RECV:
+            w = c.recv(call.tensor, call.peer, True, **kw)
+        elif op is OpName.BARRIER:
+            w = c.barrier(True, **kw)
+        else:  # pragma: no cover - OpName is closed
+            raise NotImplementedError(op)
+        return TorchcommsWork(w, time.monotonic() + timeout.total_seconds())
+
+    def _op(self, op: Reduction | None) -> Any:
+        ops = self._tc.ReduceOp
+        if isinstance(op, PremulSum):
+            return ops.PREMUL_SUM(op.factor)
+        return getattr(ops, (op or ReduceOp.SUM).name)
+
+    # -- the rest of the protocol ------------------------------------------------------
+    def supports(self, device: torch.device, op: Reduction | None) -> str | None:
+        if device.type != self.device.type:
+            return f"backend {self.name} serves {self.device.type} tensors"
+        return None
+
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "TorchcommsBackend | None":
+        # torchcomms wants non-members to pass an empty list (a list without the caller raises).
+        sub = self.comm.split(ranks if self.rank in ranks else [], name, timeout=timeout)
+        return None if sub is None else TorchcommsBackend(sub, self.device)
+
+    def classify(self, exc: BaseException) -> Failure:
+        return classify_text(str(exc))
+
+    def abort(self) -> None:
+        self._abort_hook.remove()
+        if self.comm.is_abort_supported():
+            self.comm.abort()
+        # Otherwise (gloo) torchcomms cannot abort: the Communicator is marked dead anyway.
+
+    def finalize(self) -> None:
+        self._abort_hook.remove()
+        self.comm.finalize()

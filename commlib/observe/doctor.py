@@ -30,6 +30,7 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,24 +39,33 @@ from commlib.observe.log import read_events
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
 MISMATCH_EVENT = "collective.mismatch"
+# Kept whole in `RankLog.notices` (for the trace): failures, aborts, and anything at warning or above.
+NOTICE_EVENTS = (*FAILURE_EVENTS, MISMATCH_EVENT, "comm.abort")
+NOTICE_LEVELS = ("warning", "error", "critical")
+APP_ERROR_LEVELS = ("error", "critical")
+COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
 P2P_OPS = ("send", "recv")
 # Rooted list arguments exist only on the root: per-rank shapes legitimately differ.
 ROOT_ONLY_SHAPES = ("gather", "scatter")
-# op -> (algorithm size S as a multiple of the logged per-rank input bytes, or None for
-# "n", bus bandwidth factor as a function of n), after NCCL-tests' PERFORMANCE.md.
-BANDWIDTH: dict[str, tuple[str, Any]] = {
-    "all_reduce": ("1", lambda n: 2 * (n - 1) / n),
-    "all_gather": ("n", lambda n: (n - 1) / n),
-    "all_gather_single": ("n", lambda n: (n - 1) / n),
-    "reduce_scatter": ("1", lambda n: (n - 1) / n),
-    "reduce_scatter_single": ("1", lambda n: (n - 1) / n),
-    "all_to_all_single": ("1", lambda n: (n - 1) / n),
-    "broadcast": ("1", lambda n: 1.0),
-    "reduce": ("1", lambda n: 1.0),
-    "gather": ("n", lambda n: (n - 1) / n),
-    "scatter": ("1", lambda n: (n - 1) / n),
-    "send": ("1", lambda n: 1.0),
+# op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after
+# NCCL-tests' PERFORMANCE.md. `bytes` in the log is what one rank contributes (its input),
+# so for the gathers the whole array S is n times that.
+BANDWIDTH: dict[str, tuple[bool, Callable[[int], float]]] = {
+    "all_reduce": (False, lambda n: 2 * (n - 1) / n),
+    "all_gather": (True, lambda n: (n - 1) / n),
+    "all_gather_single": (True, lambda n: (n - 1) / n),
+    "reduce_scatter": (False, lambda n: (n - 1) / n),
+    "reduce_scatter_single": (False, lambda n: (n - 1) / n),
+    "all_to_all_single": (False, lambda n: (n - 1) / n),
+    "broadcast": (False, lambda n: 1.0),
+    "reduce": (False, lambda n: 1.0),
+    "gather": (True, lambda n: (n - 1) / n),
+    "scatter": (False, lambda n: (n - 1) / n),
+    "send": (False, lambda n: 1.0),
 }
+# A rank inside a collective that fails elsewhere logs its own outcome by its own deadline;
+# one that has not, this long after, was stopped or dead (SIGSTOP, a kill mid-collective).
+FROZEN_GRACE_S = 1.0
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 
 
@@ -91,6 +101,7 @@ class Call:
     shapes: list[list[int]] | None = None
     dtype: str | None = None
     root: int | None = None
+    deadline_s: float | None = None
     step: Any = None
     phase: Any = None
     end_ns: int | None = None
@@ -117,6 +128,7 @@ class RankLog:
     events: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)  # in start order
     failures: list[dict[str, Any]] = field(default_factory=list)  # failure and mismatch events
+    notices: list[dict[str, Any]] = field(default_factory=list)  # NOTICE_EVENTS / NOTICE_LEVELS, with "label"
 
     @property
     def first_ns(self) -> int:
@@ -176,7 +188,7 @@ class DumpInfo:
     """A flight-recorder dump found in the log directory."""
 
     path: str
-    rank: int
+    rank: int  # global rank when the dump's pid is in the logs; else the communicator rank it names
     comm: str
     attempt: int | None
     reason: str
@@ -201,8 +213,9 @@ def load(logdir: str | os.PathLike[str]) -> RunLogs:
     files = sorted((p for p in directory.glob("rank*.jsonl") if _RANK_FILE.search(p.name)),
                    key=lambda p: int(_RANK_FILE.search(p.name).group(1)))  # type: ignore[union-attr]
     if not files:
-        raise DoctorInputError(f"expected rank*.jsonl logs in {directory}; found none "
-                               f"(was the job run with log_dir= or COMMLIB_LOG_DIR set?)")
+        hint = (f"they are in {directory / 'logs'}" if any((directory / "logs").glob("rank*.jsonl"))
+                else "was the job run with log_dir= or COMMLIB_LOG_DIR set?")
+        raise DoctorInputError(f"expected rank*.jsonl logs in {directory}; found none ({hint})")
     builder = _Builder()
     for path in files:
         file_rank = int(_RANK_FILE.search(path.name).group(1))  # type: ignore[union-attr]
@@ -245,11 +258,13 @@ class _Builder:
         name = e.get("event", "")
         rl.events.append((ts, name, e.get("step"), e.get("phase")))
         comm_name = e.get("comm")
-        if not isinstance(comm_name, str):
-            return
-        if name == "comm.init":
+        if isinstance(comm_name, str) and name == "comm.init":
             self._incarnation[(attempt, rank, comm_name)] += 1
-        label = self._label(attempt, rank, comm_name)
+        label = self._label(attempt, rank, comm_name) if isinstance(comm_name, str) else None
+        if name in NOTICE_EVENTS or e.get("level") in NOTICE_LEVELS:
+            rl.notices.append({**e, "label": label})
+        if label is None:
+            return
         comm = att.comms.get(label)
         if comm is None:
             comm = att.comms[label] = CommLog(label)
@@ -286,7 +301,7 @@ class _Builder:
             return
         call = Call(rank=rl.rank, comm=comm.label, seq=seq, op=str(e.get("op")), start_ns=ts,
                     bytes=e.get("bytes"), shapes=e.get("shapes"), dtype=e.get("dtype"), root=e.get("root"),
-                    step=e.get("step"), phase=e.get("phase"))
+                    deadline_s=e.get("deadline_s"), step=e.get("step"), phase=e.get("phase"))
         comm.calls[seq][rl.rank] = call
         rl.calls.append(call)
         if call.op in P2P_OPS and (comm.first_p2p_seq is None or seq < comm.first_p2p_seq):
@@ -299,7 +314,7 @@ class _Builder:
         did arrive, so the call starts `duration_s` before the failure.
         """
         seq = e.get("seq")
-        call = comm.calls[seq].get(rl.rank) if isinstance(seq, int) else None
+        call = comm.calls.get(seq, {}).get(rl.rank) if isinstance(seq, int) else None
         if call is None:
             duration = e.get("duration_s") or 0.0
             call = Call(rank=rl.rank, comm=comm.label, seq=seq if isinstance(seq, int) else -1, op=str(e.get("op")),
@@ -339,7 +354,7 @@ class _Builder:
             seq = x.get("seq")
             if not isinstance(seq, int):
                 continue
-            call = comm.calls[seq].get(rank)
+            call = comm.calls.get(seq, {}).get(rank)
             if call is None:
                 end, start_mono = x.get("end_mono_ns"), x.get("start_mono_ns")
                 duration = (end - start_mono) / 1e9 if end and start_mono else None
@@ -504,25 +519,28 @@ def diagnose(logdir: str | os.PathLike[str]) -> Diagnosis:
 
 
 def analyze(run: RunLogs) -> Diagnosis:
-    attempts = [_analyze_attempt(att) for att in run.attempts.values()]
+    last = max(run.attempts, default=None)
+    attempts = [_analyze_attempt(att, [d for d in run.dumps if d.attempt == n], final=n == last)
+                for n, att in run.attempts.items()]
     hosts = sorted({rl.host for att in run.attempts.values() for rl in att.ranks.values() if rl.host})
     world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
     return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
                      stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps)
 
 
-def _analyze_attempt(att: AttemptLog) -> AttemptFinding:
+def _analyze_attempt(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> AttemptFinding:
     problems: list[Problem] = []
     for comm in att.comms.values():
         mismatches = _mismatches(comm)
         problems += mismatches.values()
-        problems += _failures(att, comm, mismatches)
+        problems += _failures(att, comm, mismatches, dumps)
     problems += _dead_ranks(att, problems)
+    problems += _app_errors(att)
     problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
-    if not problems:
-        status = "ok"
-    elif all(p.kind is Kind.HANG for p in problems):
-        status = "incomplete"  # nobody reported a failure: a live hang, or a job killed from outside
+    if all(p.kind is Kind.HANG for p in problems):
+        # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
+        # torchrun followed with another) a rank that died between collectives.
+        status = "incomplete" if problems or not final else "ok"
     else:
         status = "failed"
     culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
@@ -531,7 +549,37 @@ def _analyze_attempt(att: AttemptLog) -> AttemptFinding:
         collectives=sum(1 for c in att.comms.values() for calls in c.calls.values() if calls),
         start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
         problems=problems, culprits=culprits,
-        positions=[position(att, r) for r in sorted(att.ranks)] if problems else [])
+        positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [])
+
+
+def _app_errors(att: AttemptLog) -> list[Problem]:
+    """Error-level events of the application (a trainer's own `train.error`, say), per event name.
+
+    Culprits are the union of the events' `ranks` field when every event has one (the
+    convention for an application that knows whom to blame), else the ranks that logged
+    it. An error that merely carries a commlib failure up is left out: the failure itself
+    is reported from commlib's own events.
+    """
+    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rl in att.ranks.values():
+        for e in rl.notices:
+            if (e.get("level") in APP_ERROR_LEVELS and e.get("event") not in NOTICE_EVENTS
+                    and e.get("error_type") not in COMMLIB_ERRORS):
+                by_name[str(e.get("event"))].append(e)
+    problems = []
+    for name, events in sorted(by_name.items()):
+        reporters = sorted({e["rank"] for e in events})
+        blamed = [e.get("ranks") for e in events]
+        if all(isinstance(b, list) and all(isinstance(r, int) for r in b) for b in blamed):
+            culprits = sorted({r for b in blamed for r in b})  # type: ignore[union-attr]
+        else:
+            culprits = reporters
+        first = min(events, key=lambda e: e["ts_ns"])
+        what = first.get("error") or first.get("message") or ""
+        message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
+        problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
+                                message.strip(), reporters, first["ts_ns"], {"event": name}))
+    return problems
 
 
 def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
@@ -548,7 +596,9 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
             step, phase = ev[2], ev[3]
             break
     started = [c for c in rl.calls if c.start_ns is not None and c.start_ns <= t]
-    finished = [c for c in started if c.status == "ok" and (c.end_ns or 0) <= t]
+    finished = [c for c in started if c.status == "ok" and c.end_ns is not None and c.end_ns <= t]
+    last_started = max(started, key=lambda c: c.start_ns or 0, default=None)
+    last_finished = max(finished, key=lambda c: c.end_ns or 0, default=None)
 
     def ref(c: Call | None) -> CallRef | None:
         if c is None:
@@ -556,10 +606,9 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
         status = c.status if c.end_ns is not None and c.end_ns <= t else "started"  # still in it at t
         return CallRef(c.comm, c.op, c.seq, status, c.start_ns)
 
-    last_started = started[-1] if started else None
     return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last[1] if last else None,
                         last_event_ns=last[0] if last else None, step=step, phase=phase,
-                        last_started=ref(last_started), last_finished=ref(finished[-1] if finished else None),
+                        last_started=ref(last_started), last_finished=ref(last_finished),
                         log_ends_ns=rl.last_ns, stack=last_started.stack if last_started else None)
 
 
@@ -638,7 +687,7 @@ def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dic
                     "checked": checked})
 
 
-def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) -> list[Problem]:
+def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> list[Problem]:
     """Timeouts, peer failures and errors logged on `comm`, or else the oldest unfinished collective."""
     problems: list[Problem] = []
     by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
@@ -653,7 +702,7 @@ def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) ->
         else:
             problems.append(_error(comm, seq, events, mismatch))
     if not comm.failures:
-        hang = _hang(att, comm, mismatches)
+        hang = _hang(att, comm, mismatches, dumps)
         if hang is not None:
             problems.append(hang)
     return problems
@@ -686,6 +735,7 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     missing = sorted(board_missing | set(late) | set(never))
     arrived = sorted(r for r in members if r not in missing)
     deadline = events[0].get("deadline")
+    frozen = _frozen(comm.calls.get(seq, {}), reporters, t)
     head = (f"{op} #{seq} on {comm.label!r} timed out"
             + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
             + f" on rank(s) {reporters}")
@@ -697,18 +747,33 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
                                      for r in late)
     elif mismatch is not None:
         culprits = mismatch.ranks
-        body = f"every rank arrived, but they disagree on what it is: {mismatch.message}"
+        body = f"every rank arrived, but rank(s) {mismatch.ranks} issued a different collective (see the mismatch)"
     else:
-        culprits = stale
-        body = "every rank arrived and the backend did not complete it" + (
-            f"; rank(s) {stale} stopped sending heartbeats" if stale else "")
+        culprits = sorted(set(stale) | set(frozen))
+        body = "every rank arrived and the backend did not complete it"
+        if frozen:
+            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+        if stale:
+            body += f"; rank(s) {stale} had stopped sending heartbeats"
     message = f"{head}: {body}. Arrived: {arrived}."
     if missing:
         message += f" Where the missing were at the deadline: {_where_text(att, missing, t)}."
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
                    {"arrived": arrived, "missing": missing, "board_missing": sorted(board_missing) if board_known else None,
-                    "late": late, "stale": stale, "deadline_s": deadline,
+                    "late": late, "stale": stale, "frozen": frozen, "deadline_s": deadline,
                     "where": _where(att, missing, t)})
+
+
+def _frozen(calls: dict[int, Call], reporters: list[int], t: int) -> list[int]:
+    """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace)."""
+    out = []
+    for r, c in sorted(calls.items()):
+        if r in reporters or c.start_ns is None or c.start_ns > t or c.deadline_s is None:
+            continue
+        due = c.start_ns + int((c.deadline_s + FROZEN_GRACE_S) * 1e9)
+        if c.end_ns is None or c.end_ns > due:
+            out.append(r)
+    return out
 
 
 def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
@@ -749,8 +814,12 @@ def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Prob
     return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
 
 
-def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) -> Problem | None:
-    """The oldest collective of `comm` that some rank started and never left (no deadline expired)."""
+def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> Problem | None:
+    """The oldest collective of `comm` that some rank started and never left (no deadline expired).
+
+    Flight-recorder dumps (SIGUSR1 on a live job) that still show it started confirm the
+    rank was alive and in it when dumped.
+    """
     unfinished = [seq for seq, calls in comm.calls.items()
                   if comm.aligned(seq) and any(c.status == "started" for c in calls.values())]
     if not unfinished:
@@ -773,8 +842,13 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem]) -> Pro
         message += f"; every rank started it, but: {mismatch.message}"
     else:
         message += "; every rank started it (the backend did not complete it)"
+    seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
+    if seen:
+        message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
+                    f"{sorted({d.rank for d in seen})} alive and still in it")
     return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
-                   {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None)})
+                   {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None),
+                    "dumps": [d.path for d in seen]})
 
 
 def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
@@ -785,9 +859,11 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
             for r in p.ranks:
                 evidence[r].append(f"rank(s) {p.reporters} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
         elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
-            for r in _gone_before(att, p.details.get("stale", []), p.ts_ns):
+            quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
+            for r in _gone_before(att, quiet, p.ts_ns):
                 if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
-                    evidence[r].append(f"its heartbeat had stopped when {p.op} #{p.seq} on {p.comm!r} timed out")
+                    evidence[r].append(f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
+                                       f"{p.op} #{p.seq} on {p.comm!r} timed out")
     dead = []
     for r, why in sorted(evidence.items()):
         pos = position(att, r)
@@ -847,8 +923,8 @@ def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | Non
     """
     if op not in BANDWIDTH or nbytes <= 0 or seconds <= 0 or n < 1:
         return None, None
-    scale, factor = BANDWIDTH[op]
-    size = nbytes * (n if scale == "n" else 1)
+    times_n, factor = BANDWIDTH[op]
+    size = nbytes * n if times_n else nbytes
     algbw = size / seconds / 1e9
     return algbw, algbw * factor(n)
 

@@ -72,14 +72,14 @@ class FlightRecorder:
         _RECORDERS.add(self)
 
     def start(self, call: Collective) -> FlightEntry:
-        dtype = call.dtype
+        summary = call.summary()
         entry = FlightEntry(
             seq=call.seq,
             op=call.op.value,
             comm=self.comm,
-            shapes=call.shapes(),
-            dtype=str(dtype) if dtype is not None else None,
-            nbytes=call.nbytes(),
+            shapes=summary.shapes,
+            dtype=summary.dtype,
+            nbytes=summary.nbytes,
             root=call.root if call.root is not None else call.peer,
             async_op=call.async_op,
             deadline_s=call.deadline_s,

@@ -23,13 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.doctor import FAILURE_EVENTS, MISMATCH_EVENT, RunLogs
-from commlib.observe.log import read_events
+from commlib.observe.doctor import NOTICE_EVENTS, RunLogs
 
-INSTANT_EVENTS = (*FAILURE_EVENTS, MISMATCH_EVENT, "comm.abort")
-INSTANT_LEVELS = ("warning", "error", "critical")
-_CALL_FIELDS = ("seq", "comm", "op", "error", "error_type", "missing_ranks", "stale_ranks", "differing_ranks",
-                "reason")
+# Fields every event carries: the track already says them.
+_COMMON_FIELDS = ("event", "level", "ts_ns", "mono_ns", "rank", "size", "host", "pid", "backend", "comm_rank",
+                  "comm_size", "label")
 
 
 def build_trace(run: RunLogs) -> dict[str, Any]:
@@ -93,26 +91,18 @@ def build_trace(run: RunLogs) -> dict[str, Any]:
 
 
 def _instants(run: RunLogs, us: Any, tids: dict[str, int], tracks: set[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Failures on their communicator's track; other warnings on the rank's process track.
-
-    The doctor's model keeps only what it analyzes, so these come from a second read of the
-    files through the same reader.
-    """
+    """Failures on their communicator's track; other notices on the rank's process track."""
     out = []
-    for path in run.files:
-        for e in read_events(path):
-            name = e.get("event")
-            if not isinstance(e.get("ts_ns"), int) or not (
-                    name in INSTANT_EVENTS or e.get("level") in INSTANT_LEVELS):
-                continue
-            rank = int(e.get("rank", -1))
-            tid = tids.get(str(e.get("comm")), 0) if name in INSTANT_EVENTS else 0
-            if tid:
-                tracks.add((rank, tid))
-            args = {k: e[k] for k in _CALL_FIELDS if k in e}
-            args["attempt"] = e.get("attempt", 0)
-            out.append({"name": name, "cat": "failure" if name in INSTANT_EVENTS else "event", "ph": "i",
-                        "s": "t" if tid else "p", "ts": us(e["ts_ns"]), "pid": rank, "tid": tid, "args": args})
+    for att in run.attempts.values():
+        for rank, rl in sorted(att.ranks.items()):
+            for e in rl.notices:
+                name = e.get("event")
+                tid = tids.get(e["label"], 0) if name in NOTICE_EVENTS else 0
+                if tid:
+                    tracks.add((rank, tid))
+                args = {k: v for k, v in e.items() if k not in _COMMON_FIELDS}
+                out.append({"name": name, "cat": "failure" if name in NOTICE_EVENTS else "event", "ph": "i",
+                            "s": "t" if tid else "p", "ts": us(e["ts_ns"]), "pid": rank, "tid": tid, "args": args})
     return out
 
 

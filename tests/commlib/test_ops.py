@@ -131,7 +131,7 @@ def test_every_op_sync_and_async(backend: str, world_size: int) -> None:
                         continue
                     assert _same(got[key], want), f"rank {rank} {key}: got {got[key]}, want {want}"
 
-    per_rank = testing.run(_run_sync_then_async, world_size, backend=backend)
+    per_rank = testing.run(_run_sync_then_async, world_size, backend=backend, timeout=120)
     sync, asyn = [r[0] for r in per_rank], [r[1] for r in per_rank]
     check(sync)
     check(asyn)

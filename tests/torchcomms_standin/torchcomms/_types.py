@@ -81,7 +81,9 @@ class ReduceOp:
     BXOR: ClassVar[ReduceOp]
     AVG: ClassVar[ReduceOp]
 
-    __slots__ = ("_type", "_factor")
+    __slots__ = ("_factor", "_type")
+    _type: RedOpType
+    _factor: PremulFactor | None
 
     def __init__(self, opType: RedOpType) -> None:  # noqa: N803 - the binding's name
         if not isinstance(opType, RedOpType):
@@ -91,14 +93,15 @@ class ReduceOp:
         if opType is RedOpType.PREMUL_SUM:
             raise TypeError("construct a premul-sum op with ReduceOp.PREMUL_SUM(factor)")
         self._type = opType
-        self._factor: PremulFactor | None = None
+        self._factor = None
 
     @staticmethod
     def PREMUL_SUM(factor: Any) -> ReduceOp:  # noqa: N802 - the binding's name
         """A sum of ``input * factor``; ``factor`` is a number or a (scalar) tensor."""
         if isinstance(factor, bool) or not isinstance(factor, int | float | torch.Tensor):
             raise TypeError(
-                f"ReduceOp.PREMUL_SUM(factor) takes a float or a tensor, got {type(factor).__name__}"
+                "ReduceOp.PREMUL_SUM(factor) takes a float or a tensor, got "
+                f"{type(factor).__name__}"
             )
         op = object.__new__(ReduceOp)
         op._type = RedOpType.PREMUL_SUM

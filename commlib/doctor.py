@@ -1,0 +1,139 @@
+"""`commlib doctor`: read every rank's log in a directory and say who is stuck where.
+
+    python -m commlib.doctor LOGDIR [--json] [--trace out.json]      (or: commlib-doctor ...)
+
+Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`), optionally
+writes a Chrome/Perfetto trace, and exits 0 when no attempt of the run had a problem, 1 when
+the final attempt has one, 3 when earlier attempts failed but the final one is clean (a
+recovered run), and 2 when the directory cannot be read. The analysis itself lives in
+`commlib.observe.doctor`; this module only renders it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+
+from commlib.observe.doctor import AttemptFinding, Diagnosis, DoctorInputError, analyze, load
+from commlib.observe.trace import write_trace
+
+WIDTH = 110
+
+
+def _secs(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x < 1e-3:
+        return f"{x * 1e6:.0f} us"
+    if x < 1:
+        return f"{x * 1e3:.2f} ms"
+    return f"{x:.2f} s"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _wrap(text: str, indent: str) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "    ")
+
+
+def _attempt_lines(a: AttemptFinding, final: bool) -> list[str]:
+    head = f"Attempt {a.attempt}{' (final)' if final else ''}: {a.status.upper()}"
+    head += f", ranks {a.ranks}" + (f" of {a.world_size}" if a.world_size else "")
+    head += f", {a.collectives} collectives, {(a.end_ns - a.start_ns) / 1e9:.1f} s of logs"
+    if a.culprits:
+        head += f"; culprit rank(s) {a.culprits}"
+    lines = [head]
+    for p in a.problems:
+        lines.append(_wrap(f"[{p.kind.value}] ranks {p.ranks}: {p.message}", "  "))
+    if a.status != "ok" and not a.problems:
+        lines.append(_wrap("The logs end without a failure or an unfinished collective, and torchrun started "
+                           "another attempt: a process died between collectives (see where each log ends).", "  "))
+    if a.positions:
+        lines.append("  Where each rank's log ends:")
+        for pos in a.positions:
+            lines.append(_wrap(f"rank {pos.rank} ({pos.host}, pid {pos.pid}): {pos.describe()}", "    "))
+    return lines
+
+
+def render(d: Diagnosis) -> str:
+    """The human-readable report."""
+    n_ranks = len({r for a in d.attempts for r in a.ranks})
+    lines = [f"commlib doctor: {d.logdir}",
+             f"{n_ranks} rank(s) (world size {d.world_size}) on {len(d.hosts)} host(s) {d.hosts}; "
+             f"{len(d.attempts)} attempt(s)", ""]
+    for i, a in enumerate(d.attempts):
+        lines += _attempt_lines(a, final=i == len(d.attempts) - 1)
+        lines.append("")
+    if d.stragglers:
+        lines.append("Stragglers: how long the others waited for each rank (last start - first start of each "
+                     "collective, counted for the rank that arrived last).")
+        lines.append("  Wall clocks (ts_ns) of different processes: across hosts these include the clocks' offset.")
+        lines.append(f"  {'rank':>4} {'collectives':>11} {'last':>6} {'waited total':>13} {'p50':>10} {'p99':>10}")
+        for s in sorted(d.stragglers, key=lambda s: -s.waited_total_s):
+            lines.append(f"  {s.rank:>4} {s.collectives:>11} {s.last_count:>6} {_secs(s.waited_total_s):>13} "
+                         f"{_secs(s.waited_p50_s):>10} {_secs(s.waited_p99_s):>10}")
+        lines.append("")
+    if d.ops:
+        lines.append("Collectives by op and size (bytes = each rank's input; latency over every rank's completed "
+                     "calls; bandwidth at p50, GB/s):")
+        lines.append(f"  {'op':<22} {'ranks':>5} {'bytes':>11} {'samples':>8} {'p50':>10} {'p99':>10} "
+                     f"{'algbw':>8} {'busbw':>8}")
+        for o in d.ops:
+            bw = [f"{x:.3g}" if x is not None else "-" for x in (o.algbw_gbps, o.busbw_gbps)]
+            lines.append(f"  {o.op:<22} {o.comm_size:>5} {_size(o.bytes):>11} {o.samples:>8} {_secs(o.p50_s):>10} "
+                         f"{_secs(o.p99_s):>10} {bw[0]:>8} {bw[1]:>8}")
+        lines.append("")
+    telling = [x for x in d.dumps if x.unfinished]  # the others only repeat the logs
+    for dump in telling:
+        unfinished = ", ".join(f"{u['op']} #{u['seq']}" for u in dump.unfinished)
+        lines.append(f"Flight dump ({dump.reason}) of rank {dump.rank}, comm {dump.comm!r}, attempt {dump.attempt}: "
+                     f"still in {unfinished} [{dump.path}]")
+    if d.dumps:
+        lines.append(f"{len(d.dumps)} flight-recorder dump(s), {len(telling)} with an unfinished collective.")
+        lines.append("")
+    if d.exit_code == 0:
+        lines.append("No problem found.")
+    elif d.exit_code == 3:
+        failed = [a.attempt for a in d.attempts if a.status != "ok"]
+        lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt is clean.")
+    else:
+        final = d.final
+        lines.append(f"PROBLEM: final attempt {final.attempt if final else '?'} {final.status if final else 'missing'}"
+                     + (f"; culprit rank(s) {final.culprits}" if final and final.culprits else "") + ".")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="commlib-doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("logdir", help="directory holding rank*.jsonl logs (and flight_rank*.json dumps)")
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    parser.add_argument("--trace", metavar="OUT.json", help="also write a Chrome/Perfetto trace there")
+    args = parser.parse_args(argv)
+    try:
+        run = load(args.logdir)
+    except DoctorInputError as exc:
+        print(f"commlib-doctor: {exc}", file=sys.stderr)
+        return 2
+    diagnosis = analyze(run)
+    if args.trace:
+        write_trace(run, args.trace)
+    try:
+        print(json.dumps(diagnosis.to_dict(), indent=1, default=str) if args.json else render(diagnosis), flush=True)
+    except BrokenPipeError:
+        # The reader left (`| head`): keep the exit code, and let interpreter exit flush nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return diagnosis.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
