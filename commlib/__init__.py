@@ -7,17 +7,48 @@
 One stable API (torchcomms' names) over torchcomms or torch.distributed, per-collective
 deadlines, typed errors naming the ranks that did not arrive, structured logs, a flight
 recorder and a progress board. See README.md.
+
+Names are imported lazily, so tools that only read logs (`python -m commlib.doctor`) start
+without importing torch.
 """
 
-from commlib.communicator import Communicator, Work
-from commlib.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure
-from commlib.hooks import register_failure_hook, register_post_hook, register_pre_hook
-from commlib.init import init
-from commlib.observe.log import context, get_logger
-from commlib.ops import Collective, OpName, PremulSum, ReduceOp, premul_sum
+from __future__ import annotations
 
-__all__ = [
-    "Collective", "CollectiveMismatch", "CollectiveTimeout", "CommAborted", "CommError", "Communicator",
-    "OpName", "PeerFailure", "PremulSum", "ReduceOp", "Work", "context", "get_logger", "init", "premul_sum",
-    "register_failure_hook", "register_post_hook", "register_pre_hook",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Communicator": "commlib.communicator",
+    "Work": "commlib.communicator",
+    "CommError": "commlib.errors",
+    "CollectiveTimeout": "commlib.errors",
+    "PeerFailure": "commlib.errors",
+    "CollectiveMismatch": "commlib.errors",
+    "CommAborted": "commlib.errors",
+    "register_pre_hook": "commlib.hooks",
+    "register_post_hook": "commlib.hooks",
+    "register_failure_hook": "commlib.hooks",
+    "init": "commlib.initialize",
+    "context": "commlib.observe.log",
+    "get_logger": "commlib.observe.log",
+    "Collective": "commlib.ops",
+    "OpName": "commlib.ops",
+    "PremulSum": "commlib.ops",
+    "ReduceOp": "commlib.ops",
+    "premul_sum": "commlib.ops",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'commlib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

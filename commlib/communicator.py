@@ -71,7 +71,7 @@ class Communicator:
         self._seq = 0
         self._splits = 0
         self._dead: str | None = None  # why the communicator can no longer be used
-        self.recorder = FlightRecorder(name, self.rank)
+        self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
         self.board = ProgressBoard(store, self.rank, self.size, os.getpid())
         self._log = _log.get_logger().bind(comm=name, backend=backend.name,
                                            comm_rank=self.rank, comm_size=self.size)
@@ -178,7 +178,12 @@ class Communicator:
         deadline = seconds(timeout) or self.timeout
         self._splits += 1
         store = dist.PrefixStore(f"{name}.{self._splits}/", self._store)
-        backend = self._backend.split(ranks, name, timedelta(seconds=deadline)) if ranks else None
+        try:
+            backend = self._backend.split(ranks, name, timedelta(seconds=deadline)) if ranks else None
+        except Exception as exc:
+            self._log.error("comm.split_failed", new_comm=name, ranks=ranks, error=f"{type(exc).__name__}: {exc}")
+            raise CommError(f"split of {self.name!r} into {name!r} failed on rank {self.rank}: "
+                            f"{type(exc).__name__}: {exc}", op="split", comm=self.name, rank=self.rank) from exc
         self._log.info("comm.split", new_comm=name, ranks=ranks, member=backend is not None)
         if backend is None:
             return None
@@ -199,6 +204,7 @@ class Communicator:
             self._dead = "finalized"
             self.board.close()
             self._backend.finalize()
+            self._log.info("comm.finalize", seq=self._seq)
 
     def __enter__(self) -> "Communicator":
         return self

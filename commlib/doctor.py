@@ -35,11 +35,14 @@ def _secs(x: float | None) -> str:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    if n < 1024:
+        return f"{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024:
+            break
+    return f"{x:.1f} {unit}"
 
 
 def _wrap(text: str, indent: str) -> str:

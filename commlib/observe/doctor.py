@@ -222,7 +222,8 @@ def load(logdir: str | os.PathLike[str]) -> RunLogs:
         for event in read_events(path):
             builder.add(event, file_rank)
     dumps = [builder.add_dump(p) for p in sorted(directory.glob("flight_rank*.json"))]
-    return RunLogs(str(directory), dict(sorted(builder.attempts.items())), [d for d in dumps if d], [str(p) for p in files])
+    return RunLogs(str(directory), dict(sorted(builder.attempts.items())), [d for d in dumps if d],
+                   [str(p) for p in files])
 
 
 class _Builder:
@@ -232,7 +233,8 @@ class _Builder:
         self.attempts: dict[int, AttemptLog] = {}
         self._incarnation: dict[tuple[int, int, str], int] = defaultdict(int)  # (attempt, rank, name)
         self._pending_split: dict[tuple[int, int], tuple[str, str, list[int]]] = {}
-        self._pids: dict[int, tuple[int, int]] = {}  # pid -> (attempt, rank)
+        # pid -> {(attempt, rank)}: more than one only when hosts reuse a pid
+        self._pids: dict[int, set[tuple[int, int]]] = defaultdict(set)
 
     def _label(self, attempt: int, rank: int, name: str) -> str:
         n = self._incarnation[(attempt, rank, name)]
@@ -254,7 +256,7 @@ class _Builder:
             rl = att.ranks[rank] = RankLog(rank)
         rl.host, rl.pid = e.get("host", rl.host), e.get("pid", rl.pid)
         if rl.pid is not None:
-            self._pids[rl.pid] = (attempt, rank)
+            self._pids[rl.pid].add((attempt, rank))
         name = e.get("event", "")
         rl.events.append((ts, name, e.get("step"), e.get("phase")))
         comm_name = e.get("comm")
@@ -324,6 +326,15 @@ class _Builder:
             rl.calls.append(call)
         return call
 
+    def _dump_owner(self, pid: Any, comm_name: str, comm_rank: Any) -> tuple[int, int] | None:
+        """(attempt, global rank) of the process that wrote a dump (which names only its pid and comm rank)."""
+        candidates = self._pids.get(pid, set()) if isinstance(pid, int) else set()
+        if len(candidates) > 1:
+            candidates = {(a, r) for a, r in candidates
+                          if (c := self.attempts[a].comms.get(self._label(a, r, comm_name))) is not None
+                          and c.members.get(comm_rank) == r}
+        return next(iter(candidates)) if len(candidates) == 1 else None
+
     def add_dump(self, path: Path) -> DumpInfo | None:
         """Record a dump, and add its entries that the logs lack (a log that was cut short)."""
         try:
@@ -332,8 +343,8 @@ class _Builder:
             return None
         if not isinstance(data, dict) or data.get("kind") != "commlib.flight_recorder":
             return None
-        where = self._pids.get(data.get("pid"))
         comm_name = str(data.get("comm"))
+        where = self._dump_owner(data.get("pid"), comm_name, data.get("rank"))
         entries = [x for x in data.get("entries") or [] if isinstance(x, dict)]
         info = DumpInfo(path=str(path), rank=data.get("rank", -1), comm=comm_name,
                         attempt=where[0] if where else None, reason=str(data.get("reason")),
@@ -629,7 +640,8 @@ def _checked_mismatch(comm: CommLog) -> Problem | None:
         return None
     seq = min(comm.mismatches)
     by_rank = comm.mismatches[seq]
-    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), {r: ev.get("op") for r, ev in by_rank.items()},
+    ops = {r: ev.get("op") for r, ev in by_rank.items()}
+    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
                              reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
                              detail=next(iter(by_rank.values())).get("error"), checked=True)
 
@@ -687,7 +699,8 @@ def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dic
                     "checked": checked})
 
 
-def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> list[Problem]:
+def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
+              dumps: list[DumpInfo]) -> list[Problem]:
     """Timeouts, peer failures and errors logged on `comm`, or else the oldest unfinished collective."""
     problems: list[Problem] = []
     by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
@@ -735,7 +748,7 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     missing = sorted(board_missing | set(late) | set(never))
     arrived = sorted(r for r in members if r not in missing)
     deadline = events[0].get("deadline")
-    frozen = _frozen(comm.calls.get(seq, {}), reporters, t)
+    frozen = _frozen(comm.calls.get(seq, {}), t)
     head = (f"{op} #{seq} on {comm.label!r} timed out"
             + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
             + f" on rank(s) {reporters}")
@@ -756,19 +769,22 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
         if stale:
             body += f"; rank(s) {stale} had stopped sending heartbeats"
     message = f"{head}: {body}. Arrived: {arrived}."
-    if missing:
-        message += f" Where the missing were at the deadline: {_where_text(att, missing, t)}."
+    if culprits:
+        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
-                   {"arrived": arrived, "missing": missing, "board_missing": sorted(board_missing) if board_known else None,
-                    "late": late, "stale": stale, "frozen": frozen, "deadline_s": deadline,
-                    "where": _where(att, missing, t)})
+                   {"arrived": arrived, "missing": missing,
+                    "board_missing": sorted(board_missing) if board_known else None, "late": late,
+                    "stale": stale, "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
 
 
-def _frozen(calls: dict[int, Call], reporters: list[int], t: int) -> list[int]:
-    """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace)."""
+def _frozen(calls: dict[int, Call], t: int) -> list[int]:
+    """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace).
+
+    Reporters count too: a rank stopped past its deadline reports its own timeout once resumed.
+    """
     out = []
     for r, c in sorted(calls.items()):
-        if r in reporters or c.start_ns is None or c.start_ns > t or c.deadline_s is None:
+        if c.start_ns is None or c.start_ns > t or c.deadline_s is None:
             continue
         due = c.start_ns + int((c.deadline_s + FROZEN_GRACE_S) * 1e9)
         if c.end_ns is None or c.end_ns > due:

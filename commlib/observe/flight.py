@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -58,13 +59,14 @@ class FlightEntry:
 class FlightRecorder:
     """The last `capacity` collectives of one communicator."""
 
-    def __init__(self, comm: str, rank: int, capacity: int | None = None) -> None:
+    def __init__(self, comm: str, rank: int, capacity: int | None = None, world_rank: int | None = None) -> None:
         if capacity is None:
             capacity = int(os.environ.get(SIZE_ENV, DEFAULT_SIZE))
         if capacity <= 0:
             raise ValueError(f"{SIZE_ENV} must be positive; found {capacity}")
         self.comm = comm
         self.rank = rank
+        self.world_rank = rank if world_rank is None else world_rank
         self.capacity = capacity
         self.with_stacks = os.environ.get(STACKS_ENV, "0") == "1"
         self._ring: deque[FlightEntry] = deque(maxlen=capacity)
@@ -104,7 +106,10 @@ class FlightRecorder:
         return {
             "kind": "commlib.flight_recorder",
             "comm": self.comm,
-            "rank": self.rank,
+            "rank": self.rank,  # in the communicator
+            "world_rank": self.world_rank,
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "host": socket.gethostname(),
             "pid": os.getpid(),
             "reason": reason,
             "dumped_ns": time.time_ns(),
@@ -120,7 +125,7 @@ class FlightRecorder:
             sys.stderr.write(data + "\n")
             return None
         self._dumps += 1
-        path = directory / f"flight_rank{self.rank}_{self.comm}_{os.getpid()}_{self._dumps}_{reason}.json"
+        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{os.getpid()}_{self._dumps}_{reason}.json"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             f.write(data)

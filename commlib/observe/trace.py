@@ -62,14 +62,14 @@ def build_trace(run: RunLogs) -> dict[str, Any]:
                 if c.start_ns is None:
                     continue
                 if c.status == "started":
-                    status, end_ns = "unfinished", max(rl.last_ns, c.start_ns)
+                    status, dur_us = "unfinished", (max(rl.last_ns, c.start_ns) - c.start_ns) / 1e3
+                elif c.duration_s is not None:  # monotonic: finer than the difference of wall clocks
+                    status, dur_us = c.status, c.duration_s * 1e6
                 else:
-                    status = c.status
-                    end_ns = c.end_ns if c.end_ns is not None else c.start_ns
-                dur = c.duration_s * 1e6 if c.duration_s is not None and status != "unfinished" else (end_ns - c.start_ns) / 1e3
+                    status, dur_us = c.status, ((c.end_ns or c.start_ns) - c.start_ns) / 1e3
                 tid = tids[c.comm]
                 tracks.add((rank, tid))
-                events.append({"name": c.op, "cat": "collective", "ph": "X", "ts": us(c.start_ns), "dur": dur,
+                events.append({"name": c.op, "cat": "collective", "ph": "X", "ts": us(c.start_ns), "dur": dur_us,
                                "pid": rank, "tid": tid,
                                "args": {"seq": c.seq, "bytes": c.bytes, "step": c.step, "phase": c.phase,
                                         "status": status, "attempt": att.attempt, "comm": c.comm}})

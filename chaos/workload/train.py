@@ -1,0 +1,257 @@
+"""The reference trainer: every chaos test and benchmark runs this under torchrun.
+
+    torchrun --nproc-per-node 2 -m chaos.workload.train --steps 20 --ckpt-every 5 \\
+        --ckpt-dir runs/ckpt --results runs/results.json --log-dir runs/logs
+
+It builds the transformer of `chaos.workload.model` from `--seed`, shards it with
+`fsdp_overlap.shard`, trains it with AdamW on the synthetic batches of
+`chaos.workload.data`, checkpoints every `--ckpt-every` steps through
+`chaos.workload.checkpoint`, resumes from the latest complete checkpoint on start, and
+writes the results file of `chaos.results` at the end. Every step logs `train.step` into
+the rank's commlib log; every collective runs inside `commlib.context(step, phase)`.
+
+On CPU, training is bitwise deterministic: the same config gives bitwise-equal losses and
+final state, and so does a run resumed from any of its checkpoints. That is the property
+the chaos harness verifies.
+
+Exit codes (torchrun restarts the job on any non-zero one):
+    0  finished
+    1  any other exception (including `CheckpointMismatch`)
+    2  bad command line (argparse)
+    3  a commlib `CommError`: timeout, peer failure, mismatch, aborted communicator
+    4  `NonFiniteError`: a non-finite loss or gradient, caught before the optimizer step
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import commlib
+import fsdp_overlap
+from commlib.initialize import BACKENDS
+from chaos.inject import install_from_env
+from chaos.results import write_results
+from chaos.workload.checkpoint import Checkpointer, TrainState
+from chaos.workload.data import DataConfig, batch_for
+from chaos.workload.model import MASKS, ModelConfig, Transformer, build_block_mask, set_deterministic
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_COMM_ERROR = 3
+EXIT_NON_FINITE = 4
+
+
+class NonFiniteError(RuntimeError):
+    """A rank saw a non-finite loss or gradient; raised on every rank, before the optimizer step."""
+
+    def __init__(self, message: str, *, step: int, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = ranks
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    model, data = ModelConfig(), DataConfig()
+    p = argparse.ArgumentParser(prog="python -m chaos.workload.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="train until this step (1-based)")
+    p.add_argument("--ckpt-every", type=int, default=5, help="checkpoint every N steps; 0: never")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (shared by all ranks); none: no checkpoints")
+    p.add_argument("--results", default=None, help="results JSON written by rank 0 at the end")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the data and the RNG")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--mask", choices=MASKS, default=model.mask)
+    p.add_argument("--window", type=int, default=None,
+                   help=f"sliding-window size; default min({model.window}, --seq-len)")
+    p.add_argument("--dim", type=int, default=model.dim)
+    p.add_argument("--layers", type=int, default=model.n_layers)
+    p.add_argument("--heads", type=int, default=model.n_heads)
+    p.add_argument("--mlp-hidden", type=int, default=None, help="default 4 * --dim")
+    p.add_argument("--seq-len", type=int, default=model.seq_len)
+    p.add_argument("--vocab", type=int, default=model.vocab)
+    p.add_argument("--batch-size", type=int, default=data.batch_size, help="sequences per rank per step")
+    p.add_argument("--log-dir", default=None, help="per-rank commlib logs; default $COMMLIB_LOG_DIR")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective deadline, seconds")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one rank per GPU, GPU LOCAL_RANK")
+    p.add_argument("--fsdp-mode", choices=[m.value for m in fsdp_overlap.Mode], default=fsdp_overlap.Mode.DUAL.value)
+    p.add_argument("--prefetch", type=int, default=1, help="blocks all-gathered ahead")
+    args = p.parse_args(argv)
+    if args.steps < 0 or args.ckpt_every < 0:
+        p.error(f"expected --steps >= 0 and --ckpt-every >= 0; found {args.steps} and {args.ckpt_every}")
+    return args
+
+
+def configs(args: argparse.Namespace) -> tuple[ModelConfig, DataConfig]:
+    model = ModelConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                        seq_len=args.seq_len, mlp_hidden=args.mlp_hidden or 4 * args.dim, mask=args.mask,
+                        window=args.window or min(ModelConfig.window, args.seq_len))
+    data = DataConfig(seed=args.seed, vocab=args.vocab, seq_len=args.seq_len, batch_size=args.batch_size)
+    return model, data
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = _device(args.device)
+    comm = init_comm(args, device)
+    try:
+        train(args, comm, device)
+    except Exception as exc:
+        code = _exit_code(exc)
+        traceback.print_exc()
+        fields = exc.fields() if isinstance(exc, commlib.CommError) else {}
+        # The process-wide `rank` field is the global rank; the error's is its communicator's.
+        fields["comm_rank"] = fields.pop("rank", None)
+        if isinstance(exc, NonFiniteError):
+            fields.update(step=exc.step, ranks=exc.ranks)
+        commlib.get_logger().error("train.error", error=str(exc), error_type=type(exc).__name__,
+                                   exit_code=code, **fields)
+        return code
+    comm.finalize()
+    return EXIT_OK
+
+
+def init_comm(args: argparse.Namespace, device: torch.device) -> commlib.Communicator:
+    """The world communicator, from torchrun's environment, on a store of this attempt's own.
+
+    torchrun (2.13) gives every restart of the job the same agent store, and the dead
+    attempt's keys are still in it: a rank that starts before its peers reads a peer's
+    stale gloo address and fails with "Connection refused" (or blocks on a reused port).
+    Remove this once commlib.init scopes the store by TORCHELASTIC_RESTART_COUNT itself.
+    """
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt{_attempt()}/", store)
+    return commlib.init(backend=args.backend, rank=rank, world_size=world_size, store=store,
+                        timeout=args.timeout, log_dir=args.log_dir, device=device)
+
+
+def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.device) -> None:
+    log = commlib.get_logger()
+    attempt = _attempt()
+    model_cfg, data_cfg = configs(args)
+    config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg), "lr": args.lr,
+              "world_size": comm.size}
+
+    # Installed first, so that a fault planned at any collective sequence number can fire.
+    injector = install_from_env(comm)
+
+    set_deterministic()
+    torch.manual_seed(args.seed)  # nothing here draws from it, but checkpoints carry it for code that will
+    model = Transformer(model_cfg, seed=args.seed, device=device)
+    fsdp_overlap.shard(model, comm, blocks=model.layers, mode=args.fsdp_mode, prefetch=args.prefetch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    checkpointer = None
+    state = TrainState()
+    if args.ckpt_dir is not None:
+        checkpointer = Checkpointer(args.ckpt_dir, comm, attempt=attempt, lineage=config,
+                                    on_staged=injector.on_checkpoint_staged if injector else None)
+        with commlib.context(phase="checkpoint"):
+            state = checkpointer.resume(model, optimizer)
+    if state.step > args.steps:
+        raise ValueError(f"rank {comm.rank}: expected --steps >= the resumed checkpoint's step; "
+                         f"found --steps {args.steps}, checkpoint at step {state.step}")
+
+    tokens = args.batch_size * args.seq_len * comm.size
+    for step in range(state.step + 1, args.steps + 1):
+        with commlib.context(step=step):
+            if injector is not None:
+                injector.on_step_start(step)
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device)
+            state.step = step
+            state.losses.append(loss)
+            state.history.append({"step": step, "attempt": attempt})
+            log.info("train.step", step=step, loss=loss, tokens=tokens, step_time_s=time.perf_counter() - start)
+            if checkpointer is not None and args.ckpt_every and step % args.ckpt_every == 0:
+                with commlib.context(phase="checkpoint"):
+                    checkpointer.save(model, optimizer, state)
+
+    if args.results is not None:
+        write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
+                      extra={"history": state.history, "config": {**config, **vars(args)}})
+    log.info("train.done", steps=args.steps)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: commlib.Communicator,
+               model_cfg: ModelConfig, data_cfg: DataConfig, step: int, device: torch.device) -> float:
+    """One step on this rank's batch; returns the loss averaged over ranks."""
+    batch = batch_for(data_cfg, step, comm.rank).to(device)
+    block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
+    with commlib.context(phase="forward"):
+        loss = model(batch.tokens, batch.targets, block_mask)
+    with commlib.context(phase="backward"):
+        loss.backward()
+    with commlib.context(phase="optimizer"):
+        global_loss = check_finite_and_average(comm, step, loss, model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return global_loss
+
+
+def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.Tensor,
+                             model: torch.nn.Module) -> float:
+    """The mean loss over ranks; raises NonFiniteError on every rank if any rank's loss or grads are not finite.
+
+    One all_gather of (loss, grads finite) per rank: every rank learns the same mean
+    (summed in rank order, so it is bitwise the same everywhere) and which ranks are bad.
+    A NaN written into this very collective shows up as a non-finite row, so it is caught
+    as well.
+    """
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
+    mine = torch.tensor([loss.detach().item(), 0.0 if grads_finite else 1.0], dtype=torch.float32,
+                        device=loss.device)
+    gathered = torch.empty(comm.size * 2, dtype=torch.float32, device=loss.device)
+    comm.all_gather_single(gathered, mine)
+    rows = gathered.view(comm.size, 2).cpu()
+    bad = [r for r in range(comm.size) if not (torch.isfinite(rows[r]).all() and rows[r, 1] == 0)]
+    if bad:
+        raise NonFiniteError(
+            f"step {step}, rank {comm.rank}: expected a finite loss and finite gradients on every rank; found "
+            f"non-finite values on ranks {bad} (loss per rank: {rows[:, 0].tolist()}, "
+            f"non-finite-gradient flags: {rows[:, 1].tolist()})", step=step, ranks=bad)
+    return float(sum(rows[r, 0].item() for r in range(comm.size)) / comm.size)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, commlib.CommError):
+        return EXIT_COMM_ERROR
+    if isinstance(exc, NonFiniteError):
+        return EXIT_NON_FINITE
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    code = main()
+    if code != EXIT_OK:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # After a failure a process group may still hold connections to dead peers, and
+        # interpreter teardown can block on them; torchrun must see the exit code now.
+        os._exit(code)
