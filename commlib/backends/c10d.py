@@ -7,6 +7,7 @@ reduction means is part of the op, and both backends must give the same numbers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,14 +52,52 @@ def classify_text(message: str) -> Failure:
     return Failure.OTHER
 
 
+def _routed_through_torchcomms(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether torch built `group` over torchcomms (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1)."""
+    c10d = dist.distributed_c10d
+    if not getattr(c10d, "_use_torchcomms_enabled", lambda: False)():
+        return False
+    return isinstance(group._get_backend(device), c10d._BackendWrapper)
+
+
+def _wait_without_timeout(work: Any, timeout: timedelta) -> bool:
+    """Wait for `work` at most `timeout`, for Works whose `wait` takes no timeout.
+
+    torchcomms' WorkWrapper raises "wait timeout not supported" for any finite timeout and
+    only reports completion from `wait()`, so the unbounded wait runs on a daemon thread.
+    """
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.wait()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="commlib-c10d-wait", daemon=True).start()
+    if not done.wait(timeout.total_seconds()):
+        return False
+    if errors:
+        raise errors[0]
+    return True
+
+
 @dataclass
 class C10dWork:
     work: Any  # torch.distributed.Work
     finish: Callable[[], None] | None = None  # emulation step run after completion
+    timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms)
 
     def wait(self, timeout: timedelta) -> bool:
         try:
-            self.work.wait(timeout)
+            if not self.timed_wait:
+                if not _wait_without_timeout(self.work, timeout):
+                    return False
+            else:
+                self.work.wait(timeout)
         except RuntimeError as exc:
             if classify_text(str(exc)) is Failure.TIMEOUT:
                 return False
@@ -83,6 +122,7 @@ class C10dBackend:
         self.name = dist.get_backend(group)
         self.global_ranks = dist.get_process_group_ranks(group)
         self._native_avg = self.name == "nccl"
+        self._torchcomms = _routed_through_torchcomms(group, device)
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
@@ -119,7 +159,7 @@ class C10dBackend:
             w = dist.barrier(group=g, async_op=True)
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return C10dWork(w, finish)
+        return C10dWork(w, finish, timed_wait=not self._torchcomms)
 
     def _reduction(self, call: Collective) -> tuple[Any, Callable[[], None] | None]:
         """The dist.ReduceOp to launch with, and the emulation step to run on completion."""
@@ -168,7 +208,9 @@ class C10dBackend:
         # Every member of this group calls new_group, non-members included when the parent
         # is the world group, because c10d numbers groups by call order.
         # sort_ranks=False: new ranks follow the order of `ranks`, as torchcomms' split does.
-        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name, sort_ranks=False,
+        # Routed through torchcomms, new_group refuses sort_ranks=False even for sorted ranks.
+        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
+                               sort_ranks=global_ranks == sorted(global_ranks),
                                use_local_synchronization=self.size != dist.get_world_size())
         if self.rank not in ranks:
             return None

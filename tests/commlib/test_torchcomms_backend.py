@@ -7,6 +7,7 @@ these tests pin the choices specific to torchcomms.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ import commlib
 from commlib import testing
 from commlib.backends import torchcomms as tc_backend
 
-from conftest import STANDIN
+# Not imported from conftest: spawned ranks re-import this module, and there `conftest`
+# can resolve to tests/conftest.py.
+STANDIN = Path(__file__).resolve().parents[1] / "torchcomms_standin"
 
 
 def test_missing_torchcomms_is_a_clear_error_only_when_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:

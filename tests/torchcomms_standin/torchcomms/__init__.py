@@ -12,9 +12,10 @@ See ``tests/torchcomms_standin/README.md`` for what it enforces and what it does
 from typing import TYPE_CHECKING, Any
 
 # torch.distributed probes ``torchcomms._comms`` / ``torchcomms._backend_wrapper`` while torch
-# itself is being imported (to route c10d through torchcomms). This package has neither module,
-# so that probe fails with ImportError and c10d stays unaware of the stand-in; to let the probe
-# fail cleanly, importing this package must not import torch: names load lazily on first use.
+# itself is being imported (to route c10d through torchcomms). This package has no ``_comms``,
+# and ``_backend_wrapper`` raises ImportError unless TORCHCOMMS_STANDIN_BACKEND_WRAPPER=1, so by
+# default that probe fails and c10d stays unaware of the stand-in; to let the probe run cleanly
+# mid-import, importing this package must not import torch: names load lazily on first use.
 if TYPE_CHECKING:
     from ._comm import TorchComm, TorchWork, new_comm
     from ._types import (
