@@ -1,1 +1,104 @@
-"""Chaos-testing harness for commlib."""
+"""chaos: break a training job on purpose, and prove it recovered bitwise-exactly.
+
+    report = chaos.run(["kill:rank=1,step=5", "delay:rank=0,step=9"],
+                       trainer_args=["--steps", "12", "--ckpt-every", "2", "--timeout", "3"])
+    assert report.passed, report.summary()
+
+or, from a shell, ``python -m chaos run`` (see ``chaos/__main__.py``).
+
+`run` launches the trainer under torchrun with restarts allowed (`chaos.harness`),
+injects the plan's faults (`chaos.plan`; from outside with signals, or from inside the
+ranks through commlib's hooks: `chaos.inject`), then compares the run with a fault-free
+reference of the same config (`chaos.verify`) and writes ``report.json`` and
+``report.png`` in the run directory (`chaos.report`).
+
+Ranks import `chaos.inject` and `chaos.results`; this package's own import stays light so
+they do not pay for the harness, psutil or matplotlib.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chaos.plan import Plan
+    from chaos.report import Report
+
+DEFAULT_RUNS = "runs"
+
+
+def run(plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | None",
+        run_dir: str | os.PathLike[str] | None = None, trainer_args: Sequence[str] | None = None, *,
+        trainer: str = "chaos.workload.train", nproc_per_node: int = 2, nnodes: int = 1, backend: str = "gloo",
+        timeout_s: float = 600.0, rdzv_endpoint: str | None = None, node_rank: int | None = None,
+        max_restarts: int | None = None, reference_dir: str | os.PathLike[str] | None = None,
+        verify: bool = True, png: bool = True, progress: Callable[[str], None] | None = None) -> "Report":
+    """Run `trainer` under `plan`, verify it against the fault-free reference, and report.
+
+    `plan`: a `Plan`, its dict form, a YAML/JSON file, a list of CLI shorthands
+    (``"kill:rank=1,step=5"``), or None for no faults. It is validated against the world
+    size before anything starts (`chaos.plan.PlanError`).
+    `run_dir`: default a new directory under ``runs/``. `trainer_args`: the trainer's
+    arguments (``{run_dir}`` is replaced); default, for the reference trainer, a small
+    30-step run (`chaos.harness.DEFAULT_TRAINER_ARGS`).
+    `reference_dir`: where fault-free references are cached by config (default
+    ``<run_dir>/../.reference``); `verify=False` skips the reference and the bitwise checks.
+    `timeout_s` bounds each of the faulted and the reference runs; the job is stopped
+    when it expires. Returns the `Report`; `report.passed` is the verdict.
+    """
+    from chaos import harness, verify as verifier
+    from chaos.plan import Plan, load_plan, parse_shorthand
+
+    if plan is None:
+        plan = Plan()
+    elif isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    elif isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(plan)
+    elif not isinstance(plan, Plan):
+        plan = Plan(tuple(parse_shorthand(s) for s in plan))
+    if max_restarts is not None:
+        plan = Plan(plan.faults, max_restarts)
+    if trainer_args is None:
+        trainer_args = harness.DEFAULT_TRAINER_ARGS if trainer == harness.REFERENCE_TRAINER else ()
+    job = harness.Job(trainer=trainer, trainer_args=tuple(trainer_args), nproc_per_node=nproc_per_node,
+                      nnodes=nnodes, backend=backend, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank)
+    plan = plan.resolve(job.world_size)
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
+    outcome = harness.run_job(job, plan, run_dir, timeout_s=timeout_s, progress=progress)
+    root = None
+    if verify:
+        root = Path(reference_dir) if reference_dir is not None else run_dir.absolute().parent / ".reference"
+    report = verifier.verify(job, plan, outcome, reference_root=root, timeout_s=timeout_s, progress=progress)
+    report.write(run_dir, png=png)
+    return report
+
+
+def new_run_dir(base: str | os.PathLike[str] = DEFAULT_RUNS) -> Path:
+    """A fresh directory under `base`, named by the time."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = Path(base) / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"new_run_dir: expected a free name under {base}; found {stamp} to {stamp}-999 taken")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy public names, so `import chaos.inject` in a rank stays cheap.
+    if name in ("Plan", "PlanError", "load_plan", "parse_shorthand"):
+        from chaos import plan
+
+        return getattr(plan, name)
+    if name == "Report":
+        from chaos.report import Report
+
+        return Report
+    raise AttributeError(f"module 'chaos' has no attribute {name!r}")

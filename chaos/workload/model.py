@@ -283,6 +283,17 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def loss_options(cfg: ModelConfig) -> nn.LinearCrossEntropyOptions:
+    """Chunking of the fused head+loss: fixed chunks of ``cfg.loss_batch_chunk`` token rows.
+
+    The automatic chunking (``LinearCrossEntropyOptions()``) picks 8-32-row chunks on CPU
+    and runs up to 5.6x slower than ``nn.Linear`` + ``nn.CrossEntropyLoss``; a fixed chunk
+    matches the reference's speed with the same low peak memory
+    (``scripts/bench_fused_loss.py``).
+    """
+    return nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=cfg.loss_batch_chunk)
+
+
 class Transformer(nn.Module):
     """Decoder-only transformer whose forward returns the mean next-token loss (fp32)."""
 
@@ -296,17 +307,7 @@ class Transformer(nn.Module):
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.dim)
             self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
             self.norm = nn.RMSNorm(cfg.dim)
-            # The automatic chunking (LinearCrossEntropyOptions()) picks 8-32-row chunks on
-            # CPU and runs up to 5.6x slower than nn.Linear + CrossEntropyLoss; a fixed
-            # chunk matches the reference's speed with the same low peak memory
-            # (see scripts/bench_fused_loss.py).
-            self.head = nn.LinearCrossEntropyLoss(
-                cfg.dim,
-                cfg.vocab,
-                options=nn.LinearCrossEntropyOptions(
-                    chunking_method=None, batch_chunk_size=cfg.loss_batch_chunk
-                ),
-            )
+            self.head = nn.LinearCrossEntropyLoss(cfg.dim, cfg.vocab, options=loss_options(cfg))
         self.to_empty(device=device)
         self.init_weights(seed)
 

@@ -107,11 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         code = _exit_code(exc)
         traceback.print_exc()
-        fields = exc.fields() if isinstance(exc, commlib.CommError) else {}
-        # The process-wide `rank` field is the global rank; the error's is its communicator's.
-        fields["comm_rank"] = fields.pop("rank", None)
-        if isinstance(exc, NonFiniteError):
-            fields.update(step=exc.step, ranks=exc.ranks)
+        fields: dict[str, object] = {}
+        if isinstance(exc, commlib.CommError):
+            fields = exc.fields()
+            # Every event's `rank` is the global rank; the error's is its communicator's.
+            fields["comm_rank"] = fields.pop("rank")
+        elif isinstance(exc, NonFiniteError):
+            fields = {"step": exc.step, "ranks": exc.ranks}
         commlib.get_logger().error("train.error", error=str(exc), error_type=type(exc).__name__,
                                    exit_code=code, **fields)
         return code

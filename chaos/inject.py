@@ -1,0 +1,152 @@
+"""The in-rank injector: the faults a rank does to itself, through commlib's public hooks.
+
+A trainer installs it at start with ``install_from_env(comm)``; that returns None unless
+the harness set ``CHAOS_PLAN`` (so it costs nothing outside chaos runs). The trainer then
+calls ``on_step_start(step)`` at the start of every step and
+``on_checkpoint_staged(step)`` once this rank's checkpoint shard is written but before the
+checkpoint is committed. Everything else happens in a process-wide commlib pre-hook, so it
+covers every communicator of the rank, including ones split later.
+
+Faults acted here (the harness does ``kill`` and ``hang`` from outside, with signals):
+
+``delay``     the pre-hook sleeps past the collective's deadline (deadline + margin), so
+              the peers' collective times out and names this rank as the one missing;
+``raise``     the pre-hook raises `InjectedFault` out of the collective;
+``corrupt``   the pre-hook writes NaN into the collective's floating input (the trainer's
+              finite check must catch it before an optimizer step or checkpoint uses it);
+``exit``      the pre-hook calls ``os._exit(code)``;
+``segfault``  the pre-hook dereferences a null pointer (a real SIGSEGV);
+``kill_during_checkpoint``  SIGKILL to this very process from `on_checkpoint_staged`: the
+              shard is on disk, the checkpoint not committed -- exactly the torn moment.
+              Acting from inside the rank is what makes that deterministic: a signal
+              from the harness would have to hit a window of a few milliseconds.
+
+Step-level triggers (step, after_s, p) arm a fault at the start of a step; the fault then
+acts at that step's first collective that passes its op/comm filter (so ``exit`` and
+friends happen mid-step), or at the next staged checkpoint for
+``kill_during_checkpoint``. A ``seq`` trigger acts at that collective. Before acting, the
+firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
+``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``:
+the harness fires its step-triggered external faults when it reads that line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+import commlib
+from commlib.ops import Collective
+from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKind
+
+PLAN_ENV = "CHAOS_PLAN"  # path of the resolved plan (JSON), written by the harness
+STATE_ENV = "CHAOS_STATE_DIR"  # the ledger's directory
+START_ENV = "CHAOS_START_NS"  # wall clock (ns) when the harness launched the job
+
+
+class InjectedFault(RuntimeError):
+    """The exception a ``raise`` fault throws out of a collective."""
+
+
+class Injector:
+    """The faults of one plan that target this rank."""
+
+    def __init__(self, plan: Plan, rank: int, ledger: Ledger, start_ns: int, attempt: int) -> None:
+        self.rank = rank
+        self.attempt = attempt
+        self._ledger = ledger
+        self._start_ns = start_ns
+        self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
+        self._armed: set[int] = set()
+        self.step: int | None = None
+        self._handle = commlib.register_pre_hook(self._pre_hook)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    # -- the trainer's calls -----------------------------------------------------------
+    def on_step_start(self, step: int) -> None:
+        self.step = step
+        # The harness triggers its external faults (kill, hang at step S) on this line.
+        commlib.get_logger().info("chaos.step", step=step)
+        elapsed = (time.time_ns() - self._start_ns) / 1e9
+        for i, f in self._faults:
+            if f.trigger.kind is TriggerKind.SEQ or i in self._armed:
+                continue
+            if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count:
+                self._armed.add(i)
+
+    def on_checkpoint_staged(self, step: int) -> None:
+        for i, f in self._faults:
+            if f.type is FaultType.KILL_DURING_CHECKPOINT and i in self._armed:
+                if self._fire(i, f, step, checkpoint_step=step):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    # -- the hook ----------------------------------------------------------------------
+    def _pre_hook(self, call: Collective) -> None:
+        for i, f in self._faults:
+            if not f.type.in_collective:
+                continue
+            if f.trigger.kind is not TriggerKind.SEQ and i not in self._armed:
+                continue
+            if not f.trigger.matches_call(call.op.value, call.seq, call.comm):
+                continue
+            if f.type is FaultType.CORRUPT and _floating_input(call) is None:
+                continue  # nothing to corrupt in this one; the next floating collective gets it
+            step = self.step if self.step is not None else call.context.get("step")
+            if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm):
+                _act(f, call, self.rank, step)
+
+    def _fire(self, index: int, fault: Fault, step: Any, **where: Any) -> bool:
+        """Claim the firing in the ledger and log it; False when the count is already spent."""
+        self._armed.discard(index)
+        firing = self._ledger.claim(fault, index, self.attempt, step if isinstance(step, int) else None,
+                                    pid=os.getpid(), **where)
+        if firing is None:
+            return False
+        commlib.get_logger().warning("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
+                                     target_rank=self.rank, fault_step=step, **where)
+        return True
+
+
+def _floating_input(call: Collective) -> torch.Tensor | None:
+    return next((t for t in call.inputs() if t.is_floating_point() and t.numel() > 0), None)
+
+
+def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
+    what = f"{call.op} #{call.seq} on {call.comm!r}, rank {rank}, step {step}"
+    if fault.type is FaultType.DELAY:
+        time.sleep(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
+    elif fault.type is FaultType.RAISE:
+        raise InjectedFault(f"chaos: injected fault 'raise' in {what}")
+    elif fault.type is FaultType.CORRUPT:
+        tensor = _floating_input(call)
+        assert tensor is not None
+        with torch.no_grad():
+            tensor.fill_(float("nan"))
+    elif fault.type is FaultType.EXIT:
+        os._exit(fault.code)
+    elif fault.type is FaultType.SEGFAULT:
+        ctypes.string_at(0)  # reads address 0: the kernel sends SIGSEGV
+
+
+def install_from_env(comm: commlib.Communicator | None = None) -> Injector | None:
+    """The injector for this rank when the harness set ``CHAOS_PLAN``, else None.
+
+    `comm` gives the rank (its world rank); without it ``RANK`` from the environment is used.
+    """
+    path = os.environ.get(PLAN_ENV)
+    if not path:
+        return None
+    plan = Plan.from_dict(json.loads(open(path).read()))
+    rank = comm.world_rank if comm is not None else int(os.environ["RANK"])
+    state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
+    start_ns = int(os.environ.get(START_ENV, time.time_ns()))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return Injector(plan, rank, Ledger(state), start_ns, attempt)

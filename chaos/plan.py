@@ -1,0 +1,415 @@
+"""Fault plans: what to break, on which rank, when, and how often -- and the ledger of firings.
+
+A plan is data. It is written as YAML or JSON::
+
+    faults:
+      - {type: kill, rank: 1, step: 12}
+      - {type: delay, rank: 1, step: 22, op: all_reduce}
+      - {type: kill, rank: random, seed: 3, p: 0.2, count: 2}
+    max_restarts: 4          # optional; default: every firing plus RESTART_MARGIN
+
+or on the command line, one fault per ``--fault``: ``kill:rank=1,step=12``.
+
+Every fault has a type, a target rank (an int, or ``random`` drawn from ``seed`` once the
+world size is known), exactly one trigger, and a ``count``: how many times it fires in
+total, across torchrun restarts. Triggers:
+
+``step: S``       at step S (every time step S runs, until ``count`` is spent);
+``seq: N``        at collective sequence number N (in-rank faults; ``op``/``comm`` narrow
+                  it to one op name / communicator name; without ``comm`` any
+                  communicator whose sequence reaches N matches);
+``after_s: T``    at the first step that starts T seconds or more after the job started;
+``p: P``          at each step with probability P, drawn from ``seed``, the fault's index,
+                  the attempt and the step (so a run is reproducible).
+
+Type-specific fields: ``duration_s`` (delay: how long the collective is held, default
+its deadline plus ``DELAY_MARGIN_S``; hang: how long the rank stays stopped, default until
+a survivor reports the failure), ``release`` (hang: ``kill`` or ``cont``), ``code``
+(exit: the exit status, default 1).
+
+`Plan.resolve(world_size)` checks everything against the world size before anything
+starts and returns the plan with random ranks drawn; every error names the field.
+
+The `Ledger` persists firings in the run directory (one file per firing, created with
+O_EXCL *before* the fault acts), so that a restarted rank, or the harness, never fires a
+fault more often than its count, and the report knows exactly what was done and when.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from commlib.ops import OpName
+
+DELAY_MARGIN_S = 1.0
+RESTART_MARGIN = 2
+
+
+class PlanError(ValueError):
+    """A plan that cannot run. `field` is where it is wrong (e.g. ``faults[1].rank``)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class FaultType(str, enum.Enum):
+    KILL = "kill"
+    SEGFAULT = "segfault"
+    EXIT = "exit"
+    HANG = "hang"
+    DELAY = "delay"
+    RAISE = "raise"
+    CORRUPT = "corrupt"
+    KILL_DURING_CHECKPOINT = "kill_during_checkpoint"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def external(self) -> bool:
+        """Applied by the harness from outside, with a signal (the others act inside the rank)."""
+        return self in (FaultType.KILL, FaultType.HANG)
+
+    @property
+    def in_collective(self) -> bool:
+        """Acts inside a collective's pre-hook, so `seq`, `op` and `comm` apply to it."""
+        return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT)
+
+
+class TriggerKind(str, enum.Enum):
+    STEP = "step"
+    SEQ = "seq"
+    AFTER_S = "after_s"
+    P = "p"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Release(str, enum.Enum):
+    KILL = "kill"
+    CONT = "cont"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """When a fault fires: `kind` and its `value`, narrowed by `op`/`comm` for in-collective faults."""
+
+    kind: TriggerKind
+    value: float
+    op: str | None = None
+    comm: str | None = None
+
+    def draw(self, seed: int, index: int, attempt: int, step: int) -> bool:
+        """The `p` trigger's coin for one step: a pure function of its arguments."""
+        digest = hashlib.blake2b(f"{seed}:{index}:{attempt}:{step}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2**64 < self.value
+
+    def matches_step(self, seed: int, index: int, attempt: int, step: int, elapsed_s: float) -> bool:
+        """Whether a step-level trigger (step, after_s, p) holds at the start of `step`."""
+        if self.kind is TriggerKind.STEP:
+            return step == self.value
+        if self.kind is TriggerKind.AFTER_S:
+            return elapsed_s >= self.value
+        if self.kind is TriggerKind.P:
+            return self.draw(seed, index, attempt, step)
+        return False
+
+    def matches_call(self, op: str, seq: int, comm: str) -> bool:
+        """Whether a collective is the one this fault acts on (the seq, and the op/comm filters)."""
+        if self.kind is TriggerKind.SEQ and seq != self.value:
+            return False
+        return (self.op is None or op == self.op) and (self.comm is None or comm == self.comm)
+
+
+@dataclass(frozen=True)
+class Fault:
+    type: FaultType
+    rank: int | str  # an int, or "random" until `Plan.resolve` draws it
+    trigger: Trigger
+    count: int = 1
+    seed: int = 0
+    duration_s: float | None = None
+    release: Release = Release.KILL
+    code: int = 1
+
+    def describe(self) -> str:
+        where = f" op={self.trigger.op}" if self.trigger.op else ""
+        where += f" comm={self.trigger.comm}" if self.trigger.comm else ""
+        value = self.trigger.value
+        shown = int(value) if self.trigger.kind in (TriggerKind.STEP, TriggerKind.SEQ) else value
+        return f"{self.type} rank {self.rank} at {self.trigger.kind}={shown}{where} (x{self.count})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat form plans are written in."""
+        t = self.trigger
+        value: float | int = int(t.value) if t.kind in (TriggerKind.STEP, TriggerKind.SEQ) else t.value
+        out: dict[str, Any] = {"type": self.type.value, "rank": self.rank, t.kind.value: value,
+                               "count": self.count, "seed": self.seed}
+        for name, v in (("op", t.op), ("comm", t.comm)):
+            if v is not None:
+                out[name] = v
+        if self.duration_s is not None:
+            out["duration_s"] = self.duration_s
+        if self.type is FaultType.HANG:
+            out["release"] = self.release.value
+        if self.type is FaultType.EXIT:
+            out["code"] = self.code
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    faults: tuple[Fault, ...] = ()
+    max_restarts: int | None = None
+
+    @property
+    def restarts(self) -> int:
+        """torchrun's --max-restarts: the plan's, or one per possible firing plus RESTART_MARGIN
+        (a restart can itself fail, e.g. when a slow rank misses the backend's connect timeout)."""
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return sum(f.count for f in self.faults) + RESTART_MARGIN if self.faults else 0
+
+    def resolve(self, world_size: int) -> Plan:
+        """Check every fault against `world_size` and draw `random` ranks. Raises PlanError."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise PlanError("world_size", f"expected a positive int; found {world_size!r}")
+        resolved = []
+        for i, f in enumerate(self.faults):
+            rank = f.rank
+            if rank == "random":
+                rank = random.Random(f"{f.seed}:{i}").randrange(world_size)
+            if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+                raise PlanError(f"faults[{i}].rank", f"expected an int in [0, {world_size}) or 'random' for a world "
+                                                     f"of {world_size} ranks; found {f.rank!r} ({f.describe()})")
+            resolved.append(replace(f, rank=rank))
+        return replace(self, faults=tuple(resolved))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"faults": [f.to_dict() for f in self.faults]}
+        if self.max_restarts is not None:
+            out["max_restarts"] = self.max_restarts
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError("plan", f"expected a mapping with 'faults'; found {type(data).__name__}")
+        unknown = sorted(set(data) - {"faults", "max_restarts"})
+        if unknown:
+            raise PlanError(unknown[0], "unknown plan field; expected 'faults' and optionally 'max_restarts'")
+        items = data.get("faults")
+        if items is None:
+            raise PlanError("faults", "missing; expected a list of faults")
+        if not isinstance(items, list):
+            raise PlanError("faults", f"expected a list; found {type(items).__name__}")
+        max_restarts = data.get("max_restarts")
+        if max_restarts is not None:
+            _int("max_restarts", max_restarts, minimum=0)
+        return cls(tuple(parse_fault(item, f"faults[{i}]") for i, item in enumerate(items)), max_restarts)
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """A plan from a .yaml/.yml/.json file."""
+    if not Path(path).is_file():
+        raise PlanError(str(path), "expected a YAML or JSON plan file; found no such file")
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise PlanError(str(path), f"expected a YAML or JSON plan; could not parse it ({exc})") from exc
+    return Plan.from_dict(data)
+
+
+def parse_shorthand(text: str) -> Fault:
+    """A fault from the CLI form ``TYPE:key=value,key=value`` (e.g. ``kill:rank=1,step=5``)."""
+    kind, _, rest = text.partition(":")
+    item: dict[str, Any] = {"type": kind.strip()}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise PlanError(f"--fault {text}", f"expected key=value pairs after 'TYPE:'; found {part!r}")
+        item[key.strip()] = _scalar(value.strip())
+    return parse_fault(item, f"--fault {text}")
+
+
+def _scalar(text: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+_COMMON_FIELDS = {"type", "rank", "count", "seed"} | {k.value for k in TriggerKind}
+_TYPE_FIELDS = {
+    FaultType.DELAY: {"duration_s"},
+    FaultType.HANG: {"duration_s", "release"},
+    FaultType.EXIT: {"code"},
+}
+
+
+def _fields_of(ftype: FaultType) -> set[str]:
+    return _COMMON_FIELDS | ({"op", "comm"} if ftype.in_collective else set()) | _TYPE_FIELDS.get(ftype, set())
+
+
+def parse_fault(item: Any, where: str) -> Fault:
+    """One fault from its flat mapping; every error names `where` and the field."""
+    if not isinstance(item, dict):
+        raise PlanError(where, f"expected a mapping with 'type', 'rank' and a trigger; found {item!r}")
+    if "type" not in item:
+        raise PlanError(f"{where}.type", f"missing; expected one of {[t.value for t in FaultType]}")
+    try:
+        ftype = FaultType(item["type"])
+    except ValueError:
+        raise PlanError(f"{where}.type", f"unknown fault {item['type']!r}; expected one of "
+                                         f"{[t.value for t in FaultType]}") from None
+    allowed = _fields_of(ftype)
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise PlanError(f"{where}.{unknown[0]}", f"unknown field for a {ftype} fault; expected some of "
+                                                 f"{sorted(allowed)}")
+    if "rank" not in item:
+        raise PlanError(f"{where}.rank", "missing; expected a rank (an int >= 0) or 'random'")
+    rank = item["rank"]
+    if rank != "random":
+        _int(f"{where}.rank", rank, minimum=0)
+    trigger = _trigger(ftype, item, where)
+    count = _int(f"{where}.count", item.get("count", 1), minimum=1)
+    seed = _int(f"{where}.seed", item.get("seed", 0), minimum=0)
+    duration = item.get("duration_s")
+    if duration is not None:
+        _number(f"{where}.duration_s", duration, positive=True)
+    try:
+        release = Release(item.get("release", "kill"))
+    except ValueError:
+        raise PlanError(f"{where}.release", f"expected 'kill' or 'cont'; found {item['release']!r}") from None
+    code = _int(f"{where}.code", item.get("code", 1), minimum=0)
+    if code > 255:
+        raise PlanError(f"{where}.code", f"expected an exit status in [0, 255]; found {code}")
+    return Fault(ftype, rank, trigger, count, seed, float(duration) if duration is not None else None,
+                 release, code)
+
+
+def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
+    given = [k for k in TriggerKind if k.value in item]
+    if len(given) != 1:
+        found = f"found {[k.value for k in given]}" if given else "found none"
+        raise PlanError(f"{where}.trigger", f"expected exactly one trigger of "
+                                            f"{[k.value for k in TriggerKind]}; {found}")
+    kind = given[0]
+    name = f"{where}.{kind.value}"
+    raw = item[kind.value]
+    if kind in (TriggerKind.STEP, TriggerKind.SEQ):
+        value = float(_int(name, raw, minimum=0 if kind is TriggerKind.STEP else 1))
+    elif kind is TriggerKind.AFTER_S:
+        value = _number(name, raw, positive=False)
+    else:
+        value = _number(name, raw, positive=True)
+        if value > 1:
+            raise PlanError(name, f"expected a probability in (0, 1]; found {raw!r}")
+    if kind is TriggerKind.SEQ and not ftype.in_collective:
+        raise PlanError(name, f"a {ftype} fault cannot be triggered by a collective sequence number; "
+                              f"expected one of step, after_s, p")
+    op, comm = item.get("op"), item.get("comm")
+    if op is not None and op not in {o.value for o in OpName}:
+        raise PlanError(f"{where}.op", f"unknown op {op!r}; expected one of {[o.value for o in OpName]}")
+    if comm is not None and (not isinstance(comm, str) or not comm):
+        raise PlanError(f"{where}.comm", f"expected a communicator name; found {comm!r}")
+    return Trigger(kind, value, op, comm)
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise PlanError(name, f"expected an int >= {minimum}; found {value!r}")
+    if value < minimum:
+        raise PlanError(name, f"expected an int >= {minimum}; found {value}")
+    return value
+
+
+def _number(name: str, value: Any, positive: bool) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise PlanError(name, f"expected a number; found {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise PlanError(name, f"expected a {'positive' if positive else 'non-negative'} number; found {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Firing:
+    """One firing of one fault, as the ledger holds it."""
+
+    index: int  # the fault's position in the plan
+    n: int  # 1-based: the n-th firing of that fault
+    type: str
+    rank: int
+    attempt: int
+    ts_ns: int  # wall clock when the fault acted (just before)
+    step: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Firing:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class Ledger:
+    """Firings of a plan's faults, one small JSON file per firing under `directory`.
+
+    The harness and every rank share it (through the run directory), so a fault with
+    count N fires N times in all, however many times torchrun restarts the job.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def fired(self, index: int) -> int:
+        return len(list(self.directory.glob(f"fault{index}.*.json")))
+
+    def total(self) -> int:
+        return len(list(self.directory.glob("fault*.json")))
+
+    def claim(self, fault: Fault, index: int, attempt: int, step: int | None = None,
+              **detail: Any) -> Firing | None:
+        """Record the next firing of `fault` before it acts; None when its count is spent."""
+        for n in range(self.fired(index) + 1, fault.count + 1):
+            firing = Firing(index, n, fault.type.value, int(fault.rank), attempt, time.time_ns(), step, detail)
+            try:
+                fd = os.open(self.directory / f"fault{index}.{n}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                continue  # someone else took number n: try the next one
+            with os.fdopen(fd, "w") as f:
+                json.dump(firing.__dict__, f)
+            return firing
+        return None
+
+    def firings(self) -> list[Firing]:
+        """Every firing so far, in the order they happened."""
+        out = []
+        for path in self.directory.glob("fault*.json"):
+            try:
+                out.append(Firing.from_dict(json.loads(path.read_text())))
+            except (ValueError, TypeError):
+                continue  # a firing being written right now: it is read on the next call
+        return sorted(out, key=lambda f: (f.ts_ns, f.index, f.n))

@@ -1,0 +1,188 @@
+"""The report of a chaos run: `Report`, and its three renderings.
+
+- `Report.summary()`: the text printed on the terminal;
+- ``report.json`` (`Report.to_dict`): ``passed``, ``checks`` (name -> bool, only the
+  checks that ran), ``bitwise_verified`` and, when false, ``bitwise_reason``, ``faults``
+  (one entry per firing: ``type``, ``rank``, ``injected_at``, ``detected_after_s``,
+  ``first_step_after_s``, ``diagnosis`` and more), the doctor's findings per attempt, the
+  job, the plan, and the step timeline;
+- ``report.png``: loss per step of the reference and of the faulted run (every execution,
+  re-executed steps included, coloured by attempt), and the faulted run's progress on a
+  time axis with faults, detections, restarts, first steps after them and the checkpoint
+  each restart resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class FaultResult:
+    """One firing of one fault, and how the job recovered from it. Times in seconds."""
+
+    type: str
+    index: int  # the fault's position in the plan
+    firing: int  # the n-th firing of that fault
+    rank: int
+    step: int | None
+    attempt: int
+    pid: int | None
+    node: int | None  # the agent (node) the faulted process ran under, for external faults
+    injected_at: float  # since the job was launched
+    injected_ts_ns: int
+    detected_after_s: float | None = None
+    detected_by: dict[str, Any] | None = None  # rank, event, error_type of the first typed error
+    restart_after_s: float | None = None
+    first_step_after_s: float | None = None
+    resumed_from: int | None = None  # the checkpoint step the next attempt loaded (0: none)
+    steps_reexecuted: int | None = None
+    released_after_s: float | None = None  # hang: when the stopped rank was let go
+    checkpoint_step: int | None = None  # kill_during_checkpoint: the checkpoint it tore
+    diagnosis: dict[str, Any] | None = None  # the doctor's finding for the attempt it broke
+
+
+@dataclass
+class Report:
+    passed: bool
+    checks: dict[str, bool]
+    bitwise_verified: bool
+    run_dir: str
+    faults: list[FaultResult] = field(default_factory=list)
+    bitwise_reason: str | None = None  # why the bitwise check could not run
+    problems: list[str] = field(default_factory=list)  # what each failed check found
+    notes: list[str] = field(default_factory=list)  # worth knowing, though no check failed on it
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # the doctor's findings
+    diagnosis_error: str | None = None
+    reference_dir: str | None = None
+    job: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    exit_codes: list[int | None] = field(default_factory=list)
+    timed_out: bool = False
+    duration_s: float = 0.0
+    cold_start_s: float | None = None  # launch to the first completed step
+    steps_done: int = 0
+    restarts: int = 0
+    timeline: list[dict[str, Any]] = field(default_factory=list)  # completed step executions
+    reference_losses: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, run_dir: str | Path | None = None, png: bool = True) -> None:
+        """``report.json`` (and ``report.png``) in the run directory."""
+        directory = Path(run_dir or self.run_dir)
+        (directory / "report.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        if png:
+            plot(self, directory / "report.png")
+
+    def summary(self) -> str:
+        verdict = "PASSED" if self.passed else "FAILED"
+        held = sum(self.checks.values())
+        job = self.job
+        lines = [f"chaos run {self.run_dir}: {verdict} ({held}/{len(self.checks)} checks held)",
+                 f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({job.get('backend')}), "
+                 f"{self.steps_done} steps, {self.restarts} restarts, {self.duration_s:.1f} s"
+                 + (f", cold start to first step {self.cold_start_s:.1f} s" if self.cold_start_s else "")]
+        if self.timed_out:
+            lines.append("  the harness's timeout expired: the job was stopped")
+        lines.append(f"  faults ({len(self.faults)} fired):")
+        for f in self.faults:
+            lines.append(f"    {_describe(f)}")
+            if f.diagnosis:
+                lines.append(f"      doctor, attempt {f.attempt}: {f.diagnosis.get('status')}, culprits "
+                             f"{f.diagnosis.get('culprits')}")
+                for p in f.diagnosis.get("problems", [])[:2]:
+                    lines.append(f"        {p.get('kind')} {p.get('ranks')}: {p.get('message', '')[:140]}")
+        if self.diagnosis_error:
+            lines.append(f"  doctor: {self.diagnosis_error}")
+        lines.append("  checks:")
+        for name, ok in self.checks.items():
+            lines.append(f"    [{'ok' if ok else 'FAILED'}] {name}")
+        for p in self.problems:
+            lines.append(f"    - {p}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        if not self.bitwise_verified:
+            lines += ["  " + "!" * 78,
+                      f"  !! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}",
+                      "  !! `passed` covers only the checks above; recovery was NOT proven bitwise-exact.",
+                      "  " + "!" * 78]
+        lines.append(f"  report: {Path(self.run_dir) / 'report.json'}, {Path(self.run_dir) / 'report.png'}")
+        return "\n".join(lines)
+
+
+def _describe(f: FaultResult) -> str:
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f} s"
+
+    where = f" at step {f.step}" if f.step is not None else ""
+    detected = s(f.detected_after_s)
+    if f.detected_by:
+        detected += f" ({f.detected_by.get('event')} on rank {f.detected_by.get('rank')})"
+    extra = f", released after {s(f.released_after_s)}" if f.released_after_s is not None else ""
+    if f.checkpoint_step is not None:
+        extra += f", tore checkpoint {f.checkpoint_step}"
+    return (f"{f.type} rank {f.rank}{where} (attempt {f.attempt}, t={f.injected_at:.1f} s): detected {detected}, "
+            f"restart {s(f.restart_after_s)}, first step after {s(f.first_step_after_s)}, resumed from "
+            f"{f.resumed_from}, {f.steps_reexecuted} step(s) re-executed{extra}")
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_time) = plt.subplots(2, 1, figsize=(11, 8))
+    attempts = sorted({t["attempt"] for t in report.timeline})
+    colors = plt.get_cmap("tab10")
+    if report.reference_losses:
+        ax_loss.plot(range(1, len(report.reference_losses) + 1), report.reference_losses, color="black",
+                     lw=1.5, label="reference (fault-free)")
+    for a in attempts:
+        pts = [t for t in report.timeline if t["attempt"] == a and t["loss"] is not None]
+        ax_loss.scatter([t["step"] for t in pts], [t["loss"] for t in pts], s=22, color=colors(a % 10),
+                        label=f"faulted run, attempt {a}", zorder=3)
+        ax_time.plot([t["t"] for t in pts], [t["step"] for t in pts], "o-", ms=3, color=colors(a % 10),
+                     label=f"attempt {a}")
+    for f in report.faults:
+        if f.step is not None:
+            ax_loss.axvline(f.step, color="red", ls=":", lw=1)
+        if f.resumed_from is not None:
+            ax_loss.axvline(f.resumed_from + 0.5, color="green", ls="--", lw=1)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("loss per step (red: fault step, green: resumed after checkpoint)")
+    if ax_loss.get_legend_handles_labels()[0]:
+        ax_loss.legend(fontsize=8)
+
+    marks = (("fault", "injected", "red", "-"), ("detected", "detected_after_s", "orange", "--"),
+             ("restart", "restart_after_s", "blue", ":"), ("first step", "first_step_after_s", "green", "-."))
+    labelled: set[str] = set()
+    for f in report.faults:
+        for label, attr, color, style in marks:
+            offset = 0.0 if attr == "injected" else getattr(f, attr)
+            if offset is None:
+                continue
+            ax_time.axvline(f.injected_at + offset, color=color, ls=style, lw=1.2,
+                            label=label if label not in labelled else None)
+            labelled.add(label)
+        ax_time.annotate(f"{f.type} r{f.rank}", (f.injected_at, ax_time.get_ylim()[1]), rotation=90,
+                         va="top", ha="right", fontsize=8, color="red")
+        if f.resumed_from is not None and f.restart_after_s is not None:
+            ax_time.plot([f.injected_at + f.restart_after_s], [f.resumed_from], marker=">", color="green", ms=8,
+                         label="resumed from" if "resumed" not in labelled else None)
+            labelled.add("resumed")
+    ax_time.set_xlabel("seconds since launch")
+    ax_time.set_ylabel("step completed")
+    ax_time.set_title("faulted run over time")
+    if ax_time.get_legend_handles_labels()[0]:
+        ax_time.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"chaos run: {'PASSED' if report.passed else 'FAILED'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,367 @@
+"""Verification: the fault-free reference, the bitwise comparison, and recovery timings.
+
+- `ensure_reference` runs the job without faults once per configuration and caches it
+  under ``{root}/{key}/`` (`reference_key`: trainer, its arguments, world size, backend,
+  torch version and the trainer's source files); concurrent callers (parallel tests)
+  wait on a file lock instead of computing it twice.
+- `compare` holds a faulted run's results file against the reference's: every step's
+  loss bitwise equal (compared as ``float.hex``), every step exactly once in the final
+  history (same steps in the same order as the reference, none missing, none doubled),
+  final model and optimizer state digests equal.
+- `analyze` measures each firing from the ranks' logs, the harness's journal, the
+  torchrun agents' logs and the ledger, all on the wall clock of this machine: detection
+  (fault to the first typed error on a survivor -- for ``corrupt`` on any rank, since the
+  corrupted rank itself only finds out through the finite check -- or to the torchrun
+  agent acting on the failed worker, whichever comes first), restart (fault to the first line of a
+  process started after it), first completed step after the fault, the checkpoint step
+  resumed from, and the steps executed again; and attaches the doctor's diagnosis of
+  the attempt the fault broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chaos.harness import TYPED_ERRORS, Job, JobOutcome, journal, run_job
+from chaos.plan import FaultType, Ledger, Plan, TriggerKind
+from chaos.report import FaultResult, Report
+from chaos.results import read_results
+from commlib.observe.log import read_events
+
+RESULTS = "results.json"
+
+
+class ReferenceError(RuntimeError):
+    """The fault-free reference run itself failed: nothing can be verified against it."""
+
+
+def reference_key(job: Job) -> str:
+    """What determines the reference run's numbers, hashed. The launch topology is not part of it:
+    the same world size must give the same numbers however it is spread over nodes."""
+    data = {"trainer": job.trainer, "trainer_args": list(job.trainer_args), "world_size": job.world_size,
+            "backend": job.backend, "torch": torch.__version__, "sources": _source_digest(job)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _source_digest(job: Job) -> str:
+    """The trainer's own files (its directory's .py files), so an edited trainer is not
+    compared with a stale reference."""
+    if job.is_script:
+        origin = Path(job.trainer)
+    else:
+        spec = importlib.util.find_spec(job.trainer)
+        origin = Path(spec.origin) if spec is not None and spec.origin else Path(job.trainer)
+    digest = hashlib.sha256()
+    for path in sorted(origin.parent.glob("*.py")) if origin.exists() else []:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float = 600.0,
+                     progress: Callable[[str], None] | None = None) -> Path:
+    """The directory of the cached fault-free run of `job` (with its results file), run if missing."""
+    root = Path(root).absolute()
+    key = reference_key(job)
+    final = root / key
+    with _locked(root / f"{key}.lock"):
+        if (final / RESULTS).is_file():
+            return final
+        work = root / f"{key}.tmp-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        shown = None if progress is None else (lambda line: progress(f"fault-free reference: {line}"))
+        outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
+        if not outcome.ok or not (work / RESULTS).is_file():
+            why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
+            raise ReferenceError(f"the fault-free reference run {why} without a results file; "
+                                 f"see {work}/torchrun0.log and {work}/logs")
+        (work / "outcome.json").write_text(json.dumps({"cold_start_s": outcome.cold_start_s}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(work, final)
+    return final
+
+
+@dataclass
+class Comparison:
+    checks: dict[str, bool] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
+    """Bitwise comparison of two results files (as `chaos.results.read_results` returns them)."""
+    out = Comparison()
+    got = [x.hex() for x in faulted["losses"]]
+    want = [x.hex() for x in reference["losses"]]
+    differing = [i for i in range(min(len(got), len(want))) if got[i] != want[i]]
+    out.checks["losses_bitwise"] = len(got) == len(want) and not differing
+    if len(got) != len(want):
+        out.problems.append(f"losses: expected {len(want)} steps as in the reference; found {len(got)}")
+    if differing:
+        i = differing[0]
+        out.problems.append(f"losses: {len(differing)} step(s) differ from the reference, first at index {i}: "
+                            f"expected {float.fromhex(want[i])!r}; found {float.fromhex(got[i])!r}")
+
+    want_steps = _history_steps(reference) or list(range(1, int(reference["steps"]) + 1))
+    got_steps = _history_steps(faulted)
+    if got_steps is not None:
+        out.checks["history_exact"] = got_steps == want_steps
+        if got_steps != want_steps:
+            doubled = sorted({s for s in got_steps if got_steps.count(s) > 1})
+            missing = sorted(set(want_steps) - set(got_steps))
+            out.problems.append(f"history: expected steps {want_steps[0]}..{want_steps[-1]} once each, in order; "
+                                f"found doubled {doubled}, missing {missing}")
+
+    got_digest, want_digest = faulted["state_digest"], reference["state_digest"]
+    out.checks["state_bitwise"] = got_digest["total"] == want_digest["total"]
+    if not out.checks["state_bitwise"]:
+        names = sorted(k for k in want_digest["tensors"].keys() | got_digest["tensors"].keys()
+                       if want_digest["tensors"].get(k) != got_digest["tensors"].get(k))
+        out.problems.append(f"state: expected the reference's final model and optimizer state; "
+                            f"{len(names)} tensor(s) differ: {names[:5]}")
+    return out
+
+
+def _history_steps(results: dict[str, Any]) -> list[int] | None:
+    history = results.get("history")
+    if not isinstance(history, list):
+        return None
+    return [int(h["step"]) for h in history]
+
+
+# torchrun's agent logs (glog style, local time) the moment it acts on a failed worker.
+_AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] "
+                         r"(?:failed \(exitcode: (-?\d+)\) local_rank: (\d+)|Sending process (\d+) closing signal)")
+
+
+def agent_detections(run_dir: Path, year: int) -> list[tuple[int, int, str]]:
+    """(wall clock ns, node, line) of every line where a torchrun agent reacted to a failed worker.
+
+    A survivor busy computing when a peer dies may be stopped by the agent before it
+    reaches a collective that would fail, so the agent's reaction counts as detection too.
+    """
+    out = []
+    for path in sorted(run_dir.glob("torchrun*.log")):
+        node = int(path.stem.removeprefix("torchrun") or 0)
+        for line in path.read_text(errors="replace").splitlines():
+            m = _AGENT_LINE.match(line)
+            if m:
+                month, day, hh, mm, ss, us = (int(x) for x in m.groups()[:6])
+                when = datetime.datetime(year, month, day, hh, mm, ss, us).timestamp()
+                out.append((int(when * 1e9), node, line.split("] ", 1)[1][:200]))
+    return sorted(out)
+
+
+@dataclass
+class _Proc:
+    rank: int
+    first_ns: int
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "logs").glob("rank*.jsonl")):
+        events.extend(read_events(path))
+    events.sort(key=lambda e: e.get("ts_ns", 0))
+    return events
+
+
+def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[FaultResult], list[dict[str, Any]]]:
+    """Every firing of the run with its recovery timings, and the step timeline of the run
+    (one entry per completed step execution on the lowest rank: t, step, loss, attempt)."""
+    run_dir = Path(run_dir)
+    events = _events(run_dir)
+    procs: dict[int, _Proc] = {}
+    for e in events:
+        if isinstance(e.get("pid"), int) and e["pid"] not in procs:
+            procs[e["pid"]] = _Proc(int(e.get("rank", -1)), int(e["ts_ns"]))
+    steps = [e for e in events if e.get("event") == "train.step"]
+    lowest = min((int(e["rank"]) for e in steps), default=0)
+    lead = [e for e in steps if e.get("rank") == lowest]
+    releases = {(n["index"], n["pid"]): n for n in journal(run_dir) if n.get("event") == "chaos.release"}
+    start = outcome.start_ns
+    agents = agent_detections(run_dir, datetime.datetime.fromtimestamp(start / 1e9).year)
+
+    results = []
+    firings = Ledger(run_dir / "chaos_state").firings()
+    for k, f in enumerate(firings):
+        # The processes of the attempt this fault caused: started after it, before the next fault.
+        until = firings[k + 1].ts_ns if k + 1 < len(firings) else float("inf")
+        new = {p for p, info in procs.items() if f.ts_ns < info.first_ns < until}
+        old = {p for p, info in procs.items() if info.first_ns < f.ts_ns}
+        pid = f.detail.get("pid")
+        r = FaultResult(type=f.type, index=f.index, firing=f.n, rank=f.rank, step=f.step, attempt=f.attempt,
+                        pid=pid, node=f.detail.get("node"), injected_at=(f.ts_ns - start) / 1e9,
+                        injected_ts_ns=f.ts_ns)
+        if f.type == FaultType.KILL_DURING_CHECKPOINT.value:
+            r.checkpoint_step = f.detail.get("checkpoint_step")
+        release = releases.get((f.index, pid))
+        end_ns = f.ts_ns
+        if release is not None:
+            r.released_after_s = (release["ts_ns"] - f.ts_ns) / 1e9
+            end_ns = release["ts_ns"]
+        survivors_only = f.type != FaultType.CORRUPT.value
+        detection = next((e for e in events if e.get("event") in TYPED_ERRORS and e["ts_ns"] >= f.ts_ns
+                          and procs[e["pid"]].first_ns < f.ts_ns and not (survivors_only and e["pid"] == pid)),
+                         None)
+        agent = next((a for a in agents if a[0] >= f.ts_ns), None)
+        if detection is not None and (agent is None or detection["ts_ns"] <= agent[0]):
+            r.detected_after_s = (detection["ts_ns"] - f.ts_ns) / 1e9
+            r.detected_by = {"rank": detection.get("rank"), "event": detection.get("event"),
+                             "error_type": detection.get("error_type")}
+        elif agent is not None:
+            r.detected_after_s = (agent[0] - f.ts_ns) / 1e9
+            r.detected_by = {"node": agent[1], "event": "torchrun.agent", "line": agent[2]}
+        if new:
+            r.restart_after_s = (min(procs[p].first_ns for p in new) - f.ts_ns) / 1e9
+            after = [e for e in lead if e["pid"] in new]
+            resume = next((e for e in events if e["pid"] in new and e.get("event") == "ckpt.resume"), None)
+            r.resumed_from = int(resume["step"]) if resume is not None else (0 if after else None)
+        else:
+            after = [e for e in lead if e["ts_ns"] > end_ns]
+        if after:
+            r.first_step_after_s = (after[0]["ts_ns"] - f.ts_ns) / 1e9
+        # Steps the broken attempt had completed that its successor ran again.
+        done = {int(e["step"]) for e in lead if e["pid"] in old}
+        r.steps_reexecuted = len({int(e["step"]) for e in lead if e["pid"] in new} & done)
+        results.append(r)
+
+    timeline = [{"t": (e["ts_ns"] - start) / 1e9, "step": int(e["step"]), "loss": e.get("loss"),
+                 "attempt": int(e.get("attempt", 0))} for e in lead]
+    return results, timeline
+
+
+def diagnose(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], str | None]:
+    """The doctor's findings per attempt, as dicts; or an empty list and why there are none."""
+    try:
+        from commlib.observe.doctor import diagnose as doctor_diagnose
+    except ImportError as exc:
+        return [], f"the doctor (commlib.observe.doctor) is not available: {exc}"
+    try:
+        found = doctor_diagnose(Path(run_dir) / "logs").to_dict()
+    except Exception as exc:  # a report without a diagnosis beats no report
+        return [], f"the doctor failed on {run_dir}/logs: {type(exc).__name__}: {exc}"
+    return list(found.get("attempts", [])), None
+
+
+def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:
+    """Whether a doctor finding blames `rank`: among the culprits of its headline problem."""
+    return bool(finding) and rank in (finding.get("culprits") or [])
+
+
+def load_results(directory: Path) -> dict[str, Any] | None:
+    path = directory / RESULTS
+    return read_results(path) if path.is_file() else None
+
+
+def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | os.PathLike[str] | None,
+           timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> Report:
+    """Every check of a finished run, as a `Report` (not yet written to disk).
+
+    `reference_root` None skips the reference (and so the bitwise checks).
+    """
+    run_dir = outcome.run_dir
+    faults, timeline = analyze(run_dir, outcome)
+    attempts, diagnosis_error = diagnose(run_dir)
+    by_attempt = {a.get("attempt"): a for a in attempts}
+    for f in faults:
+        f.diagnosis = by_attempt.get(f.attempt)
+
+    checks: dict[str, bool] = {"job_completed": outcome.ok}
+    problems: list[str] = []
+    if not outcome.ok:
+        why = "timed out" if outcome.timed_out else "was interrupted" if outcome.interrupted else \
+            f"agents exited with {outcome.exit_codes}"
+        problems.append(f"job_completed: expected every torchrun agent to exit 0; the job {why} "
+                        f"(see {run_dir}/torchrun0.log)")
+    fired = {f.index for f in faults}
+    unfired = [f"faults[{i}] {flt.describe()}" for i, flt in enumerate(plan.faults)
+               if i not in fired and flt.trigger.kind is not TriggerKind.P]
+    if plan.faults:
+        checks["faults_injected"] = not unfired
+        if unfired:
+            problems.append(f"faults_injected: expected every planned fault to fire; never fired: {unfired}")
+    if faults:
+        stuck = [f for f in faults if f.first_step_after_s is None]
+        checks["recovered"] = not stuck
+        if stuck:
+            problems.append("recovered: expected a completed step after every fault; none after "
+                            + ", ".join(f"{f.type} rank {f.rank} at t={f.injected_at:.1f} s" for f in stuck))
+    torn = [f for f in faults if f.type == FaultType.KILL_DURING_CHECKPOINT.value]
+    if torn:
+        loaded = [f for f in torn if f.checkpoint_step is None or f.resumed_from is None
+                  or f.resumed_from >= f.checkpoint_step]
+        checks["torn_checkpoint_not_loaded"] = not loaded
+        if loaded:
+            problems.append("torn_checkpoint_not_loaded: expected each restart to resume from a checkpoint before "
+                            "the torn one; found " + ", ".join(f"torn {f.checkpoint_step}, resumed {f.resumed_from}"
+                                                               for f in loaded))
+    blamed = [f for f in faults if f.type in (FaultType.HANG.value, FaultType.DELAY.value)]
+    if blamed:
+        unnamed = [f for f in blamed if not names_rank(f.diagnosis, f.rank)]
+        checks["diagnosis_names_faulted_rank"] = not unnamed
+        if unnamed:
+            problems.append("diagnosis_names_faulted_rank: expected the doctor to name the faulted rank for "
+                            + ", ".join(f"{f.type} rank {f.rank} (attempt {f.attempt})" for f in unnamed)
+                            + (f"; {diagnosis_error}" if diagnosis_error else ""))
+
+    mine = load_results(run_dir)
+    reference_dir: Path | None = None
+    reference_losses: list[float] = []
+    reason = None
+    if mine is None:
+        reason = (f"the job did not finish, so it wrote no results file ({run_dir / RESULTS})" if not outcome.ok else
+                  f"the trainer wrote no results file ({run_dir / RESULTS}); write one with "
+                  f"chaos.results.write_results (pass --results {{run_dir}}/{RESULTS})")
+    elif reference_root is None:
+        reason = "no reference run was asked for"
+    else:
+        try:
+            reference_dir = ensure_reference(job, reference_root, timeout_s=timeout_s, progress=progress)
+        except ReferenceError as exc:
+            reason = str(exc)
+            checks["reference_run"] = False
+            problems.append(f"reference_run: {exc}")
+        else:
+            reference = load_results(reference_dir)
+            assert reference is not None
+            reference_losses = list(reference["losses"])
+            comparison = compare(mine, reference)
+            checks.update(comparison.checks)
+            problems += comparison.problems
+
+    notes = []
+    if outcome.restarts > len(faults):
+        notes.append(f"{outcome.restarts - len(faults)} restart(s) beyond the {len(faults)} injected fault(s): "
+                     f"attempts that failed on their own (see {run_dir}/torchrun*.log)")
+    return Report(passed=all(checks.values()), checks=checks, bitwise_verified=reason is None, run_dir=str(run_dir),
+                  faults=faults, bitwise_reason=reason, problems=problems, notes=notes, attempts=attempts,
+                  diagnosis_error=diagnosis_error, reference_dir=str(reference_dir) if reference_dir else None,
+                  job=job.to_dict(), plan=plan.to_dict(), exit_codes=outcome.exit_codes, timed_out=outcome.timed_out,
+                  duration_s=(outcome.end_ns - outcome.start_ns) / 1e9, cold_start_s=outcome.cold_start_s,
+                  steps_done=max((t["step"] for t in timeline), default=0), restarts=outcome.restarts,
+                  timeline=timeline,
+                  reference_losses=reference_losses)

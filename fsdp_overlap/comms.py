@@ -1,0 +1,120 @@
+"""FSDP2's all-gather and reduce-scatter, issued through commlib Communicators.
+
+`CommlibAllGather` and `CommlibReduceScatter` implement FSDP2's `AllGather` /
+`ReduceScatter` extension points (`FSDPModule.set_custom_all_gather` /
+`set_custom_reduce_scatter`), so every FSDP collective takes commlib's one path: deadline,
+typed errors, structured log, flight recorder, progress board, hooks. They use only the
+public `Communicator` API, so they work the same over the c10d and torchcomms backends.
+The `group` FSDP passes (the mesh's process group) is only checked for its size: the
+communicator chosen at construction is what carries the data.
+
+FSDP waits on an async all-gather only if the handle is a `torch.distributed.Work`
+(`isinstance` checks in `foreach_all_gather_copy_out`, `finalize_backward` and
+`_reset_iter_state`), so `FSDPWork` subclasses it and forwards `wait` to commlib's
+`Work.wait`. Each such wait logs an `fsdp.wait` event (`comm`, `op`, `seq`, `wait_s`: how
+long the training thread was blocked; `done_before_wait`: the op had already completed
+when the wait began), which `fsdp_overlap.timeline` uses to tell the exposed part of an
+async collective from the part hidden behind compute, and a certain flight from a
+possibly overstated one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import commlib
+from commlib.dist import to_reduction
+from fsdp_overlap._fsdp_internals import AllGather, ReduceScatter
+
+WAIT_EVENT = "fsdp.wait"
+
+
+def to_commlib_reduction(op: Any) -> commlib.ReduceOp | commlib.PremulSum:
+    """The commlib reduction for the `torch.distributed` reduction FSDP passes.
+
+    FSDP passes a bare `ReduceOp.RedOpType` (`SUM`, `AVG`) or, with a custom gradient
+    divide factor, a `ReduceOp` object made by `ReduceOp.PREMUL_SUM(factor)`, whose
+    `.op` and `.factor` carry the kind and the factor.
+    """
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        if op is kind:
+            raise TypeError("fsdp_overlap: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
+        factor = op.factor
+        return commlib.premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
+    return to_reduction(kind)
+
+
+class FSDPWork(dist.Work):
+    """A `torch.distributed.Work` whose `wait` is commlib's `Work.wait` (deadline and all)."""
+
+    def __init__(self, work: commlib.Work) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done_before_wait = self._work.is_completed()
+        started = time.monotonic_ns()
+        # FSDP calls wait() without a timeout; a timedelta(0) from c10d code means "none".
+        self._work.wait(timeout if timeout else None)
+        call = self._work.call
+        commlib.get_logger().info(WAIT_EVENT, comm=call.comm, op=call.op.value, seq=call.seq,
+                                  wait_s=(time.monotonic_ns() - started) / 1e9, done_before_wait=done_before_wait)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _CommlibComm:
+    """Allocation and the group check shared by both collectives."""
+
+    kind = "collective"
+
+    def __init__(self, comm: commlib.Communicator) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check_group(self, group: dist.ProcessGroup) -> None:
+        if group.size() != self.comm.size:
+            raise ValueError(f"fsdp_overlap {self.kind} on {self.comm.name!r} rank {self.comm.rank}: expected "
+                             f"FSDP's group to have the communicator's {self.comm.size} ranks; found "
+                             f"{group.size()}")
+
+    @staticmethod
+    def _wrap(work: commlib.Work | None) -> FSDPWork | None:
+        return None if work is None else FSDPWork(work)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.comm.name!r})"
+
+
+class CommlibAllGather(_CommlibComm, AllGather):
+    """FSDP2 all-gather as `comm.all_gather_single`."""
+
+    kind = "all-gather"
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> FSDPWork | None:
+        self._check_group(group)
+        return self._wrap(self.comm.all_gather_single(output_tensor, input_tensor, async_op=async_op))
+
+
+class CommlibReduceScatter(_CommlibComm, ReduceScatter):
+    """FSDP2 reduce-scatter as `comm.reduce_scatter_single`, with FSDP's reduction mapped to commlib's."""
+
+    kind = "reduce-scatter"
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> FSDPWork | None:
+        self._check_group(group)
+        return self._wrap(self.comm.reduce_scatter_single(output_tensor, input_tensor, to_commlib_reduction(op),
+                                                          async_op=async_op))

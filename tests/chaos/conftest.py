@@ -1,0 +1,59 @@
+"""Shared setup of the chaos tests: one cache of fault-free references, the tiny trainer
+config every run uses, and the check that a run left no process behind."""
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from chaos.harness import RUN_DIR_ENV
+
+# The collective deadline of the chaos tests. Not shorter: under the whole suite's load on 2
+# cores, the two ranks of a fresh attempt reach their first backward collective up to ~3.3 s
+# apart (each compiles FlexAttention in its first forward), and a 3 s deadline made 6 of 10
+# runs spend their restarts on step-1 timeouts no fault had caused.
+DEADLINE_S = 10.0
+# The smallest reference trainer run that still checkpoints and restarts: 8 steps,
+# checkpoints every 2.
+TINY = ("--steps", "8", "--ckpt-every", "2", "--timeout", str(DEADLINE_S), "--dim", "16", "--layers", "2",
+        "--heads", "2", "--seq-len", "64", "--vocab", "64", "--batch-size", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_args():
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def deadline_s():
+    return DEADLINE_S
+
+
+@pytest.fixture(scope="session")
+def reference_dir(tmp_path_factory):
+    """One reference cache for the whole session, shared by pytest-xdist workers (a file
+    lock in `chaos.verify.ensure_reference` makes the first caller compute it, the rest wait)."""
+    base = tmp_path_factory.getbasetemp()
+    if base.name.startswith("popen-gw"):
+        base = base.parent
+    path = base / "chaos-reference"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _processes_of(run_dir: Path) -> list[psutil.Process]:
+    """Every live process started for the run: all of them inherit its CHAOS_RUN_DIR."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get(RUN_DIR_ENV) == str(run_dir.absolute()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture
+def leftovers():
+    """leftovers(run_dir) -> the run's processes still alive (expected: none)."""
+    return lambda run_dir: [(p.pid, p.name()) for p in _processes_of(Path(run_dir))]

@@ -1,0 +1,66 @@
+"""Harness mechanics on a toy trainer: a user's own trainer without a results file, and
+cleanup after success, failure, Ctrl-C with a stopped rank, and the harness's own timeout."""
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+import chaos
+from chaos.__main__ import main as cli
+from chaos.harness import Job, run_job
+from chaos.plan import Ledger, Plan, parse_shorthand
+
+TOY = str(Path(__file__).with_name("toy_trainer.py"))
+
+
+def test_users_trainer_gets_faults_and_timings_but_no_bitwise_claim(tmp_path, reference_dir, leftovers, capsys):
+    run_dir = tmp_path / "run"
+    code = cli(["run", "--run-dir", str(run_dir), "--trainer", TOY, "--fault", "kill:rank=1,step=3",
+                "--reference-dir", str(reference_dir), "--no-png", "--", "--steps", "5", "--step-time", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "BITWISE CHECK NOT PERFORMED" in out and "no results file" in out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["passed"] and not report["bitwise_verified"] and "no results file" in report["bitwise_reason"]
+    assert set(report["checks"]) == {"job_completed", "faults_injected", "recovered"}
+    [fault] = report["faults"]
+    assert (fault["type"], fault["rank"], fault["step"]) == ("kill", 1, 3)
+    assert fault["detected_after_s"] < 1.0
+    assert fault["restart_after_s"] is not None and fault["first_step_after_s"] >= fault["restart_after_s"]
+    assert leftovers(run_dir) == []
+
+
+def test_failed_job_is_reported_and_leaves_nothing(tmp_path, leftovers):
+    run_dir = tmp_path / "run"
+    report = chaos.run(None, run_dir, ["--steps", "4", "--fail-rank", "1"], trainer=TOY, verify=False, png=False)
+    assert not report.passed and report.checks == {"job_completed": False}
+    assert report.exit_codes == [1]
+    assert leftovers(run_dir) == []
+
+
+def test_ctrl_c_with_a_stopped_rank_leaves_nothing(tmp_path, leftovers):
+    run_dir = tmp_path / "run"
+    # The hang is never released on its own: the collective deadline is far away.
+    plan = Plan((parse_shorthand("hang:rank=1,step=2"),)).resolve(2)
+    job = Job(trainer=TOY, trainer_args=("--steps", "50", "--step-time", "0.1", "--timeout", "600"))
+
+    def interrupt_once_hung(line: str) -> None:
+        if "faults injected 1/1" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(job, plan, run_dir, timeout_s=300, progress=interrupt_once_hung)
+    [hang] = Ledger(run_dir / "chaos_state").firings()
+    assert not psutil.pid_exists(hang.detail["pid"]) or psutil.Process(hang.detail["pid"]).status() == "zombie"
+    assert leftovers(run_dir) == []
+
+
+def test_harness_timeout_stops_the_job(tmp_path, leftovers):
+    run_dir = tmp_path / "run"
+    job = Job(trainer=TOY, trainer_args=("--steps", "2", "--step-time", "1000"))
+    outcome = run_job(job, Plan(), run_dir, timeout_s=30)
+    assert outcome.timed_out and not outcome.ok and outcome.exit_codes == [None]
+    assert len(outcome.pids) > 1  # the agent and its workers were running when the timeout hit
+    assert leftovers(run_dir) == []

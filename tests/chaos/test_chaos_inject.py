@@ -1,0 +1,43 @@
+"""The in-rank injector on two real gloo ranks, without a trainer: corrupt and delay through commlib's hooks."""
+
+import time
+
+import torch
+
+import commlib
+import commlib.testing
+from chaos.inject import Injector
+from chaos.plan import Ledger, Plan, parse_shorthand
+from commlib.observe.log import read_events
+
+
+def _ranks(comm, state_dir):
+    plan = Plan((parse_shorthand("corrupt:rank=0,seq=1"),
+                 parse_shorthand("delay:rank=1,seq=2,op=all_reduce,duration_s=2.5"))).resolve(comm.size)
+    Injector(plan, comm.rank, Ledger(state_dir), time.time_ns(), attempt=0)
+    t = torch.ones(4)
+    comm.all_reduce(t)  # seq 1: rank 0's input becomes NaN, so the sum is NaN everywhere
+    corrupted = bool(torch.isnan(t).all())
+    try:
+        comm.all_reduce(torch.ones(1), timeout=1.0)  # seq 2: rank 1 holds it past the deadline
+        error = None
+    except commlib.CollectiveTimeout as exc:
+        error = ("CollectiveTimeout", exc.missing_ranks)
+    except commlib.CommError as exc:
+        error = (type(exc).__name__, None)
+    return corrupted, error
+
+
+def test_corrupt_and_delay_act_through_commlib_hooks(tmp_path):
+    logs = tmp_path / "logs"
+    results = commlib.testing.run(_ranks, world_size=2, timeout=60, args=(str(tmp_path / "state"),),
+                                  log_dir=str(logs))
+    assert [corrupted for corrupted, _ in results] == [True, True]
+    # The peer of the delayed rank times out, and the progress board names the delayed rank.
+    assert results[0][1] == ("CollectiveTimeout", [1])
+    assert results[1][1] is not None  # the delayed rank finds its peer gone when it finally issues
+    faults = {e["fault"]: e for r in (0, 1) for e in read_events(logs / f"rank{r}.jsonl")
+              if e["event"] == "chaos.fault"}
+    assert (faults["corrupt"]["rank"], faults["corrupt"]["seq"]) == (0, 1)
+    assert (faults["delay"]["rank"], faults["delay"]["seq"], faults["delay"]["op"]) == (1, 2, "all_reduce")
+    assert sorted((f.type, f.rank) for f in Ledger(tmp_path / "state").firings()) == [("corrupt", 0), ("delay", 1)]

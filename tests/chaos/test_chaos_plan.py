@@ -1,0 +1,103 @@
+"""Fault plans: parsing, validation errors that name the field, random ranks, the ledger."""
+
+import json
+
+import pytest
+
+from chaos.__main__ import main as cli
+from chaos.plan import (RESTART_MARGIN, FaultType, Ledger, Plan, PlanError, Release, TriggerKind, load_plan,
+                        parse_shorthand)
+
+
+def test_shorthand_yaml_and_json_give_the_same_plan(tmp_path):
+    short = Plan((parse_shorthand("kill:rank=1,step=5"),
+                  parse_shorthand("delay:rank=0,seq=12,op=all_reduce,comm=world,duration_s=2.5"),
+                  parse_shorthand("hang:rank=1,p=0.25,seed=7,count=2,release=cont")))
+    (tmp_path / "plan.yaml").write_text(
+        "faults:\n"
+        "  - {type: kill, rank: 1, step: 5}\n"
+        "  - {type: delay, rank: 0, seq: 12, op: all_reduce, comm: world, duration_s: 2.5}\n"
+        "  - {type: hang, rank: 1, p: 0.25, seed: 7, count: 2, release: cont}\n")
+    short.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.yaml") == short
+    assert load_plan(tmp_path / "plan.json") == short
+    kill, delay, hang = short.faults
+    assert (kill.type, kill.rank, kill.trigger.kind, kill.trigger.value) == (FaultType.KILL, 1, TriggerKind.STEP, 5)
+    assert (delay.trigger.kind, delay.trigger.op, delay.trigger.comm, delay.duration_s) == \
+        (TriggerKind.SEQ, "all_reduce", "world", 2.5)
+    assert (hang.count, hang.seed, hang.release) == (2, 7, Release.CONT)
+    assert short.restarts == 1 + 1 + 2 + RESTART_MARGIN  # one per possible firing, plus spares
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("boom:rank=1,step=1", ".type", "unknown fault 'boom'"),
+    ("kill:rank=1,step=-1", ".step", "expected an int >= 0; found -1"),
+    ("kill:step=3", ".rank", "missing"),
+    ("kill:rank=1", ".trigger", "found none"),
+    ("kill:rank=1,step=2,after_s=3", ".trigger", "found ['step', 'after_s']"),
+    ("kill:rank=1,seq=3", ".seq", "cannot be triggered by a collective sequence number"),
+    ("kill:rank=1,step=1,op=all_reduce", ".op", "unknown field for a kill fault"),
+    ("delay:rank=0,step=1,op=allreduce", ".op", "unknown op 'allreduce'"),
+    ("hang:rank=0,p=1.5", ".p", "expected a probability in (0, 1]"),
+    ("hang:rank=0,step=2,release=later", ".release", "expected 'kill' or 'cont'"),
+    ("exit:rank=0,step=1,code=300", ".code", "[0, 255]"),
+    ("raise:rank=0,step=1,count=0", ".count", "expected an int >= 1"),
+    ("corrupt:rank=0,seq=0", ".seq", "expected an int >= 1"),
+    ("kill:rank=one,step=1", ".rank", "expected an int >= 0; found 'one'"),
+    ("kill:rank=1,step", "", "expected key=value pairs"),
+])
+def test_bad_faults_are_rejected_naming_the_field(text, field, words):
+    with pytest.raises(PlanError) as info:
+        parse_shorthand(text)
+    assert info.value.field.startswith(f"--fault {text}")
+    assert info.value.field.endswith(field)
+    assert words in str(info.value)
+
+
+def test_rank_is_checked_against_the_world_size_and_random_is_drawn_once():
+    plan = Plan((parse_shorthand("kill:rank=2,step=3"),))
+    assert plan.resolve(4).faults[0].rank == 2
+    with pytest.raises(PlanError, match=r"faults\[0\]\.rank: expected an int in \[0, 2\).*found 2"):
+        plan.resolve(2)
+    randoms = Plan((parse_shorthand("kill:rank=random,seed=3,step=3"), parse_shorthand("hang:rank=random,step=5")))
+    first, second = randoms.resolve(4), randoms.resolve(4)
+    assert first == second and all(0 <= f.rank < 4 for f in first.faults)
+
+
+def test_bad_plan_documents_name_the_field(tmp_path):
+    with pytest.raises(PlanError, match="faults: missing"):
+        Plan.from_dict({})
+    with pytest.raises(PlanError, match=r"faults\[1\]\.type: missing"):
+        Plan.from_dict({"faults": [{"type": "kill", "rank": 0, "step": 1}, {"rank": 0}]})
+    with pytest.raises(PlanError, match="unknown plan field"):
+        Plan.from_dict({"faults": [], "restarts": 3})
+    (tmp_path / "bad.yaml").write_text("faults: [unclosed\n")
+    with pytest.raises(PlanError, match="could not parse"):
+        load_plan(tmp_path / "bad.yaml")
+
+
+def test_cli_rejects_a_bad_plan_before_starting_anything(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli(["run", "--run-dir", str(run_dir), "--fault", "kill:rank=2,step=1"]) == 2
+    assert "faults[0].rank" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_probability_trigger_is_reproducible():
+    trigger = parse_shorthand("kill:rank=0,p=0.3").trigger
+    draws = [trigger.draw(seed=1, index=0, attempt=0, step=s) for s in range(400)]
+    assert draws == [trigger.draw(seed=1, index=0, attempt=0, step=s) for s in range(400)]
+    assert 80 < sum(draws) < 160
+    assert draws != [trigger.draw(seed=2, index=0, attempt=0, step=s) for s in range(400)]
+
+
+def test_ledger_counts_firings_across_restarts(tmp_path):
+    fault = parse_shorthand("exit:rank=1,step=3,count=2")
+    # Each Ledger stands for a new process after a restart: the count holds across them.
+    first = Ledger(tmp_path).claim(fault, 0, attempt=0, step=3, pid=11)
+    second = Ledger(tmp_path).claim(fault, 0, attempt=1, step=3, pid=12)
+    assert (first.n, second.n) == (1, 2)
+    assert Ledger(tmp_path).claim(fault, 0, attempt=2, step=3) is None
+    fired = Ledger(tmp_path).firings()
+    assert [(f.n, f.attempt, f.detail["pid"]) for f in fired] == [(1, 0, 11), (2, 1, 12)]
+    assert json.loads((tmp_path / "fault0.1.json").read_text())["type"] == "exit"

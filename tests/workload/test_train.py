@@ -1,0 +1,179 @@
+"""The reference trainer under real torchrun (2 ranks, gloo, tiny model), and its results file.
+
+`torchrun_train` is also what test_checkpoint.py launches the trainer with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from chaos.results import read_results, state_digest, write_results
+from commlib.observe.log import read_events
+
+# The tiniest config FlexAttention and FSDP2 take: each launch is dominated by process
+# start (~2.5 s) and the compiled attention (~2 s per process with a warm inductor cache).
+TINY = ("--backend", "gloo", "--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64",
+        "--batch-size", "1")
+PHASES = {"forward", "backward", "optimizer", "checkpoint"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun_train(workdir: Path, *args: object, extra_env: dict[str, str] | None = None,
+                   torchrun_args: tuple[str, ...] = (), expect_rc: int = 0,
+                   timeout: float = 240.0) -> str:
+    """Run `torchrun --standalone --nproc-per-node 2 -m chaos.workload.train TINY args`; its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *torchrun_args, "-m", "chaos.workload.train", *TINY, *map(str, args)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHAOS_", "TORCHELASTIC_", "COMMLIB_"))}
+    # The ranks import this tree, whatever the editable install maps.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
+    # A session of its own, so a timeout takes the ranks down with the launcher.
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish within {timeout} s:\n{out[-6000:]}")
+    assert proc.returncode == expect_rc, f"torchrun exited {proc.returncode}, expected {expect_rc}:\n{out[-6000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 4-step run, checkpointing at steps 2 and 4."""
+    run = tmp_path_factory.mktemp("reference")
+    torchrun_train(run, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", run / "ckpt",
+                   "--results", run / "results.json", "--log-dir", run / "logs")
+    return run
+
+
+def _same_training(a: dict, b: dict) -> None:
+    assert a["losses_hex"] == b["losses_hex"]
+    assert a["state_digest"] == b["state_digest"]
+
+
+def test_two_runs_are_bitwise_equal(reference: Path, tmp_path: Path) -> None:
+    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
+                   "--results", tmp_path / "results.json")
+    first, second = read_results(reference / "results.json"), read_results(tmp_path / "results.json")
+    _same_training(first, second)
+    assert first["steps"] == 4 and len(first["losses"]) == 4 and all(math.isfinite(x) for x in first["losses"])
+    assert len(first["state_digest"]["tensors"]) > 16  # model and optimizer tensors
+
+
+def test_resumed_run_equals_uninterrupted_run(reference: Path, tmp_path: Path) -> None:
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    torchrun_train(tmp_path, "--steps", "2", "--ckpt-every", "2", "--ckpt-dir", ckpt)
+    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", ckpt,
+                   "--results", tmp_path / "results.json", "--log-dir", logs)
+    resumed = read_results(tmp_path / "results.json")
+    _same_training(resumed, read_results(reference / "results.json"))
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    for rank in (0, 1):
+        events = list(read_events(logs / f"rank{rank}.jsonl"))
+        assert [e["step"] for e in events if e["event"] == "ckpt.resume"] == [2]
+        assert [e["step"] for e in events if e["event"] == "train.step"] == [3, 4]
+
+
+def test_log_has_train_step_events(reference: Path) -> None:
+    results = read_results(reference / "results.json")
+    for rank in (0, 1):
+        events = list(read_events(reference / "logs" / f"rank{rank}.jsonl"))
+        steps = [e for e in events if e["event"] == "train.step"]
+        assert [e["step"] for e in steps] == [1, 2, 3, 4]
+        assert [e["loss"] for e in steps] == results["losses"]  # the global mean, the same on every rank
+        for e in steps:
+            assert e["tokens"] == 2 * 64 * 1 and e["step_time_s"] > 0
+            assert (e["rank"], e["size"], e["attempt"]) == (rank, 2, 0)
+        phases = {e.get("phase") for e in events if e["event"] == "collective.start" and "step" in e}
+        assert phases == PHASES
+        assert [(e["event"], e["step"]) for e in events if e["event"] in ("ckpt.start", "ckpt.end")] == [
+            ("ckpt.start", 2), ("ckpt.end", 2), ("ckpt.start", 4), ("ckpt.end", 4)]
+    assert sorted(p.name for p in (reference / "ckpt").iterdir()) == ["step000002", "step000004"]
+
+
+def test_nan_is_caught_before_the_optimizer_and_the_restart_recovers(reference: Path, tmp_path: Path) -> None:
+    """A `corrupt` fault writes NaN into rank 1's input of step 3's first collective (a forward
+    all-gather, so both ranks' losses turn NaN): every rank stops with exit code 4 before the
+    optimizer step, torchrun restarts the job, it resumes from step 2, and the result is
+    bitwise the uninterrupted run's."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"faults": [{"type": "corrupt", "rank": 1, "step": 3}]}))
+    logs = tmp_path / "logs"
+    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
+                   "--results", tmp_path / "results.json", "--log-dir", logs,
+                   torchrun_args=("--max-restarts", "1"), extra_env={"CHAOS_PLAN": str(plan)})
+    resumed = read_results(tmp_path / "results.json")
+    _same_training(resumed, read_results(reference / "results.json"))
+    assert resumed["history"] == [{"step": 1, "attempt": 0}, {"step": 2, "attempt": 0},
+                                  {"step": 3, "attempt": 1}, {"step": 4, "attempt": 1}]
+    for rank in (0, 1):
+        errors = [e for e in read_events(logs / f"rank{rank}.jsonl") if e["event"] == "train.error"]
+        assert [(e["error_type"], e["exit_code"], e["step"], e["ranks"], e["attempt"]) for e in errors] == [
+            ("NonFiniteError", 4, 3, [0, 1], 0)]
+
+
+# -- results file (single process) --------------------------------------------------------
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_results_round_trip_exactly(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    losses = [0.1, 1 / 3, float("nan"), float("inf"), 2.0 ** -1074]
+    write_results(tmp_path / "r.json", losses=losses, model=model, optimizer=optimizer, steps=5,
+                  extra={"history": [{"step": 1, "attempt": 0}]})
+    raw = json.loads((tmp_path / "r.json").read_text())  # strict JSON: no NaN literal
+    assert raw["losses"][2:4] == [None, None]
+    results = read_results(tmp_path / "r.json")
+    assert [x.hex() for x in results["losses"]] == [x.hex() for x in losses]
+    assert results["steps"] == 5 and results["history"] == [{"step": 1, "attempt": 0}]
+    assert results["state_digest"] == state_digest(model, optimizer)
+    assert sorted(results["state_digest"]["tensors"])[:3] == ["model.0.bias", "model.0.weight", "model.1.bias"]
+    assert "optim.state.0.weight.exp_avg_sq" in results["state_digest"]["tensors"]
+
+
+def test_digest_sees_one_ulp_and_optimizer_state() -> None:
+    model, optimizer = _trained()
+    before = state_digest(model, optimizer)
+    assert before == state_digest(*_trained())
+    with torch.no_grad():
+        w = model[0].weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
+    assert state_digest(model, optimizer)["total"] != before["total"]
+    model, optimizer = _trained()
+    optimizer.state[model[1].bias]["step"] += 1
+    after = state_digest(model, optimizer)
+    changed = [k for k in before["tensors"] if before["tensors"][k] != after["tensors"][k]]
+    assert changed == ["optim.state.1.bias.step"]
+
+
+def test_results_bad_input(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    with pytest.raises(ValueError, match=r"expected one loss per step \(3\); found 2"):
+        write_results(tmp_path / "r.json", losses=[1.0, 2.0], model=model, optimizer=optimizer, steps=3)
+    with pytest.raises(ValueError, match="expected extra keys other than"):
+        write_results(tmp_path / "r.json", losses=[], model=model, optimizer=optimizer, steps=0,
+                      extra={"losses": []})
+    assert not (tmp_path / "r.json").exists()
+    (tmp_path / "other.json").write_text('{"format": 99}')
+    with pytest.raises(ValueError, match="expected a results file of format 1"):
+        read_results(tmp_path / "other.json")
