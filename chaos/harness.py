@@ -56,6 +56,7 @@ DEFAULT_TRAINER_ARGS = ("--steps", "30", "--ckpt-every", "5", "--timeout", "5")
 DEFAULT_FAULTS = ("kill:rank=1,step=12", "delay:rank=1,step=22")
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
 POLL_S = 0.02
+SCAN_S = 0.5  # how often the worker processes are listed (to count restarts)
 TERM_GRACE_S = 5.0
 HANG_MAX_HOLD_S = 300.0  # a hang with no duration is released at the latest after this
 # A survivor's event that says the failure was detected.
@@ -240,11 +241,15 @@ class _Watch:
         self.errors_after: list[tuple[int, int]] = []  # (ts_ns, pid) of typed errors seen
         self.total_steps = _flag(job.trainer_args, "--steps") if job.is_reference_trainer else None
         self._last_line = ""
+        self._next_scan = 0.0
+        self._scanned: set[int] = set()
 
     # -- one poll ----------------------------------------------------------------------
     def step(self) -> None:
         for event in self.tail.poll():
             self._on_event(event)
+        if time.monotonic() >= self._next_scan:
+            self._scan_workers()
         if self.external:
             self._after_s_triggers()
         self._release_holds()
@@ -269,6 +274,21 @@ class _Watch:
             self._step_triggers(rank, pid, int(event["step"]), int(event.get("attempt", 0)))
         elif name == "train.step" and rank not in self.ranks_with_step_events:
             self._step_triggers(rank, pid, int(event["step"]) + 1, int(event.get("attempt", 0)))
+
+    def _scan_workers(self) -> None:
+        """Note every worker and its attempt: an attempt that dies before logging anything
+        (say, in the backend's connect) is a restart all the same."""
+        self._next_scan = time.monotonic() + SCAN_S
+        for agent in self.agents:
+            try:
+                children = psutil.Process(agent.pid).children()
+            except psutil.NoSuchProcess:
+                continue
+            for child in children:
+                if child.pid not in self._scanned:
+                    self._scanned.add(child.pid)
+                    self.pids.add(child.pid)
+                    self.max_attempt = max(self.max_attempt, _attempt_of(child))
 
     # -- external faults ---------------------------------------------------------------
     def _step_triggers(self, rank: int, pid: int, step: int, attempt: int) -> None:

@@ -52,6 +52,10 @@ def init(
     if store is None:
         store, rank, world_size = next(dist.rendezvous("env://", rank if rank is not None else -1,
                                                        world_size if world_size is not None else -1))
+        # torchrun hands every restart of the job the same agent store, with the dead
+        # attempt's keys still in it: a rank that starts before its peers would read a peer's
+        # stale gloo address ("Connection refused") and stale progress-board entries.
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     if rank is None or world_size is None:
         raise ValueError(f"commlib.init: expected rank and world_size with an explicit store; "
                          f"found rank={rank}, world_size={world_size}")

@@ -32,7 +32,6 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 import commlib
 import fsdp_overlap
@@ -101,7 +100,7 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, DataConfig]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = _device(args.device)
-    comm = init_comm(args, device)
+    comm = commlib.init(backend=args.backend, timeout=args.timeout, log_dir=args.log_dir, device=device)
     try:
         train(args, comm, device)
     except Exception as exc:
@@ -119,20 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     comm.finalize()
     return EXIT_OK
-
-
-def init_comm(args: argparse.Namespace, device: torch.device) -> commlib.Communicator:
-    """The world communicator, from torchrun's environment, on a store of this attempt's own.
-
-    torchrun (2.13) gives every restart of the job the same agent store, and the dead
-    attempt's keys are still in it: a rank that starts before its peers reads a peer's
-    stale gloo address and fails with "Connection refused" (or blocks on a reused port).
-    Remove this once commlib.init scopes the store by TORCHELASTIC_RESTART_COUNT itself.
-    """
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"attempt{_attempt()}/", store)
-    return commlib.init(backend=args.backend, rank=rank, world_size=world_size, store=store,
-                        timeout=args.timeout, log_dir=args.log_dir, device=device)
 
 
 def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.device) -> None:
