@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from chaos.harness import DEFAULT_FAULTS, DEFAULT_TRAINER_ARGS, REFERENCE_TRAINER
+from chaos.harness import DEFAULT_FAULTS, REFERENCE_TRAINER, Job
+from chaos.plan import RESTART_MARGIN
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,9 +35,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="nodes; without --rdzv-endpoint all of them run on this machine")
     r.add_argument("--node-rank", type=int, default=None, help="this machine's node (with --rdzv-endpoint)")
     r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of a multi-node job's rendezvous")
-    r.add_argument("--backend", default="gloo", help="passed to the reference trainer (gloo, nccl, ...)")
-    r.add_argument("--max-restarts", type=int, default=None, help="default: one per fault firing, plus one")
-    r.add_argument("--timeout", type=float, default=900.0, help="stop the job after this many seconds")
+    r.add_argument("--backend", default="gloo",
+                   help="passed to the reference trainer (gloo, nccl: then with --device cuda)")
+    r.add_argument("--max-restarts", type=int, default=None,
+                   help=f"torchrun's; default: one per possible fault firing, plus {RESTART_MARGIN}")
+    r.add_argument("--job-timeout", type=float, default=900.0,
+                   help="stop the job (and the reference run) after this many seconds each")
     r.add_argument("--reference-dir", default=None, help="cache of fault-free references (default: <runs>/.reference)")
     r.add_argument("--no-verify", action="store_true", help="skip the reference run and the bitwise checks")
     r.add_argument("--no-png", action="store_true", help="do not draw report.png")
@@ -70,16 +75,23 @@ def main(argv: list[str] | None = None) -> int:
         if not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
             shorthand = list(DEFAULT_FAULTS)
         plan = Plan(plan.faults + tuple(parse_shorthand(s) for s in shorthand), plan.max_restarts)
-        plan.resolve(args.nproc_per_node * args.nnodes)  # fail here, before anything starts
-    except PlanError as exc:
-        print(f"chaos: bad plan: {exc}", file=sys.stderr)
+        # Fail here, before anything starts.
+        job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
+                  nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=args.rdzv_endpoint,
+                  node_rank=args.node_rank)
+        plan.resolve(job.world_size)
+    except (PlanError, ValueError) as exc:
+        print(f"chaos: {exc}", file=sys.stderr)
+        return 2
+    if args.run_dir and Path(args.run_dir).is_dir() and any(Path(args.run_dir).iterdir()):
+        print(f"chaos: --run-dir {args.run_dir} is not empty; expected a new or empty directory", file=sys.stderr)
         return 2
     if not plan.faults:
         print("chaos: the plan has no faults: this run only checks the job against its reference", file=sys.stderr)
     try:
         report = chaos.run(plan, args.run_dir, trainer_args or None, trainer=args.trainer,
                            nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, backend=args.backend,
-                           timeout_s=args.timeout, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
+                           timeout_s=args.job_timeout, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
                            max_restarts=args.max_restarts, reference_dir=args.reference_dir,
                            verify=not args.no_verify, png=not args.no_png, progress=_progress)
     except KeyboardInterrupt:

@@ -52,7 +52,7 @@ REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the
 # reference trainer with a short collective deadline, a rank killed mid-run and, later,
 # a collective held past that deadline.
-DEFAULT_TRAINER_ARGS = ("--steps", "30", "--ckpt-every", "5", "--timeout", "5")
+DEFAULT_TRAINER_ARGS = ("--steps", "30", "--ckpt-every", "5", "--timeout", "10")
 DEFAULT_FAULTS = ("kill:rank=1,step=12", "delay:rank=1,step=22")
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
 POLL_S = 0.02
@@ -70,7 +70,8 @@ class Job:
 
     `trainer_args` may contain ``{run_dir}``, replaced by the run directory. For the
     reference trainer the harness adds ``--log-dir``, ``--ckpt-dir`` and ``--results``
-    in the run directory, and ``--backend`` unless the arguments already name one.
+    in the run directory, and ``--backend`` (and ``--device cuda`` for nccl) unless the
+    arguments already name them.
     With `rdzv_endpoint` this machine runs one node (`node_rank`) of a multi-node job;
     without it, all `nnodes` nodes run here, on a c10d rendezvous on 127.0.0.1.
     """
@@ -120,8 +121,10 @@ class Job:
         if self.is_reference_trainer:
             argv += ["--log-dir", str(run_dir / "logs"), "--ckpt-dir", str(run_dir / "ckpt"),
                      "--results", str(run_dir / "results.json")]
-            if not any(a == "--backend" or a.startswith("--backend=") for a in self.trainer_args):
+            if not _has_flag(self.trainer_args, "--backend"):
                 argv += ["--backend", self.backend]
+            if self.backend == "nccl" and not _has_flag(self.trainer_args, "--device"):
+                argv += ["--device", "cuda"]
         return argv
 
     def to_dict(self) -> dict[str, Any]:
@@ -386,6 +389,10 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _has_flag(args: tuple[str, ...], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
 def _flag(args: tuple[str, ...], name: str) -> int | None:
     for i, a in enumerate(args):
         if a == name and i + 1 < len(args):
@@ -459,6 +466,10 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     Never returns while a process of the job is alive.
     """
     run_dir = Path(run_dir).absolute()
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        # Logs, checkpoints and the ledger of an earlier run would leak into this one.
+        raise ValueError(f"run_job: expected a new or empty run directory; found {run_dir} holding "
+                         f"{sorted(p.name for p in run_dir.iterdir())[:5]}")
     for sub in ("logs", "ckpt", "chaos_state"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")

@@ -22,8 +22,8 @@ Faults acted here (the harness does ``kill`` and ``hang`` from outside, with sig
               from the harness would have to hit a window of a few milliseconds.
 
 Step-level triggers (step, after_s, p) arm a fault at the start of a step; the fault then
-acts at that step's first collective that passes its op/comm filter (so ``exit`` and
-friends happen mid-step), or at the next staged checkpoint for
+acts at the first collective from there on that passes its op/comm filter (so ``exit``
+and friends happen mid-step), or at the next staged checkpoint for
 ``kill_during_checkpoint``. A ``seq`` trigger acts at that collective. Before acting, the
 firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
 ``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``:

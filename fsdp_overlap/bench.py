@@ -38,7 +38,7 @@ from fsdp_overlap.shard import Mode, Sharded, shard
 class Run:
     mode: Mode
     sharded: Sharded
-    optimizer: torch.optim.Optimizer | None
+    optimizer: torch.optim.Optimizer
     rss_delta: int
     step_s: list[float]
 
@@ -92,26 +92,26 @@ def main(argv: list[str] | None = None) -> None:
     def step(run: Run, index: int) -> None:
         batch = batch_for(data, index, comm.rank).to(comm.device)
         run.sharded.model(batch.tokens, batch.targets, mask).backward()
-        assert run.optimizer is not None
         run.optimizer.step()
         run.optimizer.zero_grad()
 
-    # A throwaway plain-FSDP model first, kept alive: FlexAttention's compile and every
-    # one-off allocation of FSDP and AdamW land here, not in the first measured mode's RSS
-    # delta, and no measured mode reuses its freed memory.
-    warm = Run(Mode.PLAIN, shard(Transformer(cfg, seed=0, device=comm.device), comm, mode=Mode.PLAIN), None, 0, [])
-    warm.optimizer = torch.optim.AdamW(warm.sharded.model.parameters(), lr=1e-3)
-    for i in range(args.warmup):
-        step(warm, i)
-
-    runs: list[Run] = []
-    for mode in args.modes:
-        rss = process.memory_info().rss
+    def build(mode: Mode) -> Run:
+        """The mode's model (same seed for all), sharded, with AdamW, after its warm-up steps."""
         model = Transformer(cfg, seed=0, device=comm.device)
         sharded = shard(model, comm, mode=mode, prefetch=args.prefetch, async_prefetch=args.async_prefetch)
         run = Run(mode, sharded, torch.optim.AdamW(model.parameters(), lr=1e-3), 0, [])
         for i in range(args.warmup):
             step(run, i)
+        return run
+
+    # A throwaway plain-FSDP model first, kept alive to the end: FlexAttention's compile and
+    # every one-off allocation of FSDP and AdamW land here, not in the first measured mode's
+    # RSS delta, and no measured mode reuses its freed memory.
+    warm = build(Mode.PLAIN)
+    runs: list[Run] = []
+    for mode in args.modes:
+        rss = process.memory_info().rss
+        run = build(mode)
         run.rss_delta = process.memory_info().rss - rss
         runs.append(run)
 
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if comm.rank == 0:
         print(_report(args, cfg, comm, runs, times, rss, bool(flag.item()), log_dir))
     comm.barrier()
+    del warm
     comm.finalize()
 
 

@@ -3,8 +3,10 @@
 Modes (`Mode`):
 
 - ``dual``: all-gathers on `comm`, reduce-scatters on a second communicator
-  ``comm.split(all ranks, f"{comm.name}.reduce_scatter")``, so a reduce-scatter never
-  queues behind an in-flight (prefetched) all-gather on the same communicator.
+  ``comm.split(all ranks, f"{comm.name}.reduce_scatter")``, so a reduce-scatter does not
+  queue behind an in-flight (prefetched) all-gather where a communicator runs one
+  collective at a time (NCCL: one stream per communicator). A gloo process group already
+  runs two at once (two worker threads), so on CPU dual changes little (see README).
 - ``single``: both on `comm` (the baseline for dual).
 - ``native``: FSDP2's own ``set_separate_reduce_scatter_group(True)``: a second
   process group created by FSDP itself. Its collectives do NOT go through commlib (no

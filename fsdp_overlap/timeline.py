@@ -27,6 +27,7 @@ had already finished, or no ``fsdp.wait`` says, its data arrived at some unknown
 the interval, so ``all_gather_s``, ``reduce_scatter_s`` and ``overlap_s`` are upper
 bounds and ``overlap_min_s`` leaves such an op out. ``exposed_s`` counts only blocked
 time and has neither problem.
+
 Only completed collectives count; events without a ``step`` are ignored. Times are each
 host's monotonic clock, so intervals are compared within a process only.
 

@@ -80,6 +80,8 @@ def test_cli_rejects_a_bad_plan_before_starting_anything(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert cli(["run", "--run-dir", str(run_dir), "--fault", "kill:rank=2,step=1"]) == 2
     assert "faults[0].rank" in capsys.readouterr().err
+    assert cli(["run", "--run-dir", str(run_dir), "--trainer", "no_such.trainer"]) == 2
+    assert "expected a script file or an importable module" in capsys.readouterr().err
     assert not run_dir.exists()
 
 

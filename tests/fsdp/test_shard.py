@@ -1,7 +1,7 @@
 """fsdp_overlap.shard: exact numerics across modes, every FSDP collective through commlib, bad input.
 
 Spawning ranks is the expensive part, so everything that runs on 2 gloo ranks shares one
-job (the `two_ranks` fixture), and the 4-rank numerics are a second. Every mode is built
+job (`test_two_ranks`), and the 4-rank numerics are a second. Every mode is built
 from the same seed in the same processes, so modes see identical thread counts and data.
 """
 
@@ -91,23 +91,7 @@ def _check_every_mode(out: dict, steps: int) -> None:
     }
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return testing.run(_two_rank_job, 2, timeout=420, args=(TWO_RANK_STEPS,))
-
-
-def test_modes_bitwise_equal_2_ranks(two_ranks: list[dict]) -> None:
-    for out in two_ranks:
-        _check_every_mode(out["modes"], TWO_RANK_STEPS)
-
-
-def test_modes_bitwise_equal_4_ranks() -> None:
-    steps = 2
-    for out in testing.run(_train_every_mode, 4, timeout=600, args=(steps,)):
-        _check_every_mode(out, steps)
-
-
-# -- a tiny model: bad input, the internal knob, torchcomms --------------------------------
+# -- a tiny model: bad input, the internal knob, the torchcomms backend ---------------------
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -168,25 +152,8 @@ def _reject_bad_input(comm: commlib.Communicator) -> dict[str, str]:
     return errors
 
 
-def _async_flags(comm: commlib.Communicator) -> dict:
-    """(op, async_op) of FSDP's collectives, with and without the internal knob."""
-    flags = {}
-    for async_prefetch in (True, False):
-        seen: Counter = Counter()
-        handle = commlib.register_pre_hook(lambda call: seen.update([(call.op.value, call.async_op)]))
-        _tiny_steps(shard(_Tiny(), comm, mode="dual", prefetch=1, async_prefetch=async_prefetch).model, comm.rank)
-        handle.remove()
-        flags[async_prefetch] = dict(seen)
-    return flags
-
-
-def _two_rank_job(comm: commlib.Communicator, steps: int) -> dict:
-    return {"bad input": _reject_bad_input(comm), "async flags": _async_flags(comm),
-            "modes": _train_every_mode(comm, steps)}
-
-
-def test_bad_input_rejected_before_any_collective(two_ranks: list[dict]) -> None:
-    for rank, errors in enumerate(out["bad input"] for out in two_ranks):
+def _check_bad_input(errors: dict[str, str], rank: int) -> None:
+        accepted = [k for k, v in errors.items() if v == "accepted"]
         accepted = [k for k, v in errors.items() if v == "accepted"]
         assert not accepted, accepted
         assert errors["seq"] == "(1, 2.0)"
@@ -203,32 +170,29 @@ def test_bad_input_rejected_before_any_collective(two_ranks: list[dict]) -> None
             assert f"rank {rank}:" in errors[name], (name, errors[name])
 
 
-def test_fsdp_internals_unchanged() -> None:
-    """The private Comm base classes keep the shape fsdp_overlap.comms implements."""
-    assert _fsdp_internals.AllGather.__abstractmethods__ == {"__call__", "allocate"}
-    assert _fsdp_internals.ReduceScatter.__abstractmethods__ == {"__call__", "allocate"}
-    assert list(inspect.signature(_fsdp_internals.AllGather.__call__).parameters) == \
-        ["self", "output_tensor", "input_tensor", "group", "async_op"]
-    assert list(inspect.signature(_fsdp_internals.ReduceScatter.__call__).parameters) == \
-        ["self", "output_tensor", "input_tensor", "group", "op", "async_op"]
-    assert list(inspect.signature(_fsdp_internals.AllGather.allocate).parameters) == \
-        ["self", "size", "dtype", "device"]
-    # FSDP waits on an async all-gather's handle only if it is a torch.distributed.Work.
-    assert issubclass(FSDPWork, dist.distributed_c10d.Work)
+def _async_flags(comm: commlib.Communicator) -> dict:
+    """(op, async_op) of FSDP's collectives, with and without the internal knob."""
+    flags = {}
+    for async_prefetch in (True, False):
+        seen: Counter = Counter()
+        handle = commlib.register_pre_hook(lambda call: seen.update([(call.op.value, call.async_op)]))
+        _tiny_steps(shard(_Tiny(), comm, mode="dual", prefetch=1, async_prefetch=async_prefetch).model, comm.rank)
+        handle.remove()
+        flags[async_prefetch] = dict(seen)
+    return flags
 
 
-def test_unshard_async_op_knob(two_ranks: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The guard on the one FSDP2 internal fsdp_overlap uses: fails loudly when torch changes it."""
-    assert _fsdp_internals.unshard_async_op_setter() is FSDPModule._set_unshard_async_op
-    with monkeypatch.context() as m:  # a torch without the knob
-        m.delattr(FSDPModule, "_set_unshard_async_op")
-        with pytest.raises(_fsdp_internals.FSDPInternalsChanged, match="async_prefetch=False"):
-            _fsdp_internals.unshard_async_op_setter()
+def _check_async_flags(flags: dict) -> None:
     # 2 steps of 3 blocks and a root: 7 all-gathers and 4 reduce-scatters a step. With the
     # knob every all-gather is asynchronous, without it none is; reduce-scatters never are.
-    flags = two_ranks[0]["async flags"]
+    # This fails loudly if torch's _set_unshard_async_op stops doing what fsdp_overlap needs.
     assert flags[True] == {("all_gather_single", True): 14, ("reduce_scatter_single", False): 8}, flags
     assert flags[False] == {("all_gather_single", False): 14, ("reduce_scatter_single", False): 8}, flags
+
+
+def _two_rank_job(comm: commlib.Communicator, steps: int) -> dict:
+    return {"bad input": _reject_bad_input(comm), "async flags": _async_flags(comm),
+            "modes": _train_every_mode(comm, steps)}
 
 
 def _tiny_modes(comm: commlib.Communicator) -> dict[str, bool]:
@@ -243,10 +207,50 @@ def _tiny_modes(comm: commlib.Communicator) -> dict[str, bool]:
             for mode in ("single", "dual")}
 
 
+# -- tests -----------------------------------------------------------------------------------
+def test_two_ranks() -> None:
+    """On 2 ranks, in one job (one test, so pytest-xdist never runs the job twice): bitwise
+    equal numerics of every mode on the reference model, every FSDP collective through
+    commlib, bad input rejected before any collective, and the unshard knob's effect."""
+    for rank, out in enumerate(testing.run(_two_rank_job, 2, timeout=420, args=(TWO_RANK_STEPS,))):
+        _check_every_mode(out["modes"], TWO_RANK_STEPS)
+        _check_bad_input(out["bad input"], rank)
+        _check_async_flags(out["async flags"])
+
+
+def test_modes_bitwise_equal_4_ranks() -> None:
+    steps = 2
+    for out in testing.run(_train_every_mode, 4, timeout=600, args=(steps,)):
+        _check_every_mode(out, steps)
+
+
 def test_torchcomms_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(STANDIN))  # spawned ranks copy the parent's sys.path
     for equal in testing.run(_tiny_modes, 2, backend="torchcomms", timeout=120):
         assert equal == {"single": True, "dual": True}
+
+
+def test_fsdp_internals_unchanged() -> None:
+    """The private Comm base classes keep the shape fsdp_overlap.comms implements."""
+    assert _fsdp_internals.AllGather.__abstractmethods__ == {"__call__", "allocate"}
+    assert _fsdp_internals.ReduceScatter.__abstractmethods__ == {"__call__", "allocate"}
+    assert list(inspect.signature(_fsdp_internals.AllGather.__call__).parameters) == \
+        ["self", "output_tensor", "input_tensor", "group", "async_op"]
+    assert list(inspect.signature(_fsdp_internals.ReduceScatter.__call__).parameters) == \
+        ["self", "output_tensor", "input_tensor", "group", "op", "async_op"]
+    assert list(inspect.signature(_fsdp_internals.AllGather.allocate).parameters) == \
+        ["self", "size", "dtype", "device"]
+    # FSDP waits on an async all-gather's handle only if it is a torch.distributed.Work.
+    assert issubclass(FSDPWork, dist.distributed_c10d.Work)
+
+
+def test_unshard_async_op_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard on the one FSDP2 internal knob (its effect is checked in test_two_ranks)."""
+    assert _fsdp_internals.unshard_async_op_setter() is FSDPModule._set_unshard_async_op
+    with monkeypatch.context() as m:  # a torch without the knob
+        m.delattr(FSDPModule, "_set_unshard_async_op")
+        with pytest.raises(_fsdp_internals.FSDPInternalsChanged, match="async_prefetch=False"):
+            _fsdp_internals.unshard_async_op_setter()
 
 
 def test_reduction_mapping() -> None:
