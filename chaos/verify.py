@@ -12,10 +12,10 @@
   torchrun agents' logs and the ledger, all on the wall clock of this machine: detection
   (fault to the first typed error on a survivor -- for ``corrupt`` on any rank, since the
   corrupted rank itself only finds out through the finite check -- or to the torchrun
-  agent acting on the failed worker, whichever comes first), restart (fault to the first line of a
-  process started after it), first completed step after the fault, the checkpoint step
-  resumed from, and the steps executed again; and attaches the doctor's diagnosis of
-  the attempt the fault broke.
+  agent acting on the failed worker, whichever comes first), restart (fault to the first
+  line of a process started after it), first completed step after the fault, the
+  checkpoint step resumed from, and the steps executed again; and attaches the doctor's
+  diagnosis of the attempt the fault broke.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from commlib.observe.log import read_events
 RESULTS = "results.json"
 
 
-class ReferenceError(RuntimeError):
+class ReferenceRunError(RuntimeError):
     """The fault-free reference run itself failed: nothing can be verified against it."""
 
 
@@ -59,7 +59,8 @@ def reference_key(job: Job) -> str:
 
 def _source_digest(job: Job) -> str:
     """The trainer's own files (its directory's .py files), so an edited trainer is not
-    compared with a stale reference."""
+    compared with a stale reference. Libraries it imports (commlib, fsdp_overlap) are not
+    covered: after changing those, clear the cache (or pass another reference dir)."""
     if job.is_script:
         origin = Path(job.trainer)
     else:
@@ -97,9 +98,8 @@ def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float
         outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
         if not outcome.ok or not (work / RESULTS).is_file():
             why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
-            raise ReferenceError(f"the fault-free reference run {why} without a results file; "
+            raise ReferenceRunError(f"the fault-free reference run {why} without a results file; "
                                  f"see {work}/torchrun0.log and {work}/logs")
-        (work / "outcome.json").write_text(json.dumps({"cold_start_s": outcome.cold_start_s}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(work, final)
     return final
@@ -341,7 +341,7 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
     else:
         try:
             reference_dir = ensure_reference(job, reference_root, timeout_s=timeout_s, progress=progress)
-        except ReferenceError as exc:
+        except ReferenceRunError as exc:
             reason = str(exc)
             checks["reference_run"] = False
             problems.append(f"reference_run: {exc}")

@@ -20,7 +20,7 @@ import torch.distributed as _tdist
 
 from commlib import compat
 from commlib.communicator import Communicator, Work
-from commlib.ops import ReduceOp, Reduction
+from commlib.ops import PremulSum, ReduceOp, Reduction
 
 _DEFAULT: list[Communicator] = []  # the one registry this module owns
 
@@ -54,7 +54,7 @@ def _comm(group: Communicator | None) -> Communicator:
 
 def to_reduction(op: Any) -> Reduction:
     """A commlib reduction from a commlib or torch.distributed one."""
-    if isinstance(op, ReduceOp) or hasattr(op, "factor"):
+    if isinstance(op, (ReduceOp, PremulSum)):
         return op
     try:
         return _FROM_TORCH[op]
