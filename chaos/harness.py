@@ -11,9 +11,10 @@ and then watches it until every agent exits or the harness's own deadline passes
 - it applies the plan's external faults, ``kill`` (SIGKILL) and ``hang`` (SIGSTOP, then
   SIGKILL or SIGCONT), to worker processes of this job only: children of its own torchrun
   agents, matched to ranks by their environment (``RANK``,
-  ``TORCHELASTIC_RESTART_COUNT``), never by name. A ``step`` trigger fires when the
-  target rank's log shows it starting that step; each firing is claimed in the ledger
-  before the signal and recorded in ``{run_dir}/harness.jsonl`` with its timestamp;
+  ``TORCHELASTIC_RESTART_COUNT``), never by name. ``step`` and ``p`` triggers are
+  evaluated when the target rank's log shows it starting a step, ``after_s`` once that
+  much time has passed; each firing is claimed in the ledger before the signal and
+  recorded in ``{run_dir}/harness.jsonl`` with its timestamp;
 - a hung rank stays stopped for the fault's ``duration_s``, or by default until a
   survivor logs a typed error (the failure was detected), and is then released;
 - it shows a progress line (steps done, faults injected, restarts);
@@ -255,7 +256,7 @@ class _Watch:
             self._scan_workers()
         if self.external:
             self._after_s_triggers()
-        self._release_holds()
+        self.release_holds()
         self._show()
 
     def _on_event(self, event: dict[str, Any]) -> None:
@@ -330,7 +331,7 @@ class _Watch:
         if fault.type is FaultType.HANG and error is None:
             self.holds.append(_Hold(fault, index, proc, int(fault.rank), firing.ts_ns))
 
-    def _release_holds(self, force: bool = False) -> None:
+    def release_holds(self, force: bool = False) -> None:
         now = time.time_ns()
         for hold in list(self.holds):
             held_s = (now - hold.since_ns) / 1e9
@@ -509,7 +510,7 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
         raise
     finally:
         if watch is not None:
-            watch._release_holds(force=True)
+            watch.release_holds(force=True)
             outcome.pids |= watch.pids
             outcome.first_step_ns = watch.first_step_ns
             outcome.restarts = watch.max_attempt
