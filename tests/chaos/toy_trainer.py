@@ -11,7 +11,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 import commlib
 from chaos.inject import install_from_env
@@ -24,11 +23,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits 1 at step 2, in every attempt")
     args = p.parse_args()
-    # torchrun 2.13 hands every attempt the same store, keys of dead attempts included: a
-    # restarted rank could read a dead peer's gloo address. A namespace per attempt avoids it.
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-    comm = commlib.init("gloo", rank=rank, world_size=world_size, store=store, timeout=args.timeout)
+    comm = commlib.init("gloo", timeout=args.timeout)
     injector = install_from_env(comm)
     log = commlib.get_logger()
     try:
