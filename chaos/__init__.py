@@ -1,7 +1,7 @@
 """chaos: break a training job on purpose, and prove it recovered bitwise-exactly.
 
     report = chaos.run(["kill:rank=1,step=5", "delay:rank=0,step=9"],
-                       trainer_args=["--steps", "12", "--ckpt-every", "2", "--timeout", "3"])
+                       trainer_args=["--steps", "12", "--ckpt-every", "2", "--timeout", "10"])
     assert report.passed, report.summary()
 
 or, from a shell, ``python -m chaos run`` (see ``chaos/__main__.py``).

@@ -45,7 +45,7 @@ def measure(kind: str, run: int, out: Path, deadline: float) -> dict[str, float 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--deadline", type=float, default=10.0, help="the trainer's collective deadline (--timeout)")
+    p.add_argument("--deadline", type=float, default=5.0, help="the trainer's collective deadline (--timeout)")
     p.add_argument("--out", default="runs/bench_recovery")
     args = p.parse_args()
     out = Path(args.out)
