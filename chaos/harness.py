@@ -47,7 +47,7 @@ import psutil
 
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.plan import Fault, FaultType, Ledger, Plan, Release, TriggerKind
-from commlib.observe.log import LOG_DIR_ENV, read_events
+from commlib.observe.log import LOG_DIR_ENV, LogTail, read_events
 
 REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the
@@ -155,40 +155,6 @@ class JobOutcome:
         return None if self.first_step_ns is None else (self.first_step_ns - self.start_ns) / 1e9
 
 
-class EventTail:
-    """New events of every ``rank*.jsonl`` in a log dir, in the order each file has them.
-
-    Reads only complete lines past the last offset, so a line being written is picked up
-    on the next poll; a garbled line is skipped, as `read_events` does.
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self._offsets: dict[Path, int] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if not self.log_dir.is_dir():
-            return events
-        for path in sorted(self.log_dir.glob("rank*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            if end == 0:
-                continue
-            self._offsets[path] = offset + end
-            for raw in data[:end].splitlines():
-                try:
-                    event = json.loads(raw)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
-                    events.append(event)
-        return events
-
-
 class _Journal:
     """The harness's own events, ``{run_dir}/harness.jsonl``, in the ranks' log format."""
 
@@ -232,7 +198,7 @@ class _Watch:
         self.start_ns = start_ns
         self.notes = notes
         self.progress = progress
-        self.tail = EventTail(run_dir / "logs")
+        self.tail = LogTail(run_dir / "logs")
         self.ledger = Ledger(run_dir / "chaos_state")
         self.external = [(i, f) for i, f in enumerate(plan.faults) if f.type.external]
         self.tried: set[tuple[int, int, int]] = set()  # (fault index, pid, step) already evaluated

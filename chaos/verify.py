@@ -99,10 +99,24 @@ def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float
         if not outcome.ok or not (work / RESULTS).is_file():
             why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
             raise ReferenceRunError(f"the fault-free reference run {why} without a results file; "
-                                 f"see {work}/torchrun0.log and {work}/logs")
+                                 f"see {work}/torchrun0.log and {work}/logs{_why_failed(work)}")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(work, final)
     return final
+
+
+def _why_failed(run_dir: Path) -> str:
+    """What a failed run's doctor and torchrun log say, so the error stands alone (in CI the run dir is gone)."""
+    attempts, _ = diagnose(run_dir)
+    problems = [p["message"] for a in attempts for p in a.get("problems", [])]
+    try:
+        lines = [line for line in (run_dir / "torchrun0.log").read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    said = [f"doctor: {problems[0]}"] if problems else []
+    if lines:
+        said.append("torchrun0.log ends:\n    " + "\n    ".join(lines[-8:]))
+    return "".join(f"\n  {s}" for s in said)
 
 
 @dataclass

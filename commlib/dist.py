@@ -20,7 +20,7 @@ import torch.distributed as _tdist
 
 from commlib import compat
 from commlib.communicator import Communicator, Work
-from commlib.ops import PremulSum, ReduceOp, Reduction
+from commlib.ops import PremulSum, ReduceOp, Reduction, premul_sum
 
 _DEFAULT: list[Communicator] = []  # the one registry this module owns
 
@@ -53,11 +53,23 @@ def _comm(group: Communicator | None) -> Communicator:
 
 
 def to_reduction(op: Any) -> Reduction:
-    """A commlib reduction from a commlib or torch.distributed one."""
+    """A commlib reduction from a commlib or torch.distributed one.
+
+    torch.distributed spells a reduction as a bare `ReduceOp.RedOpType` (`ReduceOp.SUM`), a
+    `ReduceOp` object wrapping one (`ReduceOp(ReduceOp.MAX)`), or `ReduceOp.PREMUL_SUM(factor)`,
+    whose `.op` and `.factor` carry the kind and the factor (FSDP2 passes that one when a
+    gradient divide factor is set).
+    """
     if isinstance(op, (ReduceOp, PremulSum)):
         return op
+    kind = getattr(op, "op", op)
+    if kind == _tdist.ReduceOp.PREMUL_SUM:
+        if op is kind:
+            raise TypeError("commlib.dist: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
+        factor = op.factor
+        return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
     try:
-        return _FROM_TORCH[op]
+        return _FROM_TORCH[kind]
     except (KeyError, TypeError):
         raise TypeError(f"commlib.dist: expected a commlib or torch.distributed ReduceOp; found {op!r}") from None
 

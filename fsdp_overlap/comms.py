@@ -34,22 +34,6 @@ from fsdp_overlap._fsdp_internals import AllGather, ReduceScatter
 WAIT_EVENT = "fsdp.wait"
 
 
-def to_commlib_reduction(op: Any) -> commlib.ReduceOp | commlib.PremulSum:
-    """The commlib reduction for the `torch.distributed` reduction FSDP passes.
-
-    FSDP passes a bare `ReduceOp.RedOpType` (`SUM`, `AVG`) or, with a custom gradient
-    divide factor, a `ReduceOp` object made by `ReduceOp.PREMUL_SUM(factor)`, whose
-    `.op` and `.factor` carry the kind and the factor.
-    """
-    kind = getattr(op, "op", op)
-    if kind == dist.ReduceOp.PREMUL_SUM:
-        if op is kind:
-            raise TypeError("fsdp_overlap: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
-        factor = op.factor
-        return commlib.premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
-    return to_reduction(kind)
-
-
 class FSDPWork(dist.Work):
     """A `torch.distributed.Work` whose `wait` is commlib's `Work.wait` (deadline and all)."""
 
@@ -116,5 +100,5 @@ class CommlibReduceScatter(_CommlibComm, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> FSDPWork | None:
         self._check_group(group)
-        return self._wrap(self.comm.reduce_scatter_single(output_tensor, input_tensor, to_commlib_reduction(op),
+        return self._wrap(self.comm.reduce_scatter_single(output_tensor, input_tensor, to_reduction(op),
                                                           async_op=async_op))

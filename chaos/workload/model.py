@@ -247,6 +247,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Blo
     return compiled_flex_attention()(q, k, v, block_mask=block_mask)
 
 
+def warm_up_attention(cfg: ModelConfig, block_mask: BlockMask, batch_size: int, device: torch.device) -> None:
+    """Compile the attention kernels for the trainer's shapes now, on zero inputs.
+
+    A rank's first forward otherwise pays the compile (seconds warm, minutes cold) in the
+    middle of a step, after its peers may already be waiting in a collective with a short
+    deadline. Forward and backward run, so CUDA compiles flex's backward too; on CPU the
+    backward is the dense recompute and compiles nothing. Draws no random numbers.
+    """
+    shape = (batch_size, cfg.n_heads, cfg.seq_len, cfg.head_dim)
+    q, k, v = (torch.zeros(shape, device=device, requires_grad=True) for _ in range(3))
+    attention(q, k, v, block_mask).sum().backward()
+
+
 # ---------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------

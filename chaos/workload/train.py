@@ -40,7 +40,8 @@ from chaos.inject import install_from_env
 from chaos.results import write_results
 from chaos.workload.checkpoint import Checkpointer, TrainState
 from chaos.workload.data import DataConfig, batch_for
-from chaos.workload.model import MASKS, ModelConfig, Transformer, build_block_mask, set_deterministic
+from chaos.workload.model import (MASKS, ModelConfig, Transformer, build_block_mask, set_deterministic,
+                                  warm_up_attention)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -78,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=data.batch_size, help="sequences per rank per step")
     p.add_argument("--log-dir", default=None, help="per-rank commlib logs; default $COMMLIB_LOG_DIR")
     p.add_argument("--timeout", type=float, default=300.0, help="collective deadline, seconds")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="deadline of the one barrier after every rank has compiled its kernels, seconds")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one rank per GPU, GPU LOCAL_RANK")
@@ -131,6 +134,13 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
     injector = install_from_env(comm)
 
     set_deterministic()
+    # Ranks compile FlexAttention at different speeds (a cold inductor cache takes minutes
+    # on a loaded CPU); doing it before the first collective and meeting at one barrier
+    # with a startup deadline lets every collective after it keep the short `--timeout`.
+    with commlib.context(phase="startup"):
+        first = batch_for(data_cfg, 1, comm.rank)
+        warm_up_attention(model_cfg, build_block_mask(model_cfg, first.doc_ids, device), args.batch_size, device)
+        comm.barrier(timeout=max(args.timeout, args.startup_timeout))
     torch.manual_seed(args.seed)  # nothing here draws from it, but checkpoints carry it for code that will
     model = Transformer(model_cfg, seed=args.seed, device=device)
     fsdp_overlap.shard(model, comm, blocks=model.layers, mode=args.fsdp_mode, prefetch=args.prefetch)

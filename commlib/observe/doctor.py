@@ -1,7 +1,7 @@
 """The doctor's analyzer: what went wrong in a run, read from every rank's log and flight dumps.
 
 Pure functions over files that already exist: `load(logdir)` reads `rank*.jsonl` (through
-`log.read_events`, the one reader of those files) and `flight_rank*.json` into a `RunLogs`
+`log.read_events`, which skips a truncated last line) and `flight_rank*.json` into a `RunLogs`
 model, `analyze(run)` turns it into a `Diagnosis`, and `diagnose(logdir)` does both. Nothing
 here talks to a process group or a store.
 

@@ -7,8 +7,8 @@ Configured once per process by `commlib.init` (or `configure` directly):
 
 Each line is written with a single `os.write` on an `O_APPEND` descriptor, so a process
 killed mid-write leaves at most one truncated last line, and ranks restarted by torchrun
-append to the same file. `read_events` is the one reader of these files; it skips a
-truncated line instead of failing.
+append to the same file. `read_events` (a whole file) and `LogTail` (a live log dir) are
+the readers of these files; both skip a truncated line instead of failing.
 
 The pipeline is a list of plain structlog processors: merge the caller's context
 (`commlib.context(step=..., phase=...)`, a ContextVar, so threads and asyncio tasks keep
@@ -161,13 +161,42 @@ def log_dir() -> Path | None:
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Events of one JSON-lines file in order; a truncated or garbled line is skipped."""
+    return (event for _, event in _scan(path, 0) if event is not None)
+
+
+class LogTail:
+    """New events of every ``rank*.jsonl`` in a log dir since the last poll, each file's in order.
+
+    For watching a live run: a line still being written is left for the next poll.
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for path in sorted(self.log_dir.glob("rank*.jsonl")):
+            for self._offsets[path], event in _scan(path, self._offsets.get(path, 0)):
+                if event is not None:
+                    events.append(event)
+        return events
+
+
+def _scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(offset after the line, its event or None if garbled) for each complete line from `offset`.
+
+    A last line without its newline is being written, or was cut short by a kill: it is
+    not read, so its offset is never passed.
+    """
     with open(path, "rb") as f:
+        f.seek(offset)
         for raw in f:
             if not raw.endswith(b"\n"):
-                return  # the writer was killed mid-line: only ever the last line
+                return
+            offset += len(raw)
             try:
                 event = json.loads(raw)
             except ValueError:
-                continue
-            if isinstance(event, dict):
-                yield event
+                event = None
+            yield offset, event if isinstance(event, dict) else None

@@ -105,3 +105,19 @@ def test_dist_unknown_name() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'all_gather_object'"):
         cdist.all_gather_object  # noqa: B018
+
+
+def test_dist_reductions_map_every_torch_spelling() -> None:
+    import commlib
+    from commlib.dist import to_reduction
+
+    assert to_reduction(dist.ReduceOp.AVG) is commlib.ReduceOp.AVG
+    assert to_reduction(dist.ReduceOp.SUM) is commlib.ReduceOp.SUM
+    assert to_reduction(dist.ReduceOp(dist.ReduceOp.MAX)) is commlib.ReduceOp.MAX
+    assert to_reduction(commlib.ReduceOp.MIN) is commlib.ReduceOp.MIN
+    assert to_reduction(dist.ReduceOp.PREMUL_SUM(0.25)) == commlib.premul_sum(0.25)
+    assert to_reduction(dist.ReduceOp.PREMUL_SUM(torch.tensor(0.5))) == commlib.premul_sum(0.5)
+    with pytest.raises(TypeError, match="without a factor"):
+        to_reduction(dist.ReduceOp.PREMUL_SUM)
+    with pytest.raises(TypeError, match="found 'sum'"):
+        to_reduction("sum")

@@ -13,7 +13,7 @@ import torch
 
 import commlib
 from commlib import testing
-from commlib.observe.log import read_events
+from commlib.observe.log import LogTail, read_events
 
 
 def _split_and_hooks(comm: commlib.Communicator) -> dict[str, object]:
@@ -79,6 +79,20 @@ def test_reader_tolerates_a_truncated_last_line(tmp_path: Path) -> None:
     path = tmp_path / "rank0.jsonl"
     path.write_text('{"event": "a"}\n{"event": "b"}\n{"event": "c", "trunc')
     assert [e["event"] for e in read_events(path)] == ["a", "b"]
+
+
+def test_tail_returns_each_complete_line_once(tmp_path: Path) -> None:
+    tail = LogTail(tmp_path / "logs")
+    assert tail.poll() == []  # no log dir yet
+    (tmp_path / "logs").mkdir()
+    path = tmp_path / "logs" / "rank1.jsonl"
+    path.write_text('{"event": "a"}\nnot json\n{"event": "b", "half')
+    assert [e["event"] for e in tail.poll()] == ["a"]
+    with open(path, "a") as f:
+        f.write('": 1}\n{"event": "c"}\n')
+    (tmp_path / "logs" / "rank0.jsonl").write_text('{"event": "z"}\n')
+    assert [e["event"] for e in tail.poll()] == ["z", "b", "c"]
+    assert tail.poll() == []
 
 
 def _hung_rank_dumps_on_sigusr1(comm: commlib.Communicator, log_dir: str) -> list[str]:

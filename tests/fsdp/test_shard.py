@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import commlib
 from commlib import testing
 from fsdp_overlap import _fsdp_internals
-from fsdp_overlap.comms import FSDPWork, to_commlib_reduction
+from fsdp_overlap.comms import FSDPWork
 from fsdp_overlap.shard import shard
 
 STANDIN = Path(__file__).resolve().parents[1] / "torchcomms_standin"
@@ -251,13 +251,3 @@ def test_unshard_async_op_knob(monkeypatch: pytest.MonkeyPatch) -> None:
         m.delattr(FSDPModule, "_set_unshard_async_op")
         with pytest.raises(_fsdp_internals.FSDPInternalsChanged, match="async_prefetch=False"):
             _fsdp_internals.unshard_async_op_setter()
-
-
-def test_reduction_mapping() -> None:
-    assert to_commlib_reduction(dist.ReduceOp.AVG) is commlib.ReduceOp.AVG
-    assert to_commlib_reduction(dist.ReduceOp.SUM) is commlib.ReduceOp.SUM
-    assert to_commlib_reduction(dist.ReduceOp(dist.ReduceOp.MAX)) is commlib.ReduceOp.MAX
-    assert to_commlib_reduction(dist.ReduceOp.PREMUL_SUM(0.25)) == commlib.premul_sum(0.25)
-    assert to_commlib_reduction(dist.ReduceOp.PREMUL_SUM(torch.tensor(0.5))) == commlib.premul_sum(0.5)
-    with pytest.raises(TypeError, match="without a factor"):
-        to_commlib_reduction(dist.ReduceOp.PREMUL_SUM)
