@@ -74,14 +74,7 @@ def reduction_kind(op: Reduction) -> ReduceOp:
     return op.kind if isinstance(op, PremulSum) else op
 
 
-@dataclass(frozen=True)
-class CallSummary:
-    shapes: list[list[int]]
-    dtype: str | None
-    nbytes: int  # bytes this rank contributes: the message size used for bandwidth figures
-
-
-@dataclass
+@dataclass(slots=True)
 class Collective:
     """One call on a communicator, from validation to completion.
 
@@ -105,7 +98,6 @@ class Collective:
     peer: int | None = None
     reduce_op: Reduction | None = None
     context: dict[str, object] = field(default_factory=dict)
-    _summary: "CallSummary | None" = field(default=None, repr=False, compare=False)
 
     def inputs(self) -> list[torch.Tensor]:
         """Tensors the op reads on this rank."""
@@ -131,16 +123,11 @@ class Collective:
             seen.setdefault(id(t), t)
         return list(seen.values())
 
-    def summary(self) -> "CallSummary":
-        """Shapes, dtype and bytes, computed once per call (logs and the recorder share it)."""
-        if self._summary is None:
-            ts = self.tensors()
-            self._summary = CallSummary(
-                shapes=[list(t.shape) for t in ts],
-                dtype=str(ts[0].dtype) if ts else None,
-                nbytes=sum(t.numel() * t.element_size() for t in self.inputs()),
-            )
-        return self._summary
+    def nbytes(self) -> int:
+        """Bytes this rank contributes: the message size used for bandwidth figures."""
+        if self.tensor is not None:  # the common case, kept cheap: this runs on every collective
+            return self.tensor.nbytes if self.op is not OpName.RECV else 0
+        return sum(t.nbytes for t in self.inputs())
 
     def fingerprint(self) -> dict[str, object]:
         """What every rank must agree on for the call to be well formed."""

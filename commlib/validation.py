@@ -7,6 +7,7 @@ op, the communicator and the rank.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import torch
@@ -32,119 +33,141 @@ def seconds(timeout: float | timedelta | None, what: str = "timeout") -> float |
     return value
 
 
-class _Checker:
-    def __init__(self, call: Collective) -> None:
-        self.call = call
+def _fail(call: Collective, exc_type: type[Exception], problem: str) -> Exception:
+    return exc_type(f"{call.op} on {call.comm!r} rank {call.rank}: {problem}")
 
-    def fail(self, exc_type: type[Exception], problem: str) -> Exception:
-        c = self.call
-        return exc_type(f"{c.op} on {c.comm!r} rank {c.rank}: {problem}")
 
-    def tensor(self, t: object, role: str) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise self.fail(TypeError, f"expected {role} to be a torch.Tensor; found {type(t).__name__}")
-        if not t.is_contiguous():
-            raise self.fail(ValueError, f"expected {role} to be contiguous; found strides {t.stride()} for shape {tuple(t.shape)}")
-        return t
+def _tensor(call: Collective, t: object, role: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(call, TypeError, f"expected {role} to be a torch.Tensor; found {type(t).__name__}")
+    if not t.is_contiguous():
+        raise _fail(call, ValueError, f"expected {role} to be contiguous; found strides {t.stride()} "
+                                      f"for shape {tuple(t.shape)}")
+    return t
 
-    def tensor_list(self, ts: object, role: str, length: int) -> list[torch.Tensor]:
-        if not isinstance(ts, (list, tuple)):
-            raise self.fail(TypeError, f"expected {role} to be a list of tensors; found {type(ts).__name__}")
-        if len(ts) != length:
-            raise self.fail(ValueError, f"expected {role} to hold {length} tensors (one per rank); found {len(ts)}")
-        return [self.tensor(t, f"{role}[{i}]") for i, t in enumerate(ts)]
 
-    def rank_arg(self, value: object, role: str) -> None:
-        c = self.call
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.fail(TypeError, f"expected {role} to be an int rank; found {type(value).__name__}")
-        if not 0 <= value < c.size:
-            raise self.fail(ValueError, f"expected {role} in [0, {c.size}); found {value}")
+def _tensor_list(call: Collective, ts: object, role: str) -> list[torch.Tensor]:
+    if not isinstance(ts, (list, tuple)):
+        raise _fail(call, TypeError, f"expected {role} to be a list of tensors; found {type(ts).__name__}")
+    if len(ts) != call.size:
+        raise _fail(call, ValueError, f"expected {role} to hold {call.size} tensors (one per rank); found {len(ts)}")
+    return [_tensor(call, t, f"{role}[{i}]") for i, t in enumerate(ts)]
 
-    def same_dtype(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-        if a.dtype != b.dtype:
-            raise self.fail(TypeError, f"expected {what} dtypes to match; found {a.dtype} and {b.dtype}")
 
-    def same_shape(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-        if a.shape != b.shape:
-            raise self.fail(ValueError, f"expected {what} shapes to match; found {tuple(a.shape)} and {tuple(b.shape)}")
+def _rank_arg(call: Collective, value: object, role: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(call, TypeError, f"expected {role} to be an int rank; found {type(value).__name__}")
+    if not 0 <= value < call.size:
+        raise _fail(call, ValueError, f"expected {role} in [0, {call.size}); found {value}")
+
+
+def _same_dtype(call: Collective, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.dtype != b.dtype:
+        raise _fail(call, TypeError, f"expected {what} dtypes to match; found {a.dtype} and {b.dtype}")
+
+
+def _like(call: Collective, ts: list[torch.Tensor], one: torch.Tensor, what: str) -> None:
+    """Every tensor of a per-rank list has `one`'s dtype and shape."""
+    for t in ts:
+        _same_dtype(call, t, one, what)
+        if t.shape != one.shape:
+            raise _fail(call, ValueError, f"expected {what} shapes to match; found {tuple(t.shape)} "
+                                          f"and {tuple(one.shape)}")
+
+
+def _numel_multiple(call: Collective, big: torch.Tensor, small: torch.Tensor, big_role: str,
+                    small_role: str) -> None:
+    n = call.size
+    if big.numel() != n * small.numel():
+        raise _fail(call, ValueError, f"expected {big_role} of {n} x {small.numel()} = {n * small.numel()} elements "
+                                      f"(size x {small_role}); found {big.numel()}")
 
 
 def check_call(call: Collective, unsupported: "callable") -> None:  # type: ignore[valid-type]
     """Raise TypeError/ValueError when `call` is malformed on this rank.
 
     `unsupported(device, reduce_op)` is the backend's `supports`: None if it can serve them.
+    Runs on every collective, so the common case does little: single-tensor ops skip the
+    per-op shape rules, and the dtype rules of a reduction are looked up, not recomputed.
     """
-    chk = _Checker(call)
-    op, n = call.op, call.size
-
-    for name in ("tensor", "input", "output"):
-        t = getattr(call, name)
-        if t is not None:
-            chk.tensor(t, name)
+    op = call.op
+    if call.tensor is not None:
+        tensors = [_tensor(call, call.tensor, "tensor")]
+    else:
+        if call.input is not None:
+            _tensor(call, call.input, "input")
+        if call.output is not None:
+            _tensor(call, call.output, "output")
+        _check_shapes(call)
+        tensors = call.tensors()
     if call.root is not None:
-        chk.rank_arg(call.root, "root")
+        _rank_arg(call, call.root, "root")
     if call.peer is not None:
         role = "dst" if op is OpName.SEND else "src"
-        chk.rank_arg(call.peer, role)
+        _rank_arg(call, call.peer, role)
         if call.peer == call.rank:
-            raise chk.fail(ValueError, f"expected {role} to be another rank than this one; found {call.peer}")
+            raise _fail(call, ValueError, f"expected {role} to be another rank than this one; found {call.peer}")
 
-    if op is OpName.ALL_GATHER_SINGLE:
-        chk.same_dtype(call.output, call.input, "output and input")
-        if call.output.numel() != n * call.input.numel():
-            raise chk.fail(ValueError, f"expected output of {n} x {call.input.numel()} = {n * call.input.numel()} "
-                                       f"elements (size x input); found {call.output.numel()}")
-    elif op is OpName.REDUCE_SCATTER_SINGLE:
-        chk.same_dtype(call.output, call.input, "output and input")
-        if call.input.numel() % n:
-            raise chk.fail(ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
-        if call.input.numel() != n * call.output.numel():
-            raise chk.fail(ValueError, f"expected input of {n} x {call.output.numel()} = {n * call.output.numel()} "
-                                       f"elements (size x output); found {call.input.numel()}")
-    elif op is OpName.ALL_TO_ALL_SINGLE:
-        chk.same_dtype(call.output, call.input, "output and input")
-        if call.input.numel() % n:
-            raise chk.fail(ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
-        if call.output.numel() != call.input.numel():
-            raise chk.fail(ValueError, f"expected output of {call.input.numel()} elements like input; found {call.output.numel()}")
-    elif op is OpName.ALL_GATHER:
-        for t in chk.tensor_list(call.output_list, "tensor_list", n):
-            chk.same_dtype(t, call.input, "tensor_list and tensor")
-            chk.same_shape(t, call.input, "tensor_list and tensor")
-    elif op is OpName.REDUCE_SCATTER:
-        for t in chk.tensor_list(call.input_list, "input_list", n):
-            chk.same_dtype(t, call.output, "input_list and output")
-            chk.same_shape(t, call.output, "input_list and output")
-    elif op is OpName.GATHER and call.rank == call.root:
-        for t in chk.tensor_list(call.output_list, "output_tensor_list", n):
-            chk.same_dtype(t, call.input, "output_tensor_list and input")
-            chk.same_shape(t, call.input, "output_tensor_list and input")
-    elif op is OpName.SCATTER and call.rank == call.root:
-        for t in chk.tensor_list(call.input_list, "input_tensor_list", n):
-            chk.same_dtype(t, call.output, "input_tensor_list and output")
-            chk.same_shape(t, call.output, "input_tensor_list and output")
-
-    tensors = call.tensors()
-    for t in tensors:
-        why = unsupported(t.device, call.reduce_op)
+    devices = {t.device for t in tensors}
+    for device in devices:
+        why = unsupported(device, call.reduce_op)
         if why:
-            raise chk.fail(ValueError, f"expected a tensor the backend can serve ({why}); found one on {t.device}")
+            raise _fail(call, ValueError, f"expected a tensor the backend can serve ({why}); found one on {device}")
     if call.reduce_op is not None:
-        _check_reduction(chk, call, tensors)
+        _check_reduction(call, tensors)
 
 
-def _check_reduction(chk: _Checker, call: Collective, tensors: list[torch.Tensor]) -> None:
-    if not isinstance(call.reduce_op, (ReduceOp, PremulSum)):
-        raise chk.fail(TypeError, f"expected op to be a commlib.ReduceOp or commlib.premul_sum(f); "
-                                  f"found {type(call.reduce_op).__name__} {call.reduce_op!r}")
-    kind = reduction_kind(call.reduce_op)
-    if kind is ReduceOp.PREMUL_SUM and not isinstance(call.reduce_op, PremulSum):
-        raise chk.fail(TypeError, "expected PREMUL_SUM with its factor: commlib.premul_sum(factor)")
+def _check_shapes(call: Collective) -> None:
+    """The shape and dtype rules of the ops that take an input and an output (or lists)."""
+    op, n = call.op, call.size
+    if op is OpName.ALL_GATHER_SINGLE:
+        _same_dtype(call, call.output, call.input, "output and input")
+        _numel_multiple(call, call.output, call.input, "output", "input")
+    elif op is OpName.REDUCE_SCATTER_SINGLE:
+        _same_dtype(call, call.output, call.input, "output and input")
+        if call.input.numel() % n:
+            raise _fail(call, ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
+        _numel_multiple(call, call.input, call.output, "input", "output")
+    elif op is OpName.ALL_TO_ALL_SINGLE:
+        _same_dtype(call, call.output, call.input, "output and input")
+        if call.input.numel() % n:
+            raise _fail(call, ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
+        if call.output.numel() != call.input.numel():
+            raise _fail(call, ValueError, f"expected output of {call.input.numel()} elements like input; "
+                                          f"found {call.output.numel()}")
+    elif op is OpName.ALL_GATHER:
+        _like(call, _tensor_list(call, call.output_list, "tensor_list"), call.input, "tensor_list and tensor")
+    elif op is OpName.REDUCE_SCATTER:
+        _like(call, _tensor_list(call, call.input_list, "input_list"), call.output, "input_list and output")
+    elif op is OpName.GATHER and call.rank == call.root:
+        _like(call, _tensor_list(call, call.output_list, "output_tensor_list"), call.input,
+              "output_tensor_list and input")
+    elif op is OpName.SCATTER and call.rank == call.root:
+        _like(call, _tensor_list(call, call.input_list, "input_tensor_list"), call.output,
+              "input_tensor_list and output")
+
+
+def _check_reduction(call: Collective, tensors: list[torch.Tensor]) -> None:
+    op = call.reduce_op
+    if not isinstance(op, (ReduceOp, PremulSum)):
+        raise _fail(call, TypeError, f"expected op to be a commlib.ReduceOp or commlib.premul_sum(f); "
+                                     f"found {type(op).__name__} {op!r}")
+    kind = reduction_kind(op)
+    if kind is ReduceOp.PREMUL_SUM and not isinstance(op, PremulSum):
+        raise _fail(call, TypeError, "expected PREMUL_SUM with its factor: commlib.premul_sum(factor)")
     for t in tensors:
-        if kind in _INTEGER_ONLY and (t.is_floating_point() or t.is_complex()):
-            raise chk.fail(TypeError, f"expected an integer or bool dtype for {kind}; found {t.dtype}")
-        if kind in _FLOAT_ONLY and not t.is_floating_point():
-            raise chk.fail(TypeError, f"expected a floating dtype for {kind}; found {t.dtype}")
-        if t.is_complex() and kind in (ReduceOp.MIN, ReduceOp.MAX):
-            raise chk.fail(TypeError, f"expected a real dtype for {kind}; found {t.dtype}")
+        expected = _dtype_rule(kind, t.dtype)
+        if expected:
+            raise _fail(call, TypeError, f"expected {expected} for {kind}; found {t.dtype}")
+
+
+@functools.cache
+def _dtype_rule(kind: ReduceOp, dtype: torch.dtype) -> str | None:
+    """What dtype `kind` expects, when `dtype` is not one; None when it is."""
+    if kind in _INTEGER_ONLY and (dtype.is_floating_point or dtype.is_complex):
+        return "an integer or bool dtype"
+    if kind in _FLOAT_ONLY and not dtype.is_floating_point:
+        return "a floating dtype"
+    if dtype.is_complex and kind in (ReduceOp.MIN, ReduceOp.MAX):
+        return "a real dtype"
+    return None

@@ -9,6 +9,7 @@ a collective (see `install_sigusr1`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from commlib.ops import Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
@@ -30,12 +33,12 @@ STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
 DEFAULT_SIZE = 2000
 
 
-@dataclass
+@dataclass(slots=True)
 class FlightEntry:
     seq: int
     op: str
     comm: str
-    shapes: list[list[int]]
+    shapes: list[torch.Size]  # tuples: JSON writes them as lists
     dtype: str | None
     nbytes: int
     root: int | None
@@ -74,21 +77,13 @@ class FlightRecorder:
         _RECORDERS.add(self)
 
     def start(self, call: Collective) -> FlightEntry:
-        summary = call.summary()
+        tensors = call.tensors()
+        context = call.context
         entry = FlightEntry(
-            seq=call.seq,
-            op=call.op.value,
-            comm=self.comm,
-            shapes=summary.shapes,
-            dtype=summary.dtype,
-            nbytes=summary.nbytes,
-            root=call.root if call.root is not None else call.peer,
-            async_op=call.async_op,
-            deadline_s=call.deadline_s,
-            start_ns=time.time_ns(),
-            start_mono_ns=time.monotonic_ns(),
-            step=call.context.get("step"),
-            phase=call.context.get("phase"),
+            call.seq, call.op.value, self.comm, [t.shape for t in tensors],
+            _dtype_name(tensors[0].dtype) if tensors else None, call.nbytes(),
+            call.root if call.root is not None else call.peer, call.async_op, call.deadline_s,
+            time.time_ns(), time.monotonic_ns(), context.get("step"), context.get("phase"),
             stack=traceback.format_stack()[:-3] if self.with_stacks else None,
         )
         self._ring.append(entry)
@@ -131,6 +126,11 @@ class FlightRecorder:
             f.write(data)
         os.replace(tmp, path)
         return path
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype)
 
 
 # Every live recorder of the process (the one registry this module owns), for SIGUSR1.

@@ -145,8 +145,12 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     return path
 
 
+# Built once: `json.dumps` with options builds a new encoder per call (a third of its cost).
+_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
+
+
 def _dumps(obj: Any, **_: Any) -> str:
-    return json.dumps(obj, default=str, separators=(",", ":"))
+    return _ENCODER.encode(obj)
 
 
 def get_logger(**bound: Any) -> Any:
