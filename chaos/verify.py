@@ -98,7 +98,8 @@ def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float
         outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
         if not outcome.ok or not (work / RESULTS).is_file():
             why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
-            raise ReferenceRunError(f"the fault-free reference run {why} without a results file; "
+            results = "with" if (work / RESULTS).is_file() else "without"
+            raise ReferenceRunError(f"the fault-free reference run {why} {results} a results file; "
                                  f"see {work}/torchrun0.log and {work}/logs{_why_failed(work)}")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(work, final)
