@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commlib.backends.base import Failure
+from commlib.backends.c10d import classify_text
 from commlib.observe.log import read_events
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
@@ -545,8 +547,8 @@ def _analyze_attempt(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Att
         mismatches = _mismatches(comm)
         problems += mismatches.values()
         problems += _failures(att, comm, mismatches, dumps)
+    problems += _app_errors(att)  # before dead ranks: a backend failure outside commlib is evidence too
     problems += _dead_ranks(att, problems)
-    problems += _app_errors(att)
     problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
     if all(p.kind is Kind.HANG for p in problems):
         # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
@@ -588,8 +590,19 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         first = min(events, key=lambda e: e["ts_ns"])
         what = first.get("error") or first.get("message") or ""
         message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
+        details: dict[str, Any] = {"event": name}
+        if classify_text(str(what)) in (Failure.TIMEOUT, Failure.PEER):
+            # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
+            # or lost a peer: its reporters are victims, and the suspects are the ranks that
+            # had gone quiet before it without an error of their own.
+            others = sorted(set(att.ranks) - set(reporters))
+            quiet = [r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])]
+            culprits, details["quiet"] = quiet, quiet
+            message += (f" (a backend failure in a torch.distributed call outside commlib; rank(s) {quiet} had "
+                        f"stopped logging before it)" if quiet else
+                        " (a backend failure in a torch.distributed call outside commlib)")
         problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
-                                message.strip(), reporters, first["ts_ns"], {"event": name}))
+                                message.strip(), reporters, first["ts_ns"], details))
     return problems
 
 
@@ -880,6 +893,10 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
                 if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
                     evidence[r].append(f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
                                        f"{p.op} #{p.seq} on {p.comm!r} timed out")
+        elif p.kind is Kind.ERROR and p.details.get("quiet"):
+            for r in p.details["quiet"]:
+                evidence[r].append(f"it had stopped logging before rank(s) {p.reporters} hit a backend failure "
+                                   f"outside commlib ({p.details['event']})")
     dead = []
     for r, why in sorted(evidence.items()):
         pos = position(att, r)

@@ -296,3 +296,28 @@ def test_mismatch_caught_by_consistency_check(tmp_path: Path) -> None:
     assert mismatch.details["groups"] == [[0, 1], [2]] and mismatch.details["checked"]
     assert "ranks [0, 1] issued all_reduce; ranks [2] issued broadcast" in mismatch.message
     assert d.exit_code == 1
+
+
+def test_backend_failure_outside_commlib_blames_the_rank_that_went_quiet(tmp_path: Path) -> None:
+    # What a rank SIGSTOPped inside DCP's checkpoint collectives leaves: both ranks log
+    # ckpt.start; rank 1 says nothing more; 10 s later rank 0's gloo call (not a commlib
+    # collective) times out and the trainer logs train.error with gloo's text.
+    def event(rank: int, t_s: float, name: str, **fields: object) -> str:
+        base = {"event": name, "rank": rank, "size": 2, "host": "vm", "pid": 100 + rank, "attempt": 0,
+                "level": fields.pop("level", "info"), "ts_ns": int(t_s * 1e9), "mono_ns": int(t_s * 1e9)}
+        return json.dumps({**fields, **base}) + "\n"
+
+    for rank in (0, 1):
+        lines = [event(rank, 1.0, "comm.init", comm="world", backend="gloo", comm_rank=rank, comm_size=2),
+                 event(rank, 2.0, "ckpt.start", step=4, phase="checkpoint")]
+        if rank == 0:
+            lines.append(event(0, 12.0, "train.error", level="error", error_type="RuntimeError", exit_code=1,
+                               error="[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms "
+                                     "for send operation to complete"))
+        (tmp_path / f"rank{rank}.jsonl").write_text("".join(lines))
+
+    [attempt] = diagnose(tmp_path).attempts
+    assert attempt.status == "failed" and attempt.culprits == [1]
+    kinds = {p.kind: p for p in attempt.problems}
+    assert kinds[Kind.DEAD_RANK].ranks == [1] and "outside commlib" in kinds[Kind.DEAD_RANK].message
+    assert kinds[Kind.ERROR].ranks == [1] and kinds[Kind.ERROR].reporters == [0]
