@@ -27,7 +27,8 @@ and friends happen mid-step), or at the next staged checkpoint for
 ``kill_during_checkpoint``. A ``seq`` trigger acts at that collective. Before acting, the
 firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
 ``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``:
-the harness fires its step-triggered external faults when it reads that line.
+the harness fires its step-triggered external faults when it reads that line, and the rank
+waits there for them (see `Injector._await_external`), so they land at the step's start.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ import commlib
 from commlib.ops import Collective
 from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKind
 
+# How long a rank waits at a step start for the harness to fire a kill or hang planned there
+# (at most half the collective deadline: peers wait for it in the step's first collective).
+EXTERNAL_WAIT_S = 5.0
+SIGNAL_GRACE_S = 0.5  # from the harness's claim of a firing to its signal arriving
 PLAN_ENV = "CHAOS_PLAN"  # path of the resolved plan (JSON), written by the harness
 STATE_ENV = "CHAOS_STATE_DIR"  # the ledger's directory
 START_ENV = "CHAOS_START_NS"  # wall clock (ns) when the harness launched the job
@@ -57,12 +62,16 @@ class InjectedFault(RuntimeError):
 class Injector:
     """The faults of one plan that target this rank."""
 
-    def __init__(self, plan: Plan, rank: int, ledger: Ledger, start_ns: int, attempt: int) -> None:
+    def __init__(self, plan: Plan, rank: int, ledger: Ledger, start_ns: int, attempt: int, *,
+                 external_wait_s: float = EXTERNAL_WAIT_S) -> None:
         self.rank = rank
         self.attempt = attempt
         self._ledger = ledger
         self._start_ns = start_ns
         self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
+        self._external = [(i, f) for i, f in enumerate(plan.faults)
+                          if f.rank == rank and f.type.external and f.trigger.kind is not TriggerKind.AFTER_S]
+        self.external_wait_s = external_wait_s
         self._armed: set[int] = set()
         self.step: int | None = None
         self._handle = commlib.register_pre_hook(self._pre_hook)
@@ -81,6 +90,28 @@ class Injector:
                 continue
             if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count:
                 self._armed.add(i)
+        self._await_external(step, elapsed)
+
+    def _await_external(self, step: int, elapsed: float) -> None:
+        """Hold the start of `step` while the harness applies this rank's kill or hang planned for it.
+
+        The harness signals when it reads the ``chaos.step`` line; on a loaded machine it
+        reacts tens to hundreds of milliseconds later, by when a tiny step (and the
+        checkpoint after it, whose collectives commlib does not issue) may have run. So the
+        rank waits, at most `external_wait_s`, for the harness to claim the firing, then
+        `SIGNAL_GRACE_S` for the signal that follows the claim: the fault lands at the start
+        of its step, before the step's first collective.
+        """
+        due = {i: self._ledger.fired(i) for i, f in self._external
+               if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count}
+        if not due:
+            return
+        give_up = time.monotonic() + self.external_wait_s
+        while all(self._ledger.fired(i) == n for i, n in due.items()):
+            if time.monotonic() > give_up:
+                return  # the harness did not act (it may be gone): train on
+            time.sleep(0.005)
+        time.sleep(SIGNAL_GRACE_S)
 
     def on_checkpoint_staged(self, step: int) -> None:
         for i, f in self._faults:
@@ -149,4 +180,5 @@ def install_from_env(comm: commlib.Communicator | None = None) -> Injector | Non
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
     start_ns = int(os.environ.get(START_ENV, time.time_ns()))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return Injector(plan, rank, Ledger(state), start_ns, attempt)
+    wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
+    return Injector(plan, rank, Ledger(state), start_ns, attempt, external_wait_s=wait_s)

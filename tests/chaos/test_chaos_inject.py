@@ -1,12 +1,13 @@
 """The in-rank injector on two real gloo ranks, without a trainer: corrupt and delay through commlib's hooks."""
 
+import threading
 import time
 
 import torch
 
 import commlib
 import commlib.testing
-from chaos.inject import Injector
+from chaos.inject import SIGNAL_GRACE_S, Injector
 from chaos.plan import Ledger, Plan, parse_shorthand
 from commlib.observe.log import read_events
 
@@ -41,3 +42,29 @@ def test_corrupt_and_delay_act_through_commlib_hooks(tmp_path):
     assert (faults["corrupt"]["rank"], faults["corrupt"]["seq"]) == (0, 1)
     assert (faults["delay"]["rank"], faults["delay"]["seq"], faults["delay"]["op"]) == (1, 2, "all_reduce")
     assert sorted((f.type, f.rank) for f in Ledger(tmp_path / "state").firings()) == [("corrupt", 0), ("delay", 1)]
+
+
+def test_step_start_waits_for_the_harness_to_fire_an_external_fault(tmp_path):
+    plan = Plan((parse_shorthand("hang:rank=0,step=2"),)).resolve(2)
+    ledger = Ledger(tmp_path / "state")
+    injector = Injector(plan, 0, ledger, time.time_ns(), attempt=0, external_wait_s=0.6)
+    try:
+        start = time.monotonic()
+        injector.on_step_start(1)  # nothing planned at step 1: no wait
+        assert time.monotonic() - start < 0.1
+
+        start = time.monotonic()
+        injector.on_step_start(2)  # nobody fires it: the rank gives up after external_wait_s
+        assert 0.6 <= time.monotonic() - start < 1.5
+
+        # The harness claims the firing 0.3 s in; the rank then waits out the signal grace.
+        threading.Timer(0.3, lambda: ledger.claim(plan.faults[0], 0, attempt=0, step=2)).start()
+        start = time.monotonic()
+        injector.on_step_start(2)
+        assert 0.3 + SIGNAL_GRACE_S <= time.monotonic() - start < 0.6 + SIGNAL_GRACE_S + 0.5
+
+        start = time.monotonic()
+        injector.on_step_start(2)  # its count is spent: no wait
+        assert time.monotonic() - start < 0.1
+    finally:
+        injector.close()
