@@ -63,7 +63,7 @@ class PlanError(ValueError):
         self.field = field_name
 
 
-class FaultType(str, enum.Enum):
+class FaultType(enum.StrEnum):
     KILL = "kill"
     SEGFAULT = "segfault"
     EXIT = "exit"
@@ -72,9 +72,6 @@ class FaultType(str, enum.Enum):
     RAISE = "raise"
     CORRUPT = "corrupt"
     KILL_DURING_CHECKPOINT = "kill_during_checkpoint"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def external(self) -> bool:
@@ -87,22 +84,16 @@ class FaultType(str, enum.Enum):
         return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT)
 
 
-class TriggerKind(str, enum.Enum):
+class TriggerKind(enum.StrEnum):
     STEP = "step"
     SEQ = "seq"
     AFTER_S = "after_s"
     P = "p"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Release(str, enum.Enum):
+class Release(enum.StrEnum):
     KILL = "kill"
     CONT = "cont"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-class OpName(str, enum.Enum):
+class OpName(enum.StrEnum):
     """Canonical (torchcomms) names of every operation a Communicator issues."""
 
     ALL_REDUCE = "all_reduce"
@@ -30,11 +30,8 @@ class OpName(str, enum.Enum):
     RECV = "recv"
     BARRIER = "barrier"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class ReduceOp(str, enum.Enum):
+class ReduceOp(enum.StrEnum):
     """Reductions. `PREMUL_SUM` needs a factor: build it with `premul_sum(factor)`."""
 
     SUM = "sum"
@@ -46,9 +43,6 @@ class ReduceOp(str, enum.Enum):
     BXOR = "bxor"
     AVG = "avg"
     PREMUL_SUM = "premul_sum"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

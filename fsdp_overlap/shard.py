@@ -40,14 +40,11 @@ from fsdp_overlap import _fsdp_internals
 from fsdp_overlap.comms import CommlibAllGather, CommlibReduceScatter
 
 
-class Mode(str, enum.Enum):
+class Mode(enum.StrEnum):
     PLAIN = "plain"
     SINGLE = "single"
     DUAL = "dual"
     NATIVE = "native"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

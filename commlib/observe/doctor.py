@@ -75,16 +75,13 @@ class DoctorInputError(ValueError):
     """The log directory cannot be analyzed (missing, or holds no rank logs)."""
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     TIMEOUT = "timeout"
     HANG = "hang"
     MISMATCH = "mismatch"
     DEAD_RANK = "dead_rank"
     PEER_FAILURE = "peer_failure"
     ERROR = "error"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # ---------------------------------------------------------------------------------------
