@@ -69,24 +69,6 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[st
     return out
 
 
-def _solo_added_cpu_us(comm: commlib.Communicator, rounds: int, iters: int) -> float:
-    """commlib's own CPU cost per 4 KiB all_reduce on a 1-rank communicator: median added thread CPU time.
-
-    With no second rank on the same 2 cores there is no scheduling noise, so this is the
-    figure that resolves a few microseconds.
-    """
-    t = torch.ones(1024)
-    paths = [lambda: dist.all_reduce(t), lambda: comm.all_reduce(t)]
-    cost: list[list[float]] = [[], []]
-    for _ in range(rounds):
-        for i, run in enumerate(paths):
-            start = time.thread_time()
-            for _ in range(iters):
-                run()
-            cost[i].append((time.thread_time() - start) / iters * 1e6)
-    return statistics.median(b - a for a, b in zip(*cost))
-
-
 def _diagnosis_latency(comm: commlib.Communicator, trials: int, deadline: float) -> list[float]:
     lateness = []
     for i in range(trials):
@@ -139,10 +121,11 @@ def main() -> None:
         for label, row in r0.items():
             print(f"| {name} | {label} | {row['raw_us']:.1f} | {row['commlib_us']:.1f} | {row['added_us']:+.1f} "
                   f"| {row['raw_cpu_us']:.1f} | {row['added_cpu_us']:+.1f} |")
-    solo = {name: testing.run(_solo_added_cpu_us, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
+    # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
+    solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
             for name, kwargs in configs.items()}
     print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
-          + ", ".join(f"{name} {us:+.1f} us" for name, us in solo.items()))
+          + ", ".join(f"{name} {rows['4 KiB']['added_cpu_us']:+.1f} us" for name, rows in solo.items()))
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
     lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)
