@@ -251,6 +251,8 @@ class Communicator:
 
     def _complete(self, work: Work, timeout: float | None) -> None:
         call, entry = work.call, work._entry
+        if call.async_op:  # how long the caller's wait blocked, and whether the op was already done
+            wait_from_ns, done_before_wait = time.monotonic_ns(), work._backend_work.is_completed()
         if timeout is None:
             timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
@@ -264,8 +266,10 @@ class Communicator:
         self.board.finished(call.seq, call.op.value)
         duration = entry.duration_s
         if _log.STATE.enabled:
+            wait = {} if not call.async_op else {
+                "wait_s": (entry.end_mono_ns - wait_from_ns) / 1e9, "done_before_wait": done_before_wait}
             self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes,
-                           duration_s=duration, status="ok")
+                           duration_s=duration, status="ok", **wait)
         run_hooks(self.hooks, "post", call, duration)
 
     def _ensure_usable(self, what: str) -> None:

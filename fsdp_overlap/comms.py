@@ -11,16 +11,14 @@ communicator chosen at construction is what carries the data.
 FSDP waits on an async all-gather only if the handle is a `torch.distributed.Work`
 (`isinstance` checks in `foreach_all_gather_copy_out`, `finalize_backward` and
 `_reset_iter_state`), so `FSDPWork` subclasses it and forwards `wait` to commlib's
-`Work.wait`. Each such wait logs an `fsdp.wait` event (`comm`, `op`, `seq`, `wait_s`: how
-long the training thread was blocked; `done_before_wait`: the op had already completed
-when the wait began), which `fsdp_overlap.timeline` uses to tell the exposed part of an
-async collective from the part hidden behind compute, and a certain flight from a
-possibly overstated one.
+`Work.wait`. commlib's `collective.end` of such an op carries `wait_s` (how long the
+training thread was blocked) and `done_before_wait`, which `fsdp_overlap.timeline` uses to
+tell the exposed part of an async collective from the part hidden behind compute, and a
+certain flight from a possibly overstated one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -31,8 +29,6 @@ import commlib
 from commlib.dist import to_reduction
 from fsdp_overlap._fsdp_internals import AllGather, ReduceScatter
 
-WAIT_EVENT = "fsdp.wait"
-
 
 class FSDPWork(dist.Work):
     """A `torch.distributed.Work` whose `wait` is commlib's `Work.wait` (deadline and all)."""
@@ -42,13 +38,8 @@ class FSDPWork(dist.Work):
         self._work = work
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        done_before_wait = self._work.is_completed()
-        started = time.monotonic_ns()
         # FSDP calls wait() without a timeout; a timedelta(0) from c10d code means "none".
         self._work.wait(timeout if timeout else None)
-        call = self._work.call
-        commlib.get_logger().info(WAIT_EVENT, comm=call.comm, op=call.op.value, seq=call.seq,
-                                  wait_s=(time.monotonic_ns() - started) / 1e9, done_before_wait=done_before_wait)
         return True
 
     def is_completed(self) -> bool:

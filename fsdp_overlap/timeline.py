@@ -15,15 +15,16 @@ several runs share a log, each `label` (another context field, e.g. the bench's 
 - ``comm_s``: length of the union of every collective's interval (any op);
 - ``exposed_s``: length of the union of the intervals during which the training thread
   was blocked on a collective (any op): the whole interval of a synchronous collective,
-  and for an asynchronous one only its wait (from the ``fsdp.wait`` event that
-  `fsdp_overlap.comms.FSDPWork` logs). An async collective without such an event is
-  counted as blocking for its whole interval, and ``exposed_upper_bound`` says so.
+  and for an asynchronous one only its wait (the ``wait_s`` commlib puts in an async
+  collective's ``collective.end``). An async collective without it (a flight-recorder
+  dump, say) is counted as blocking for its whole interval, and ``exposed_upper_bound``
+  says so.
 
 An interval runs from ``collective.start`` to ``collective.end``. commlib records the end
 of an async collective when its wait returns, so an async interval is "issued until seen
-complete". When the op was still running as its wait began (``fsdp.wait`` says
+complete". When the op was still running as its wait began (``collective.end`` says
 ``done_before_wait: false``), that is its real flight, give or take the wake-up; when it
-had already finished, or no ``fsdp.wait`` says, its data arrived at some unknown point of
+had already finished, or nothing says, its data arrived at some unknown point of
 the interval, so ``all_gather_s``, ``reduce_scatter_s`` and ``overlap_s`` are upper
 bounds and ``overlap_min_s`` leaves such an op out. ``exposed_s`` counts only blocked
 time and has neither problem.
@@ -47,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.log import read_events
-from fsdp_overlap.comms import WAIT_EVENT
 
 ALL_GATHER_OPS = frozenset({"all_gather", "all_gather_single"})
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter", "reduce_scatter_single"})
@@ -168,7 +168,6 @@ def timelines(records: Iterable[Record]) -> list[StepTimeline]:
 def records_from_events(events: Iterable[dict[str, Any]]) -> list[Record]:
     """Completed collectives from one rank's commlib log events."""
     starts: dict[tuple[Any, ...], dict[str, Any]] = {}
-    waits: dict[tuple[Any, ...], dict[str, Any]] = {}
     ends: list[dict[str, Any]] = []
     for e in events:
         kind = e.get("event")
@@ -177,8 +176,6 @@ def records_from_events(events: Iterable[dict[str, Any]]) -> list[Record]:
             starts[key] = e
         elif kind == "collective.end":
             ends.append(e)
-        elif kind == WAIT_EVENT:
-            waits[key] = e
     out = []
     for end in ends:
         key = (end.get("pid"), end.get("comm"), end.get("seq"))
@@ -187,13 +184,12 @@ def records_from_events(events: Iterable[dict[str, Any]]) -> list[Record]:
         if step is None:
             continue
         start_ns = start["mono_ns"] if start else end["mono_ns"] - round(end["duration_s"] * 1e9)
-        wait = waits.get(key)
         out.append(Record(rank=end["rank"], pid=end["pid"], attempt=end.get("attempt", 0), step=step,
                           label=(start or end).get("label"), comm=end["comm"], op=end["op"], seq=end["seq"],
                           start_ns=start_ns, end_ns=end["mono_ns"],
                           async_op=bool(start and start.get("async_op")),
-                          wait_ns=round(wait["wait_s"] * 1e9) if wait else None,
-                          done_before_wait=wait.get("done_before_wait") if wait else None))
+                          wait_ns=round(end["wait_s"] * 1e9) if "wait_s" in end else None,
+                          done_before_wait=end.get("done_before_wait")))
     return out
 
 
@@ -287,7 +283,7 @@ def render(steps: list[StepTimeline]) -> str:
                      f"exposed={s.exposed_s * 1e3:.2f} ms"
                      f"{' (upper bound)' if s.exposed_upper_bound else ''}")
     if any(t.exposed_upper_bound for t in steps):
-        lines.append("* an async collective had no fsdp.wait event: its whole flight counted as exposed")
+        lines.append("* an async collective had no wait_s: its whole flight counted as exposed")
     return "\n".join(lines)
 
 

@@ -95,6 +95,22 @@ def test_tail_returns_each_complete_line_once(tmp_path: Path) -> None:
     assert tail.poll() == []
 
 
+def _async_then_sync(comm: commlib.Communicator) -> None:
+    work = comm.all_reduce(torch.ones(8), async_op=True)
+    time.sleep(0.2)  # long enough for a 2-rank all_reduce to finish before the wait begins
+    work.wait()
+    comm.all_reduce(torch.ones(8))
+
+
+def test_async_end_says_how_long_its_wait_blocked(backend: str, tmp_path: Path) -> None:
+    testing.run(_async_then_sync, 2, backend=backend, log_dir=str(tmp_path))
+    for rank in (0, 1):
+        ends = [e for e in read_events(tmp_path / f"rank{rank}.jsonl") if e["event"] == "collective.end"]
+        async_end, sync_end = ends
+        assert 0 <= async_end["wait_s"] < 0.2 and async_end["done_before_wait"] is True
+        assert "wait_s" not in sync_end and "done_before_wait" not in sync_end  # the caller waited for all of it
+
+
 def _hung_rank_dumps_on_sigusr1(comm: commlib.Communicator, log_dir: str) -> list[str]:
     comm.all_reduce(torch.ones(1))
     if comm.rank == 1:

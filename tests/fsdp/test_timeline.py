@@ -22,13 +22,10 @@ def _collective(comm: str, seq: int, op: str, start_ms: float, end_ms: float, *,
                 label: str | None = "dual", rank: int = 0, pid: int = 100) -> list[dict]:
     ctx = {k: v for k, v in (("step", step), ("label", label)) if v is not None}
     base = {"rank": rank, "pid": pid, "attempt": 0, "comm": comm, "seq": seq, "op": op, **ctx}
-    events = [{**base, "event": "collective.start", "mono_ns": int(start_ms * MS), "async_op": async_op},
-              {**base, "event": "collective.end", "mono_ns": int(end_ms * MS),
-               "duration_s": (end_ms - start_ms) / 1e3, "status": "ok"}]
-    if wait_ms is not None:
-        events.append({**base, "event": "fsdp.wait", "mono_ns": int(end_ms * MS), "wait_s": wait_ms / 1e3,
-                       "done_before_wait": done_before_wait})
-    return events
+    wait = {} if wait_ms is None else {"wait_s": wait_ms / 1e3, "done_before_wait": done_before_wait}
+    return [{**base, "event": "collective.start", "mono_ns": int(start_ms * MS), "async_op": async_op},
+            {**base, "event": "collective.end", "mono_ns": int(end_ms * MS),
+             "duration_s": (end_ms - start_ms) / 1e3, "status": "ok", **wait}]
 
 
 def _one_step(done_before_wait: bool = False, **kw: object) -> list[dict]:
