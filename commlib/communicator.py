@@ -26,7 +26,7 @@ from commlib.backends.base import Backend, BackendWork, Failure
 from commlib.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
 from commlib.observe import log as _log
-from commlib.observe.board import ProgressBoard, explain_timeout
+from commlib.observe.board import STALE_AFTER_S, BoardEntry, ProgressBoard, explain_timeout
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, Reduction, ReduceOp
 from commlib.validation import check_call, seconds
@@ -68,7 +68,8 @@ class Communicator:
         self.check_consistency = check_consistency
         self.world_rank = backend.rank if world_rank is None else world_rank
         self.hooks = HookRegistry()
-        self._seq = 0
+        self._seq = 0  # collectives
+        self._p2p_seq: dict[int, int] = {}  # send/recv, per peer
         self._splits = 0
         self._dead: str | None = None  # why the communicator can no longer be used
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
@@ -88,8 +89,12 @@ class Communicator:
 
     @property
     def seq(self) -> int:
-        """Sequence number of the last collective issued (0: none yet)."""
+        """Sequence number of the last collective issued (0: none yet); send/recv are not counted."""
         return self._seq
+
+    def p2p_seq(self, peer: int) -> int:
+        """Sequence number of the last send or recv with `peer` (0: none yet)."""
+        return self._p2p_seq.get(peer, 0)
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, backend={self.backend!r}, rank={self.rank}, size={self.size})"
@@ -149,6 +154,13 @@ class Communicator:
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
         return self._issue(self._call(OpName.BARRIER, async_op, timeout))
+
+    def set_timeout(self, timeout: float | timedelta) -> None:
+        """The default deadline of later collectives (seconds or timedelta)."""
+        value = seconds(timeout, f"set_timeout on {self.name!r} rank {self.rank}: timeout")
+        assert value is not None
+        self.timeout = value
+        self._log.info("comm.set_timeout", timeout_s=value)
 
     # -- hooks ------------------------------------------------------------------------
     def register_pre_hook(self, fn: Any) -> RemovableHandle:
@@ -227,17 +239,29 @@ class Communicator:
     def _issue(self, call: Collective) -> Work | None:
         self._ensure_usable(call.op.value)
         check_call(call, self._backend.supports)
-        self._seq += 1
-        call.seq = self._seq
+        p2p = call.peer is not None
+        if p2p:  # numbered per peer: a pipeline's sends never shift the collective sequence
+            call.seq = self._p2p_seq[call.peer] = self._p2p_seq.get(call.peer, 0) + 1
+        else:
+            self._seq += 1
+            call.seq = self._seq
         call.context = _log.current_context()
-        if self.check_consistency and call.op not in (OpName.SEND, OpName.RECV):
+        if self.check_consistency and not p2p:
             self._agree(call)
-        run_hooks(self.hooks, "pre", call)
+        try:
+            run_hooks(self.hooks, "pre", call)
+        except BaseException as exc:
+            # The number is spent and the peers will wait for it: record the call as failed
+            # and break the communicator, then let the hook's own exception through.
+            entry = self.recorder.start(call)
+            self._die(call, entry, exc, "collective.error", "failed", hooks=False)
+            raise
         entry = self.recorder.start(call)
-        self.board.started(call.seq, call.op.value, call.context)
+        if not p2p:
+            self.board.started(call.seq, call.op.value, call.context)
         if _log.STATE.enabled:
             self._log.info("collective.start", op=call.op.value, seq=call.seq, shapes=entry.shapes,
-                           dtype=entry.dtype, bytes=entry.nbytes, root=entry.root,
+                           dtype=entry.dtype, bytes=entry.nbytes, root=entry.root, peer=call.peer,
                            deadline_s=call.deadline_s, async_op=call.async_op)
         try:
             backend_work = self._backend.launch(call, timedelta(seconds=call.deadline_s))
@@ -251,6 +275,9 @@ class Communicator:
 
     def _complete(self, work: Work, timeout: float | None) -> None:
         call, entry = work.call, work._entry
+        # An op still in flight when the communicator broke: its failure was recorded once
+        # already, by whichever call broke it.
+        self._ensure_usable(call.op.value)
         if call.async_op:  # how long the caller's wait blocked, and whether the op was already done
             wait_from_ns, done_before_wait = time.monotonic_ns(), work._backend_work.is_completed()
         if timeout is None:
@@ -263,12 +290,13 @@ class Communicator:
             raise self._timed_out(call, entry, None)
         work.done = True
         FlightRecorder.end(entry, "completed")
-        self.board.finished(call.seq, call.op.value)
+        if call.peer is None:
+            self.board.finished(call.seq, call.op.value)
         duration = entry.duration_s
         if _log.STATE.enabled:
             wait = {} if not call.async_op else {
                 "wait_s": (entry.end_mono_ns - wait_from_ns) / 1e9, "done_before_wait": done_before_wait}
-            self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes,
+            self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes, peer=call.peer,
                            duration_s=duration, status="ok", **wait)
         run_hooks(self.hooks, "post", call, duration)
 
@@ -284,9 +312,13 @@ class Communicator:
     def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None) -> CommError:
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
-            diagnosis = explain_timeout(call.op.value, call.seq, self.name, self.rank, elapsed,
-                                        self.board.read(), time.time_ns())
-            message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
+            board = self.board.read()
+            if call.peer is not None:
+                message, missing, stale = _explain_p2p_timeout(call, self.name, elapsed, board)
+            else:
+                diagnosis = explain_timeout(call.op.value, call.seq, self.name, self.rank, elapsed,
+                                            board, time.time_ns())
+                message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
         except Exception as exc:  # the store itself may be gone with a dead rank 0
             message = (f"{call.op} #{call.seq} on {self.name!r} timed out after {elapsed:.1f} s on rank "
                        f"{self.rank}; the progress board could not be read ({exc})")
@@ -316,16 +348,30 @@ class Communicator:
         error.__cause__ = exc
         return self._die(call, entry, error, event, "failed")
 
-    def _die(self, call: Collective, entry: FlightEntry, error: CommError, event: str, state: str) -> CommError:
-        """Record a failure everywhere, mark the communicator dead, and hand back the error to raise."""
+    def _die(self, call: Collective, entry: FlightEntry, error: BaseException, event: str, state: str, *,
+             hooks: bool = True) -> Any:
+        """Record a failure everywhere, mark the communicator dead, and hand back the error to raise.
+
+        Nothing here may replace `error` or skip the abort: a dump that cannot be written or a
+        failure hook that raises is logged and passed over.
+        """
         FlightRecorder.end(entry, state)
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        self._log.error(event, op=call.op.value, seq=call.seq, duration_s=entry.duration_s, status=state,
-                        error=str(error), error_type=type(error).__name__, **_error_fields(error))
-        self._dump(event.replace(".", "_"))
-        self.board.close()
-        self._backend.abort()
-        run_hooks(self.hooks, "failure", call, error)
+        try:
+            fields = _error_fields(error) if isinstance(error, CommError) else {}
+            self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
+                            status=state, error=str(error), error_type=type(error).__name__, **fields)
+            self._dump(event.replace(".", "_"))
+        except Exception as exc:  # a full disk, a closed log file: the error still has to reach the caller
+            _report_side_failure(self._log, "dump", exc)
+        finally:
+            self.board.close()
+            self._backend.abort()
+        if hooks:
+            try:
+                run_hooks(self.hooks, "failure", call, error)
+            except Exception as exc:
+                _report_side_failure(self._log, "failure hook", exc)
         return error
 
     def _dump(self, reason: str) -> None:
@@ -339,10 +385,12 @@ class Communicator:
         mine = json.dumps(call.fingerprint(), sort_keys=True)
         keys = [f"fp/{call.seq}/{r}" for r in range(self.size)]
         self._store.set(keys[self.rank], mine)
+        started_ns, started_mono_ns = time.time_ns(), time.monotonic_ns()
         try:
             self._store.wait(keys, timedelta(seconds=call.deadline_s))
         except Exception as exc:
             entry = self.recorder.start(call)
+            entry.start_ns, entry.start_mono_ns = started_ns, started_mono_ns  # the wait is what timed out
             raise self._timed_out(call, entry, exc) from exc
         values = [v.decode() for v in self._store.multi_get(keys)]
         if call.seq > 2:
@@ -363,6 +411,33 @@ class Communicator:
         raise error
 
 
+def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
+                         board: dict[int, BoardEntry | None]) -> tuple[str, list[int], list[int]]:
+    """A send/recv waits on its one peer: name it, and say whether it is still beating."""
+    peer = call.peer
+    assert peer is not None
+    direction = "to" if call.op is OpName.SEND else "from"
+    entry = board.get(peer)
+    age_s = None if entry is None else (time.time_ns() - entry.heartbeat_ns) / 1e9
+    stale = [peer] if age_s is None or age_s > STALE_AFTER_S else []
+    where = ("never published progress" if entry is None else
+             f"last finished collective {entry.finished_op} #{entry.finished_seq}"
+             + (f" at step {entry.step}, phase {entry.phase}" if entry.step is not None or entry.phase is not None
+                else ""))
+    if stale and age_s is not None:
+        where += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
+    message = (f"{call.op} #{call.seq} {direction} rank {peer} on {comm!r} timed out after {elapsed:.1f} s on rank "
+               f"{call.rank}: expected rank {peer} to post the matching "
+               f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it (rank {peer} {where})")
+    return message, [peer], stale
+
+
 def _error_fields(error: CommError) -> dict[str, Any]:
-    fields = {k: v for k, v in error.fields().items() if k not in ("op", "seq", "comm", "rank")}
-    return fields
+    return {k: v for k, v in error.fields().items() if k not in ("op", "seq", "comm", "rank")}
+
+
+def _report_side_failure(log: Any, what: str, exc: BaseException) -> None:
+    try:
+        log.error("comm.side_failure", what=what, error=f"{type(exc).__name__}: {exc}")
+    except Exception:
+        pass  # the log itself is what failed

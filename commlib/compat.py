@@ -39,6 +39,7 @@ class Rename:
     new_since: str
     old_until: str | None = None
     arg_map: dict[str, str] = field(default_factory=dict)
+    functional: bool = False  # lives in torch.distributed._functional_collectives
 
     @property
     def old_names(self) -> tuple[str, ...]:
@@ -62,11 +63,13 @@ RENAMES: dict[str, Rename] = {
             "all_gather_single_coalesced",
             ("all_gather_single_coalesced", "all_gather_into_tensor_coalesced"),
             new_since="2.13",
+            functional=True,
         ),
         Rename(
             "reduce_scatter_single_coalesced",
             ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
             new_since="2.13",
+            functional=True,
         ),
         Rename("gather_single", ("gather_single", "gather_into_tensor"), new_since="2.14"),
         Rename("set_timeout", ("set_timeout", "_set_pg_timeout"), new_since="2.14"),
@@ -80,14 +83,38 @@ RENAMES: dict[str, Rename] = {
 # Every old `torch.distributed` name -> the row it belongs to (for commlib.dist).
 OLD_NAMES: dict[str, Rename] = {old: r for r in RENAMES.values() for old in r.old_names}
 
+# The `ProcessGroup` methods torch renamed alongside the free functions: c10d calls a
+# Python process group by whichever name its release uses, so commlib's answers to both
+# (`commlib.process_group`). Backend objects (`ProcessGroupGloo`, `ProcessGroupNCCL`) keep
+# the old names, which is what commlib's engines call.
+METHOD_RENAMES: dict[str, Rename] = {
+    r.canonical: r
+    for r in (
+        Rename("all_gather_single", ("all_gather_single", "_allgather_base"), new_since="2.13"),
+        Rename("reduce_scatter_single", ("reduce_scatter_single", "_reduce_scatter_base"), new_since="2.13"),
+        Rename("all_to_all_single", ("all_to_all_single", "alltoall_base"), new_since="2.13"),
+        Rename("all_gather_single_coalesced", ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+               new_since="2.13"),
+        Rename("reduce_scatter_single_coalesced",
+               ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), new_since="2.13"),
+    )
+}
+
 
 class CompatError(AttributeError):
     """The running torch has none of the names a row lists."""
 
 
-def _lookup(name: str) -> Any:
-    # Private names live in distributed_c10d on some releases and are re-exported on others.
-    for owner in (dist, dist.distributed_c10d):
+def _lookup(name: str, functional: bool) -> Any:
+    # Private names live in distributed_c10d on some releases and are re-exported on others;
+    # the tensor-coalesced collectives exist only as functional collectives.
+    if functional:
+        from torch.distributed import _functional_collectives
+
+        owners: tuple[Any, ...] = (_functional_collectives,)
+    else:
+        owners = (dist, dist.distributed_c10d)
+    for owner in owners:
         fn = getattr(owner, name, None)
         if fn is not None:
             return fn
@@ -103,7 +130,7 @@ def resolve(name: str) -> Callable[..., Any]:
     row = RENAMES.get(name)
     candidates = row.torch_names if row else (name,)
     for candidate in candidates:
-        fn = _lookup(candidate)
+        fn = _lookup(candidate, row is not None and row.functional)
         if fn is not None:
             return fn
     raise CompatError(

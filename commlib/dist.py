@@ -4,8 +4,8 @@ Old and new names both work (`all_gather_into_tensor`, `_all_gather_base` and
 `all_gather_single`; `reduce_scatter_tensor`, `_reduce_scatter_base` and
 `reduce_scatter_single`; `broadcast(tensor, src=...)`, `reduce(tensor, dst=...)`), with no
 FutureWarning, because every call is routed through a `Communicator`: the one passed as
-`group=`, else the default one registered by `set_default` (done by the first
-`commlib.init` that calls it; see `use`). Old names come from `commlib.compat`'s table,
+`group=`, else the default one: the communicator the first `commlib.init` made, or the
+one given to `use(comm)`. Old names come from `commlib.compat`'s table,
 so this module holds no list of renames of its own. `src`/`dst` here are ranks of the
 communicator (torch.distributed's `group_src`/`group_dst`), and reductions may be
 `torch.distributed.ReduceOp`s.
@@ -38,7 +38,15 @@ _FROM_TORCH = {
 
 def use(comm: Communicator) -> None:
     """Make `comm` the communicator that calls without `group=` go to."""
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"commlib.dist.use: expected a commlib Communicator; found {type(comm).__name__}")
     _DEFAULT[:] = [comm]
+
+
+def use_if_unset(comm: Communicator) -> None:
+    """`use(comm)` unless a default is set already (what `commlib.init` does)."""
+    if not _DEFAULT:
+        use(comm)
 
 
 def _comm(group: Communicator | None) -> Communicator:
@@ -75,7 +83,7 @@ def to_reduction(op: Any) -> Reduction:
 
 
 def _root(name: str, kwargs: dict[str, Any]) -> int:
-    kwargs = compat.canonical_kwargs(name, kwargs)
+    kwargs = compat.canonical_kwargs(name, {k: v for k, v in kwargs.items() if v is not None})
     group_root = kwargs.get("group_src", kwargs.get("group_dst"))
     root = kwargs.get("root") if kwargs.get("root") is not None else group_root
     if root is None:
@@ -151,6 +159,25 @@ def recv(tensor: torch.Tensor, src: int, group: Communicator | None = None) -> N
 
 def barrier(group: Communicator | None = None, async_op: bool = False) -> Work | None:
     return _comm(group).barrier(async_op=async_op)
+
+
+def gather_single(output: torch.Tensor | None, input: torch.Tensor, dst: int | None = None,
+                  group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+    """Gather every rank's `input` into `output` (size x input, on the root only) as one gather."""
+    comm = _comm(group)
+    root = _root("gather", {"dst": dst, **kwargs})
+    if comm.rank != root:
+        return comm.gather(None, input, root, async_op=async_op)
+    if not isinstance(output, torch.Tensor) or output.numel() != comm.size * input.numel():
+        found = f"{tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"commlib.dist.gather_single on {comm.name!r} rank {comm.rank}: expected an output of "
+                         f"{comm.size} x {input.numel()} elements on the root; found {found}")
+    return comm.gather(list(output.view(comm.size, *input.shape).unbind(0)), input, root, async_op=async_op)
+
+
+def set_timeout(timeout: Any, group: Communicator | None = None) -> None:
+    """The default deadline of `group`'s later collectives (seconds or timedelta)."""
+    _comm(group).set_timeout(timeout)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """`commlib.init`: build the world communicator from explicit arguments or torchrun's environment.
 
-Choosing a backend, finding rank/size/store, configuring logs and the SIGUSR1 flight
+Choosing the engine, finding rank/size/store, configuring logs and the SIGUSR1 flight
 recorder dump happen here once per process; everything per-collective is `Communicator`'s.
 """
 
@@ -35,12 +35,19 @@ def init(
     check_consistency: bool | None = None,
     torchcomms_backend: str | None = None,
 ) -> Communicator:
-    """The world communicator.
+    """The world communicator, and torch.distributed's default group over it.
 
     Without `store`, rank, size and store come from torchrun's environment (`env://`).
-    `backend`: "auto" (torchcomms when installed and usable, else torch.distributed with
-    gloo for CPU and nccl for CUDA), "gloo", "nccl" or "torchcomms". `timeout` is the
-    default deadline of every collective (seconds or timedelta).
+    `backend` is the engine: "auto" (torchcomms when installed and usable, else gloo for
+    CPU and nccl for CUDA), "gloo", "nccl" or "torchcomms". `timeout` is the default
+    deadline of every collective (seconds or timedelta).
+
+    Where no default group exists yet, this makes one with `backend="commlib"`
+    (`commlib.process_group`), so FSDP2, DCP and every other torch.distributed caller in the
+    process take commlib's path too; the communicator returned is the one under it. Where the
+    caller made a default group already, the communicator wraps it (its own calls get
+    commlib's path; torch.distributed's calls on that group do not). Either way it becomes
+    `commlib.dist`'s default communicator unless one is set.
     """
     if backend not in BACKENDS:
         raise ValueError(f"commlib.init: expected backend in {BACKENDS}; found {backend!r}")
@@ -64,16 +71,25 @@ def init(
     _log.configure(rank, world_size, log_dir)
     flight.install_sigusr1(_log.log_dir)
 
-    commlib_store = dist.PrefixStore(f"commlib/{name}/", store)
-    if backend == "torchcomms" or (backend == "auto" and _torchcomms_usable()):
-        from commlib.backends.torchcomms import TorchcommsBackend
-
-        impl = TorchcommsBackend.create(rank=rank, size=world_size, store=store, name=name, device=dev,
-                                        timeout=timedelta(seconds=timeout_s), engine=torchcomms_backend)
+    if dist.is_initialized():
+        comm = _over_existing_group(store, rank, world_size, timeout_s, name, dev, check_consistency)
     else:
-        pg_backend = backend if backend in ("gloo", "nccl") else ("nccl" if dev.type == "cuda" else "gloo")
-        impl = C10dBackend(_world_group(pg_backend, store, rank, world_size, timeout_s), dev)
-    return Communicator(impl, commlib_store, name, timeout_s, check_consistency, world_rank=rank)
+        from commlib._torch_backend import register
+        from commlib.process_group import EngineOptions, current
+
+        if backend == "auto":
+            backend = "torchcomms" if _torchcomms_usable() else ("gloo" if dev.type == "cpu" else "auto")
+        register()
+        dist.init_process_group("commlib", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s),
+                                pg_options=EngineOptions(engine=backend, name=name,
+                                                         check_consistency=check_consistency,
+                                                         torchcomms_backend=torchcomms_backend))
+        comm = current()
+    from commlib import dist as commlib_dist
+
+    commlib_dist.use_if_unset(comm)
+    return comm
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -90,13 +106,18 @@ def _torchcomms_usable() -> bool:
     return tc.available() is None
 
 
-def _world_group(pg_backend: str, store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
-    """The default process group, created here unless the caller already made one."""
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (rank, size):
-            raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
-                            f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
-        return dist.group.WORLD
-    dist.init_process_group(pg_backend, store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
-    return dist.group.WORLD
+def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: float, name: str, device: torch.device,
+                         check_consistency: bool) -> Communicator:
+    """The communicator over a default group the caller made before calling commlib.init."""
+    if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+        raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
+                        f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
+    from commlib.process_group import CommlibProcessGroup, current
+
+    if isinstance(dist.group.WORLD, CommlibProcessGroup):
+        return current()
+    # Another backend's group: commlib's own calls take the one path; torch.distributed's own
+    # calls on that group do not (use backend="commlib" for those).
+    impl = C10dBackend(dist.group.WORLD, device, dist.PrefixStore("commlib-splits/", store), owned=False)
+    return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s, check_consistency,
+                        world_rank=rank)

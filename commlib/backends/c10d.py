@@ -1,13 +1,22 @@
-"""The `torch.distributed` backend: a registered c10d `ProcessGroup` (gloo on CPU, nccl on GPU).
+"""The c10d engine backend: one gloo or nccl `torch.distributed` engine, called directly.
 
-Each op resolves through `commlib.compat`, so the same launch runs on every supported
-torch. Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a
-reduction means is part of the op, and both backends must give the same numbers.
+The engine is either one commlib built itself (`C10dBackend.create`: a bare
+`ProcessGroupGloo` / `ProcessGroupNCCL` on a store of its own, registered nowhere in
+torch.distributed: the commlib process group of `commlib.process_group` carries it) or a
+process group the caller already has (`commlib.init` over a default group made with
+another backend). Either way ops are launched through the engine's own methods
+(`allreduce`, `_allgather_base`, `_reduce_scatter_base`, `alltoall_base`, ...) with c10d's
+option objects, whose names have stayed put across the torch releases that renamed the
+free functions; so no launch depends on the compat table, and every op carries its own
+deadline (`opts.timeout`), longer or shorter than the engine's default.
+
+Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
+is part of the op, and every backend must give the same numbers.
 """
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,10 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
-from commlib import compat
 from commlib.backends.base import Failure
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
+
+ENGINES = ("gloo", "nccl")
 
 _DIST_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -31,9 +42,10 @@ _DIST_OPS = {
     ReduceOp.AVG: dist.ReduceOp.AVG,
 }
 
-# Substrings of engine errors, lower-cased. gloo: "Operation timed out!", "Timed out waiting
-# ... for recv", "Connection closed by peer", "Connection reset by peer"; nccl: watchdog
-# timeouts, "NCCL communicator was aborted", remote errors.
+# Substrings of engine errors, lower-cased: the fallback where torch raises no typed error.
+# gloo: "Operation timed out!", "Timed out waiting ... for recv", "Connection closed by peer",
+# "Connection reset by peer"; nccl: watchdog timeouts, "NCCL communicator was aborted",
+# remote errors.
 _TIMEOUT_TEXTS = ("timed out", "timeout")
 _PEER_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
                "remote process exited", "socket closed", "ncclremoteerror")
@@ -52,54 +64,63 @@ def classify_text(message: str) -> Failure:
     return Failure.OTHER
 
 
-def _routed_through_torchcomms(group: dist.ProcessGroup, device: torch.device) -> bool:
+def classify_exception(exc: BaseException) -> Failure:
+    """What a raw torch.distributed failure means: torch's typed errors first, the text after.
+
+    `DistNetworkError` is a transport failure (a peer's socket went away); a `DistStoreError`
+    that is not a timeout means the store itself is gone, which is what a dead rank 0 looks
+    like. `DistBackendError` covers timeouts and aborts alike, so its text decides.
+    """
+    if isinstance(exc, dist.DistNetworkError):
+        return Failure.PEER
+    by_text = classify_text(str(exc))
+    if isinstance(exc, dist.DistStoreError) and by_text is not Failure.TIMEOUT:
+        return Failure.PEER
+    return by_text
+
+
+def _options(kind: Callable[[], Any], timeout: timedelta, **fields: Any) -> Any:
+    opts = kind()
+    opts.timeout = timeout
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+def _routed_through_torchcomms(group: Any, device: torch.device) -> bool:
     """Whether torch built `group` over torchcomms (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1)."""
     c10d = dist.distributed_c10d
-    if not getattr(c10d, "_use_torchcomms_enabled", lambda: False)():
+    if not isinstance(group, dist.ProcessGroup) or not getattr(c10d, "_use_torchcomms_enabled", lambda: False)():
         return False
-    return isinstance(group._get_backend(device), c10d._BackendWrapper)
+    wrapper = getattr(c10d, "_BackendWrapper", None)
+    return wrapper is not None and isinstance(group._get_backend(device), wrapper)
 
 
-def _wait_without_timeout(work: Any, timeout: timedelta) -> bool:
-    """Wait for `work` at most `timeout`, for Works whose `wait` takes no timeout.
-
-    torchcomms' WorkWrapper raises "wait timeout not supported" for any finite timeout and
-    only reports completion from `wait()`, so the unbounded wait runs on a daemon thread.
-    """
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work.wait()
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="commlib-c10d-wait", daemon=True).start()
-    if not done.wait(timeout.total_seconds()):
-        return False
-    if errors:
-        raise errors[0]
-    return True
+_POLL_S = 0.0005
 
 
-@dataclass
+@dataclass(slots=True)
 class C10dWork:
     work: Any  # torch.distributed.Work
     finish: Callable[[], None] | None = None  # emulation step run after completion
-    timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms)
+    timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms-routed groups)
 
     def wait(self, timeout: timedelta) -> bool:
         try:
-            if not self.timed_wait:
-                if not _wait_without_timeout(self.work, timeout):
-                    return False
-            else:
+            if self.timed_wait:
                 self.work.wait(timeout)
+            else:
+                # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite
+                # timeout: poll until done (on this thread: its works are not thread-safe),
+                # and wait() only once it has completed.
+                until = time.monotonic() + timeout.total_seconds()
+                while not self.work.is_completed():
+                    if time.monotonic() >= until:
+                        return False
+                    time.sleep(_POLL_S)
+                self.work.wait()
         except RuntimeError as exc:
-            if classify_text(str(exc)) is Failure.TIMEOUT:
+            if classify_exception(exc) is Failure.TIMEOUT:
                 return False
             raise
         if self.finish is not None:
@@ -112,54 +133,79 @@ class C10dWork:
 
 
 class C10dBackend:
-    """A Communicator backend over one registered `torch.distributed.ProcessGroup`."""
+    """A Communicator backend over one c10d engine (see the module docstring).
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
+    `store` is where splits rendezvous; `owned` says whether commlib built the engine (and
+    so shuts it down on finalize) or wraps a caller's process group (which it leaves alone).
+    """
+
+    def __init__(self, engine: Any, device: torch.device, store: dist.Store, *, owned: bool,
+                 name: str | None = None) -> None:
+        self.engine = engine
         self.device = device
-        self.rank = group.rank()
-        self.size = group.size()
-        self.name = dist.get_backend(group)
-        self.global_ranks = dist.get_process_group_ranks(group)
+        self.rank = engine.rank()
+        self.size = engine.size()
+        self.name = name or engine.name()
+        self._store = store
+        self._owned = owned
+        self._splits = 0
         self._native_avg = self.name == "nccl"
-        self._torchcomms = _routed_through_torchcomms(group, device)
+        self._timed_wait = not _routed_through_torchcomms(engine, device)
+
+    @classmethod
+    def create(cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device,
+               timeout: timedelta) -> "C10dBackend":
+        """A new engine of kind `engine` ("gloo" or "nccl") among `size` ranks meeting in `store`."""
+        engine_store = dist.PrefixStore("engine/", store)
+        if engine == "gloo":
+            impl = dist.ProcessGroupGloo(engine_store, rank, size, timeout)
+        elif engine == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            opts.is_high_priority_stream = False
+            impl = dist.ProcessGroupNCCL(engine_store, rank, size, opts)
+        else:
+            raise ValueError(f"commlib: expected an engine in {ENGINES}; found {engine!r}")
+        return cls(impl, device, store, owned=True, name=engine)
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
         op = call.op
-        g = self.group
+        e = self.engine
         red, finish = self._reduction(call)
         if op is OpName.ALL_REDUCE:
-            w = dist.all_reduce(call.tensor, op=red, group=g, async_op=True)
+            w = e.allreduce([call.tensor], _options(c10d_opts.AllreduceOptions, timeout, reduceOp=red))
         elif op is OpName.BROADCAST:
-            w = dist.broadcast(call.tensor, group=g, group_src=call.root, async_op=True)
+            w = e.broadcast([call.tensor], _options(c10d_opts.BroadcastOptions, timeout, rootRank=call.root))
         elif op is OpName.REDUCE:
-            w = dist.reduce(call.tensor, group=g, group_dst=call.root, op=red, async_op=True)
+            w = e.reduce([call.tensor], _options(c10d_opts.ReduceOptions, timeout, reduceOp=red, rootRank=call.root))
         elif op is OpName.ALL_GATHER:
-            w = dist.all_gather(call.output_list, call.input, group=g, async_op=True)
+            w = e.allgather([call.output_list], [call.input], _options(c10d_opts.AllgatherOptions, timeout))
         elif op is OpName.ALL_GATHER_SINGLE:
-            w = compat.resolve("all_gather_single")(call.output, call.input, group=g, async_op=True)
+            w = e._allgather_base(call.output, call.input, _options(c10d_opts.AllgatherOptions, timeout))
         elif op is OpName.REDUCE_SCATTER:
-            w = dist.reduce_scatter(call.output, call.input_list, op=red, group=g, async_op=True)
+            w = e.reduce_scatter([call.output], [call.input_list],
+                                 _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.REDUCE_SCATTER_SINGLE:
-            w = compat.resolve("reduce_scatter_single")(call.output, call.input, op=red, group=g, async_op=True)
+            w = e._reduce_scatter_base(call.output, call.input,
+                                       _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.ALL_TO_ALL_SINGLE:
-            w = dist.all_to_all_single(call.output, call.input, group=g, async_op=True)
+            w = e.alltoall_base(call.output, call.input, [], [], _options(c10d_opts.AllToAllOptions, timeout))
         elif op is OpName.GATHER:
-            gather_list = call.output_list if call.rank == call.root else None
-            w = dist.gather(call.input, gather_list, group=g, group_dst=call.root, async_op=True)
+            outputs = [call.output_list] if call.rank == call.root else []
+            w = e.gather(outputs, [call.input], _options(c10d_opts.GatherOptions, timeout, rootRank=call.root))
         elif op is OpName.SCATTER:
-            scatter_list = call.input_list if call.rank == call.root else None
-            w = dist.scatter(call.output, scatter_list, group=g, group_src=call.root, async_op=True)
+            inputs = [call.input_list] if call.rank == call.root else []
+            w = e.scatter([call.output], inputs, _options(c10d_opts.ScatterOptions, timeout, rootRank=call.root))
         elif op is OpName.SEND:
-            w = dist.isend(call.tensor, group=g, group_dst=call.peer)
+            w = e.send([call.tensor], call.peer, 0)
         elif op is OpName.RECV:
-            w = dist.irecv(call.tensor, group=g, group_src=call.peer)
+            w = e.recv([call.tensor], call.peer, 0)
         elif op is OpName.BARRIER:
-            w = dist.barrier(group=g, async_op=True)
+            w = e.barrier(_options(c10d_opts.BarrierOptions, timeout))
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return C10dWork(w, finish, timed_wait=not self._torchcomms)
+        return C10dWork(w, finish, self._timed_wait)
 
     def _reduction(self, call: Collective) -> tuple[Any, Callable[[], None] | None]:
         """The dist.ReduceOp to launch with, and the emulation step to run on completion."""
@@ -204,27 +250,25 @@ class C10dBackend:
         return None
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
-        global_ranks = [self.global_ranks[r] for r in ranks]
-        # Every member of this group calls new_group, non-members included when the parent
-        # is the world group, because c10d numbers groups by call order.
-        # sort_ranks=False: new ranks follow the order of `ranks`, as torchcomms' split does.
-        # Routed through torchcomms, new_group refuses sort_ranks=False even for sorted ranks.
-        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
-                               sort_ranks=global_ranks == sorted(global_ranks),
-                               use_local_synchronization=self.size != dist.get_world_size())
+        # Only members build the new engine; the counter advances on every rank (split is
+        # collective over this one), so members agree on the store prefix without talking.
+        self._splits += 1
         if self.rank not in ranks:
             return None
-        return C10dBackend(group, self.device)
+        engine = self.name if self.name in ENGINES else ("nccl" if self.device.type == "cuda" else "gloo")
+        store = dist.PrefixStore(f"split{self._splits}.{name}/", self._store)
+        return C10dBackend.create(engine, store=store, rank=ranks.index(self.rank), size=len(ranks),
+                                  device=self.device, timeout=timeout)
 
     def classify(self, exc: BaseException) -> Failure:
-        return classify_text(str(exc))
+        return classify_exception(exc)
 
     def abort(self) -> None:
         try:
-            self.group.abort()
+            self.engine.abort()
         except RuntimeError:
-            pass  # backends without abort support: the Communicator is marked dead anyway
+            pass  # engines without abort support: the Communicator is marked dead anyway
 
     def finalize(self) -> None:
-        if self.group is dist.GroupMember.WORLD:
-            dist.destroy_process_group()
+        if self._owned:
+            self.engine.shutdown()

@@ -1,0 +1,412 @@
+"""commlib as a torch.distributed backend: `init_process_group(backend="commlib")`.
+
+    torch.distributed.init_process_group(backend="commlib", timeout=timedelta(seconds=60))
+
+makes the default group, and every group made from it (`new_group`, DeviceMesh dimensions,
+FSDP2's and DCP's groups), a `CommlibProcessGroup`: a c10d `ProcessGroup` implemented in
+Python whose every collective is a call of the `Communicator` underneath it. So the
+collectives of an unmodified trainer (FSDP2, DCP, DeviceMesh, DDP, DTensor's functional
+collectives, `all_gather_object`, `barrier`) take commlib's one path: validation, sequence
+number, hooks, flight recorder, progress board, structured log, and a deadline that raises
+a typed error naming the ranks that did not arrive. This module only translates c10d's
+calling convention (tensor lists, option objects, old and new method names) into
+`Communicator` calls; it repeats none of the Communicator's work.
+
+The engine under each group is chosen by `EngineOptions` (`commlib.init` passes them as
+`pg_options`; groups torch makes by itself inherit the default group's): "auto" is gloo for
+CPU tensors plus nccl for CUDA ones where CUDA is available, or `COMMLIB_ENGINE` (`gloo`,
+`nccl`, `torchcomms`). `init_process_group(timeout=)` is every collective's default deadline.
+
+The group object stays while the communicators under it can be replaced
+(`CommlibProcessGroup.replace_communicators`), which is what in-job recovery needs: FSDP2
+and DCP hold the group, not the engine.
+
+Limits (see README, "Use it from an existing trainer"):
+- C++ callers reach only the methods torch's Python-group trampoline forwards (all the
+  collectives FSDP2, DDP and the functional collectives use); `reduce`, `gather`, `scatter`
+  and list `alltoall` called from C++ would reach the engine registered for the device
+  directly, bypassing commlib. torch.distributed's Python functions always come here.
+- DDP: a bucket's all-reduce completes inside `get_future()`, on the autograd thread that
+  asked for it, so it no longer overlaps the rest of backward.
+- `all_to_all_single` with uneven splits, `recv_anysource` and tagged send/recv are refused
+  with a clear error: commlib's API has no equivalent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
+
+from commlib import compat
+from commlib.communicator import Communicator, Work
+from commlib.dist import to_reduction
+from commlib.validation import seconds
+
+BACKEND_NAME = "commlib"
+ENGINE_ENV = "COMMLIB_ENGINE"
+ENGINES = ("auto", "gloo", "nccl", "torchcomms")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the communicators under a commlib process group are built."""
+
+    engine: str = "auto"  # auto | gloo | nccl | torchcomms
+    name: str | None = None  # of the communicator; default "world" for the default group, else "group{N}"
+    check_consistency: bool = False
+    torchcomms_backend: str | None = None  # torchcomms' own engine (gloo, nccl, ...); default by device
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"commlib process group: expected engine in {ENGINES}; found {self.engine!r}")
+
+
+# The one registry this module owns: options for groups that torch creates without any
+# (new_group, DeviceMesh), taken from the default group's.
+_DEFAULTS: list[EngineOptions] = []
+
+
+def current(group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> Communicator:
+    """The Communicator behind a torch.distributed group (default: the default group).
+
+    With `device`, the one serving that device type (a group over CUDA also has a gloo
+    communicator for CPU tensors).
+    """
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("commlib.current: expected torch.distributed's default group (commlib.init or "
+                               "init_process_group(backend='commlib')); found none")
+        group = dist.group.WORLD
+    if not isinstance(group, CommlibProcessGroup):
+        raise TypeError(f"commlib.current: expected a group made by the commlib backend; found "
+                        f"{type(group).__name__} of backend {dist.get_backend(group)!r}")
+    return group.communicator(device)
+
+
+def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGroup":
+    """c10d's creator for `backend="commlib"` (extended API: `_DistributedBackendOptions`)."""
+    if engine_options is not None and not isinstance(engine_options, EngineOptions):
+        raise TypeError(f"commlib process group: expected pg_options to be commlib.EngineOptions; found "
+                        f"{type(engine_options).__name__}")
+    is_default = len(opts.global_ranks_in_group) == 0
+    options = engine_options or (_DEFAULTS[0] if _DEFAULTS else EngineOptions())
+    if is_default:
+        _DEFAULTS[:] = [options]
+    name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
+    world_rank = opts.group_rank if is_default else dist.get_rank()
+    timeout_s = seconds(opts.timeout)
+    assert timeout_s is not None
+    comms = {device.type: _communicator(options, device, comm_name, opts.store, opts.group_rank,
+                                        opts.group_size, timeout_s, world_rank)
+             for device, comm_name in _devices(options, name)}
+    return CommlibProcessGroup(comms, opts.group_rank, opts.group_size)
+
+
+def _engine(options: EngineOptions) -> str:
+    """The engine asked for: an explicit choice, else `COMMLIB_ENGINE`, else auto."""
+    engine = options.engine if options.engine != "auto" else os.environ.get(ENGINE_ENV, "auto")
+    if engine not in ENGINES:
+        raise ValueError(f"commlib process group: expected {ENGINE_ENV} in {ENGINES}; found {engine!r}")
+    return engine
+
+
+def _devices(options: EngineOptions, name: str) -> list[tuple[torch.device, str]]:
+    """(device, communicator name) for each communicator of a group: the first is its main one."""
+    engine = _engine(options)
+    cuda = torch.cuda.is_available() and engine != "gloo"
+    if engine == "nccl" and not cuda:
+        raise RuntimeError("commlib process group: expected CUDA for the nccl engine; found none")
+    if not cuda:
+        return [(torch.device("cpu"), name)]
+    main = torch.device("cuda", torch.cuda.current_device())
+    # nccl cannot move CPU tensors (object collectives, DCP metadata): a gloo one beside it can.
+    return [(main, name)] + ([(torch.device("cpu"), f"{name}.cpu")] if engine == "auto" else [])
+
+
+def _communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,
+                  size: int, timeout_s: float, world_rank: int) -> Communicator:
+    engine = _engine(options)
+    store = dist.PrefixStore(f"{device.type}/", store)
+    timeout = timedelta(seconds=timeout_s)
+    if engine == "torchcomms":
+        from commlib.backends.torchcomms import TorchcommsBackend
+
+        impl: Any = TorchcommsBackend.create(rank=rank, size=size, store=store, name=name, device=device,
+                                             timeout=timeout, engine=options.torchcomms_backend)
+    else:
+        from commlib.backends.c10d import C10dBackend
+
+        kind = "nccl" if device.type == "cuda" else "gloo"
+        impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
+    return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, options.check_consistency,
+                        world_rank=world_rank)
+
+
+class CommlibWork(dist.Work):
+    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
+
+    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Any = None) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result
+        self._finish = finish  # copies out of a staged buffer, run once after completion
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        # c10d spells "no timeout" as timedelta(0): the op's own deadline applies then.
+        limit = timeout if timeout else None
+        for work in self._works:
+            work.wait(limit)
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
+def _deadline(opts: Any) -> float | None:
+    """An op's own timeout from c10d's options; None (the communicator's default) when unset."""
+    timeout = getattr(opts, "timeout", None)
+    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+        return timeout.total_seconds()
+    return None
+
+
+def _one(tensors: list[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"commlib process group {what}: expected one tensor (one device per process); "
+                         f"found {len(tensors)}")
+    return tensors[0]
+
+
+class CommlibProcessGroup(dist.ProcessGroup):
+    """A torch.distributed group whose collectives are calls of commlib Communicators."""
+
+    def __init__(self, comms: dict[str, Communicator], rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._comms = comms
+        self._register_engines()
+
+    # -- the communicators -------------------------------------------------------------
+    def communicator(self, device: torch.device | str | None = None) -> Communicator:
+        if device is None:
+            return next(iter(self._comms.values()))
+        kind = torch.device(device).type
+        comm = self._comms.get(kind)
+        if comm is None:
+            raise ValueError(f"commlib process group rank {self.rank()}: expected a tensor on "
+                             f"{' or '.join(self._comms)}; found one on {kind}")
+        return comm
+
+    def replace_communicators(self, comms: dict[str, Communicator]) -> None:
+        """Put new communicators under this group (in-job recovery); the group object stays."""
+        if comms.keys() != self._comms.keys():
+            raise ValueError(f"commlib process group: expected communicators for {list(self._comms)}; "
+                             f"found {list(comms)}")
+        self._comms = dict(comms)
+        self._register_engines()
+
+    def _register_engines(self) -> None:
+        # torch asks a group for its backend per device (FSDP2's allocation, device
+        # capability checks, object collectives' device): answer with the engine itself.
+        # One backend type per device: c10d keys its backends by type, and two of one type
+        # would alias each other.
+        for kind, comm in self._comms.items():
+            engine = getattr(comm._backend, "engine", None)
+            if engine is not None:
+                backend_type = (dist.ProcessGroup.BackendType.NCCL if kind == "cuda"
+                                else dist.ProcessGroup.BackendType.GLOO)
+                self._register_backend(torch.device(kind), backend_type, engine)
+
+    def _on(self, tensor: torch.Tensor) -> Communicator:
+        return self.communicator(tensor.device) if len(self._comms) > 1 else next(iter(self._comms.values()))
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # -- collectives: c10d's calling convention in, Communicator calls out ---------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllreduceOptions()
+        t = _one(tensors, "allreduce")
+        return self._wrap([self._on(t).all_reduce(t, to_reduction(opts.reduceOp), async_op=True,
+                                                  timeout=_deadline(opts))], tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllreduceCoalescedOptions()
+        op = to_reduction(opts.reduceOp)
+        return self._wrap([self._on(t).all_reduce(t, op, async_op=True, timeout=_deadline(opts)) for t in tensors],
+                          tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.BroadcastOptions()
+        t = _one(tensors, "broadcast")
+        return self._wrap([self._on(t).broadcast(t, opts.rootRank, async_op=True, timeout=_deadline(opts))], tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.ReduceOptions()
+        t = _one(tensors, "reduce")
+        return self._wrap([self._on(t).reduce(t, opts.rootRank, to_reduction(opts.reduceOp), async_op=True,
+                                              timeout=_deadline(opts))], tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllgatherOptions()
+        t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
+        return self._wrap([self._on(t).all_gather(outputs, t, async_op=True, timeout=_deadline(opts))], outputs)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllgatherOptions()
+        return self._wrap([self._on(t).all_gather(outs, t, async_op=True, timeout=_deadline(opts))
+                           for outs, t in zip(output_lists, inputs, strict=True)],
+                          [o for outs in output_lists for o in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllgatherOptions()
+        return self._wrap([self._on(input).all_gather_single(output, input, async_op=True,
+                                                             timeout=_deadline(opts))], [output])
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllgatherOptions()
+        return self._wrap([self._on(i).all_gather_single(o, i, async_op=True, timeout=_deadline(opts))
+                           for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.ReduceScatterOptions()
+        t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
+        return self._wrap([self._on(t).reduce_scatter(t, inputs, to_reduction(opts.reduceOp), async_op=True,
+                                                      timeout=_deadline(opts))], outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.ReduceScatterOptions()
+        return self._wrap([self._on(input).reduce_scatter_single(output, input, to_reduction(opts.reduceOp),
+                                                                 async_op=True, timeout=_deadline(opts))], [output])
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.ReduceScatterOptions()
+        op = to_reduction(opts.reduceOp)
+        return self._wrap([self._on(i).reduce_scatter_single(o, i, op, async_op=True, timeout=_deadline(opts))
+                           for o, i in zip(outputs, inputs, strict=True)], outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllToAllOptions()
+        n = self.size()
+        for role, splits, t in (("output", output_split_sizes, output), ("input", input_split_sizes, input)):
+            even = t.shape[0] // n if t.dim() else 0
+            if splits and list(splits) != [even] * n:
+                raise NotImplementedError(
+                    f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
+                    f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
+        return self._wrap([self._on(input).all_to_all_single(output, input, async_op=True,
+                                                             timeout=_deadline(opts))], [output])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.AllToAllOptions()
+        shapes = {tuple(t.shape) for t in [*outputs, *inputs]}
+        if len(shapes) > 1:
+            raise NotImplementedError(
+                f"commlib process group alltoall on rank {self.rank()}: expected tensors of one shape; found "
+                f"{sorted(shapes)} (it runs as one all_to_all_single)")
+        # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
+        staged_in = torch.stack(inputs)
+        staged_out = torch.empty_like(staged_in)
+        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=True, timeout=_deadline(opts))
+
+        def copy_out() -> None:
+            for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
+                out.copy_(piece)
+
+        return self._wrap([work], outputs, copy_out)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.GatherOptions()
+        t = _one(inputs, "gather")
+        outputs = _one(output_lists, "gather") if output_lists else None
+        return self._wrap([self._on(t).gather(outputs, t, opts.rootRank, async_op=True, timeout=_deadline(opts))],
+                          outputs or [])
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.ScatterOptions()
+        t = _one(outputs, "scatter")
+        inputs = _one(input_lists, "scatter") if input_lists else None
+        return self._wrap([self._on(t).scatter(t, inputs, opts.rootRank, async_op=True, timeout=_deadline(opts))],
+                          outputs)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
+        t = _one(tensors, "send")
+        self._untagged("send", tag)
+        return self._wrap([self._on(t).send(t, dst, async_op=True)], tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
+        t = _one(tensors, "recv")
+        self._untagged("recv", tag)
+        return self._wrap([self._on(t).recv(t, src, async_op=True)], tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
+        raise NotImplementedError(f"commlib process group rank {self.rank()}: expected recv from a named source; "
+                                  f"found recv_anysource (commlib numbers each peer's messages)")
+
+    def barrier(self, opts: Any = None) -> CommlibWork:
+        opts = opts or c10d_opts.BarrierOptions()
+        return self._wrap([self.communicator().barrier(async_op=True, timeout=_deadline(opts))], [])
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        # A commlib barrier is already monitored: its timeout names every rank that did not arrive.
+        self.communicator().barrier(timeout=timeout if timeout else None)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def abort(self) -> None:
+        for comm in self._comms.values():
+            comm.abort()
+
+    def shutdown(self) -> None:
+        for comm in self._comms.values():
+            comm.finalize()
+
+    # -- helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _wrap(works: list[Work | None], result: list[torch.Tensor], finish: Any = None) -> CommlibWork:
+        return CommlibWork([w for w in works if w is not None], result, finish)
+
+    def _untagged(self, what: str, tag: int) -> None:
+        if tag:
+            raise NotImplementedError(f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "
+                                      f"tag {tag} (commlib orders each peer's messages by sequence, not tag)")
+
+
+def _alias_old_method_names() -> None:
+    """The c10d method names that torch renamed, from commlib's compat table (one list of renames)."""
+    for row in compat.METHOD_RENAMES.values():
+        for old in row.old_names:
+            setattr(CommlibProcessGroup, old, getattr(CommlibProcessGroup, row.canonical))
+
+
+_alias_old_method_names()
