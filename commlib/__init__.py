@@ -1,6 +1,8 @@
 """commlib: the communication layer trainers import instead of torch.distributed or torchcomms.
 
-    comm = commlib.init()                       # from torchrun's environment
+    comm = commlib.init()                       # from torchrun's environment; also torch's default group
+    torch.distributed.init_process_group(backend="commlib")   # or: an unmodified trainer, one word changed
+    comm = commlib.current()                    # the Communicator behind any torch.distributed group
     comm.all_reduce(t); comm.all_gather_single(out, inp); comm.reduce_scatter_single(out, inp)
     with commlib.context(step=3, phase="backward"): ...
 
@@ -29,6 +31,8 @@ _EXPORTS = {
     "register_post_hook": "commlib.hooks",
     "register_failure_hook": "commlib.hooks",
     "init": "commlib.initialize",
+    "current": "commlib.process_group",
+    "EngineOptions": "commlib.process_group",
     "context": "commlib.observe.log",
     "get_logger": "commlib.observe.log",
     "Collective": "commlib.ops",

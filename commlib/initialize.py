@@ -84,7 +84,8 @@ def init(
                                 timeout=timedelta(seconds=timeout_s),
                                 pg_options=EngineOptions(engine=backend, name=name,
                                                          check_consistency=check_consistency,
-                                                         torchcomms_backend=torchcomms_backend))
+                                                         torchcomms_backend=torchcomms_backend,
+                                                         configure_process=False))
         comm = current()
     from commlib import dist as commlib_dist
 

@@ -29,7 +29,9 @@ Limits (see README, "Use it from an existing trainer"):
 - DDP: a bucket's all-reduce completes inside `get_future()`, on the autograd thread that
   asked for it, so it no longer overlaps the rest of backward.
 - `all_to_all_single` with uneven splits, `recv_anysource` and tagged send/recv are refused
-  with a clear error: commlib's API has no equivalent.
+  with a clear error: commlib's API has no equivalent. torch refuses `monitored_barrier` for
+  every backend but gloo; `dist.barrier` over commlib already names the ranks that did not
+  arrive.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 from commlib import compat
 from commlib.communicator import Communicator, Work
 from commlib.dist import to_reduction
+from commlib.observe import flight
+from commlib.observe import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
@@ -61,6 +65,9 @@ class EngineOptions:
     name: str | None = None  # of the communicator; default "world" for the default group, else "group{N}"
     check_consistency: bool = False
     torchcomms_backend: str | None = None  # torchcomms' own engine (gloo, nccl, ...); default by device
+    # The default group configures this process's logs (COMMLIB_LOG_DIR) and SIGUSR1 dump,
+    # unless its maker (commlib.init) has done so.
+    configure_process: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -98,6 +105,9 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     options = engine_options or (_DEFAULTS[0] if _DEFAULTS else EngineOptions())
     if is_default:
         _DEFAULTS[:] = [options]
+        if options.configure_process:
+            _log.configure(opts.group_rank, opts.group_size)
+            flight.install_sigusr1(_log.log_dir)
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
     world_rank = opts.group_rank if is_default else dist.get_rank()
     timeout_s = seconds(opts.timeout)
@@ -377,10 +387,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.BarrierOptions()
         return self._wrap([self.communicator().barrier(async_op=True, timeout=_deadline(opts))], [])
-
-    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        # A commlib barrier is already monitored: its timeout names every rank that did not arrive.
-        self.communicator().barrier(timeout=timeout if timeout else None)
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:

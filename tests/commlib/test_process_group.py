@@ -1,0 +1,184 @@
+"""commlib as a torch.distributed backend: an unmodified trainer gets commlib by changing one word.
+
+The user trainer (`user_trainer.py`) runs under real torchrun twice, once on plain gloo and
+once with `backend="commlib"` (found through torch's entry-point autoloading, without an
+`import commlib` in the script), and must train bitwise alike; every operation its gloo
+engines ran must appear in commlib's logs, and commlib's engines must have run no more than
+commlib issued (nothing went around commlib's path).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib import testing
+from commlib.observe.log import read_events
+
+TRAINER = Path(__file__).with_name("user_trainer.py")
+
+
+def _torchrun(tmp: Path, backend: str, nproc: int, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    out = tmp / backend
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**__import__("os").environ, "COMMLIB_LOG_DIR": str(out / "logs")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(TRAINER), "--backend", backend, "--out", str(out), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _result(tmp: Path, backend: str, proc: subprocess.CompletedProcess) -> dict[str, Any]:
+    path = tmp / backend / "result.json"
+    assert proc.returncode == 0 and path.exists(), f"{backend} run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(path.read_text())
+
+
+def _logged_ops(log_dir: Path, rank: int) -> Counter[str]:
+    """collective.start events of one rank, per communicator."""
+    return Counter(e["comm"] for e in read_events(log_dir / f"rank{rank}.jsonl") if e["event"] == "collective.start")
+
+
+@pytest.mark.parametrize("nproc,extra", [(4, ()), (2, ("--ddp",))], ids=["fsdp2-hsdp-dcp-4ranks", "ddp-2ranks"])
+def test_unmodified_trainer_over_commlib_matches_plain_gloo(tmp_path: Path, nproc: int, extra: tuple[str, ...]) -> None:
+    plain = _result(tmp_path, "gloo", _torchrun(tmp_path, "gloo", nproc, *extra))
+    over = _result(tmp_path, "commlib", _torchrun(tmp_path, "commlib", nproc, *extra))
+    assert plain["same_on_every_rank"] and over["same_on_every_rank"]
+    assert over["losses"] == plain["losses"]  # float.hex: bitwise
+    assert over["digest"] == plain["digest"]  # final model and optimizer state
+    # Every operation the plain run's gloo engines ran, commlib issued (rank 0's groups) ...
+    logged = _logged_ops(tmp_path / "commlib" / "logs", 0)
+    names = {g: ("world" if g == "0" else f"group{g}") for g in plain["groups"]}
+    assert {names[g]: n for g, n in plain["engine_ops"].items()} == dict(logged)
+    # ... and commlib's own engines ran exactly what commlib issued: nothing went around it.
+    assert over["engine_ops"] == plain["engine_ops"]
+    assert sum(logged.values()) > 10 * nproc // 2
+
+
+def test_rank_stopped_before_dcp_save_is_named_by_a_collective_timeout(tmp_path: Path) -> None:
+    deadline = 4.0
+    proc = _torchrun(tmp_path, "commlib", 2, "--stop-before-save", "1", "--timeout", str(deadline), "--steps", "2")
+    assert proc.returncode != 0
+    error = json.loads((tmp_path / "commlib" / "error0.json").read_text())
+    chain = error["chain"]
+    timeouts = [c for c in chain if c["type"] == "CollectiveTimeout"]
+    # DCP may wrap it (CheckpointException); the typed error stays visible in the chain or its text.
+    assert timeouts or any("CollectiveTimeout" in c["message"] for c in chain), chain
+    if timeouts:
+        assert timeouts[0]["fields"]["missing_ranks"] == [1]
+    else:
+        assert "rank 1 never started it" in " ".join(c["message"] for c in chain)
+    events = list(read_events(tmp_path / "commlib" / "logs" / "rank0.jsonl"))
+    timeout = next(e for e in events if e["event"] == "collective.timeout")
+    assert timeout["missing_ranks"] == [1]
+    assert deadline - 0.1 <= timeout["duration_s"] <= deadline + 0.5
+
+
+# -- in-process checks over commlib.testing (commlib.init makes the default group a commlib one)
+
+def _through_torch_distributed(comm: commlib.Communicator) -> dict[str, Any]:
+    import commlib.dist as cdist
+    from commlib.process_group import CommlibProcessGroup
+
+    r = comm.rank
+    out: dict[str, Any] = {"world_is_commlib": isinstance(dist.group.WORLD, CommlibProcessGroup),
+                           "current_is_comm": commlib.current() is comm}
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    o = torch.empty(4)
+    cdist.all_gather_into_tensor(o, torch.full((2,), float(r)))  # the drop-in's default is comm
+    out["drop_in_all_gather"] = o.tolist()
+    b = torch.full((1,), float(r))
+    cdist.broadcast(b, root=1)
+    out["drop_in_broadcast_root"] = b.tolist()
+    objs: list[Any] = [None] * comm.size
+    dist.all_gather_object(objs, {"rank": r})
+    out["objects"] = objs
+    out["seq"] = comm.seq
+    for name, call in (
+        ("wrong_size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
+        ("dtypes", lambda: dist.all_gather_into_tensor(torch.empty(4, dtype=torch.int64), torch.ones(2))),
+        ("reduce_scatter_size", lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(4))),
+    ):
+        try:
+            call()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    out["seq_after_bad_input"] = comm.seq  # rejected before anything was numbered or sent
+    dist.barrier()
+    out["still_usable"] = comm.seq
+    return out
+
+
+def test_torch_distributed_calls_take_commlibs_path_and_bad_input_is_commlibs_error() -> None:
+    for r, out in enumerate(testing.run(_through_torch_distributed, 2)):
+        assert out["world_is_commlib"] and out["current_is_comm"]
+        assert out["all_reduce"] == [3.0, 3.0]
+        assert out["drop_in_all_gather"] == [0.0, 0.0, 1.0, 1.0]
+        assert out["drop_in_broadcast_root"] == [1.0]
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert out["wrong_size"].startswith(f"all_gather_single on 'world' rank {r}: expected output of 2 x 2")
+        assert "expected output and input dtypes to match; found torch.int64 and torch.float32" in out["dtypes"]
+        assert "expected input of 2 x 3 = 6 elements" in out["reduce_scatter_size"]
+        assert out["seq_after_bad_input"] == out["seq"]
+        assert out["still_usable"] == out["seq"] + 1
+
+
+def _late_peer(comm: commlib.Communicator, late_s: float, deadline: float, default_s: float) -> float:
+    comm.set_timeout(default_s)
+    if comm.rank == 1:
+        time.sleep(late_s)
+    start = time.monotonic()
+    comm.barrier(timeout=deadline)
+    return time.monotonic() - start
+
+
+def test_a_per_call_deadline_longer_than_the_communicators_is_honoured() -> None:
+    waited = testing.run(_late_peer, 2, timeout=60, args=(3.0, 20.0, 1.0))
+    assert waited[0] >= 2.5  # it waited for the late rank, past the communicator's 1 s
+
+
+def _late_peer_short_deadline(comm: commlib.Communicator) -> str:
+    try:
+        _late_peer(comm, 4.0, 1.0, 30.0)
+    except commlib.CollectiveTimeout as exc:
+        return f"{exc.deadline}:{exc.elapsed:.1f}:{exc.missing_ranks}"
+    except commlib.PeerFailure:  # the late rank, once rank 0 gave up and aborted
+        return "peer gone"
+    return "completed"
+
+
+def test_a_per_call_deadline_shorter_than_the_communicators_is_honoured() -> None:
+    r0, _ = testing.run(_late_peer_short_deadline, 2, timeout=60)
+    deadline, elapsed, missing = r0.split(":")
+    assert float(deadline) == 1.0 and float(elapsed) < 1.6 and missing == "[1]"
+
+
+def _p2p_then_collective(comm: commlib.Communicator) -> dict[str, Any]:
+    t = torch.ones(2)
+    if comm.rank == 0:
+        comm.send(t, 1)
+        comm.send(t, 1)
+    elif comm.rank == 1:
+        comm.recv(t, 0)
+        comm.recv(t, 0)
+    comm.all_reduce(t)
+    return {"seq": comm.seq, "p2p": [comm.p2p_seq(p) for p in range(comm.size)]}
+
+
+def test_send_recv_do_not_shift_the_collective_sequence() -> None:
+    # With the consistency check on, a shifted sequence would make every rank raise.
+    outs = testing.run(_p2p_then_collective, 3, timeout=60, check_consistency=True)
+    assert [o["seq"] for o in outs] == [1, 1, 1]
+    assert [o["p2p"] for o in outs] == [[0, 2, 0], [2, 0, 0], [0, 0, 0]]
