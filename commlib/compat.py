@@ -86,7 +86,7 @@ OLD_NAMES: dict[str, Rename] = {old: r for r in RENAMES.values() for old in r.ol
 # The `ProcessGroup` methods torch renamed alongside the free functions: c10d calls a
 # Python process group by whichever name its release uses, so commlib's answers to both
 # (`commlib.process_group`). Backend objects (`ProcessGroupGloo`, `ProcessGroupNCCL`) keep
-# the old names, which is what commlib's engines call.
+# the old names; `method` finds whichever one an engine object has.
 METHOD_RENAMES: dict[str, Rename] = {
     r.canonical: r
     for r in (
@@ -137,6 +137,16 @@ def resolve(name: str) -> Callable[..., Any]:
         f"torch {_torch_version()} has none of {list(candidates)} for {name!r}"
         + (f" (the new name appeared in torch {row.new_since})" if row else "")
     )
+
+
+def method(obj: Any, canonical: str) -> Callable[..., Any]:
+    """`obj`'s method for the renamed ProcessGroup method `canonical`, newest name first."""
+    names = METHOD_RENAMES[canonical].torch_names
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is not None:
+            return fn
+    raise CompatError(f"{type(obj).__name__} has none of {list(names)} for {canonical!r}")
 
 
 def canonical_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`),
 writes a Chrome/Perfetto trace, and exits 0 when no attempt of the run had a problem, 1 when
 the final attempt has one, 3 when earlier attempts failed but the final one is clean (a
 recovered run), and 2 when the directory cannot be read. The analysis itself lives in
-`commlib.observe.doctor`; this module only renders it.
+`commlib.observe.doctor`; this module only renders it. Neither imports torch: the logs
+copied from a cluster can be read on a machine without it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _wrap(text: str, indent: str) -> str:
 def _attempt_lines(a: AttemptFinding, final: bool) -> list[str]:
     head = f"Attempt {a.attempt}{' (final)' if final else ''}: {a.status.upper()}"
     head += f", ranks {a.ranks}" + (f" of {a.world_size}" if a.world_size else "")
-    head += f", {a.collectives} collectives, {(a.end_ns - a.start_ns) / 1e9:.1f} s of logs"
+    head += f", {a.collectives} collectives" + (f", {a.p2p_ops} send/recv" if a.p2p_ops else "")
+    head += f", {(a.end_ns - a.start_ns) / 1e9:.1f} s of logs"
     if a.culprits:
         head += f"; culprit rank(s) {a.culprits}"
     lines = [head]
@@ -98,7 +100,8 @@ def render(d: Diagnosis) -> str:
         lines.append("")
     telling = [x for x in d.dumps if x.unfinished]  # the others only repeat the logs
     for dump in telling:
-        unfinished = ", ".join(f"{u['op']} #{u['seq']}" for u in dump.unfinished)
+        unfinished = ", ".join(f"{u['op']} #{u['seq']}" + (f" (peer {u['peer']})" if "peer" in u else "")
+                               for u in dump.unfinished)
         lines.append(f"Flight dump ({dump.reason}) of rank {dump.rank}, comm {dump.comm!r}, attempt {dump.attempt}: "
                      f"still in {unfinished} [{dump.path}]")
     if d.dumps:

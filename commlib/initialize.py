@@ -47,7 +47,9 @@ def init(
     process take commlib's path too; the communicator returned is the one under it. Where the
     caller made a default group already, the communicator wraps it (its own calls get
     commlib's path; torch.distributed's calls on that group do not). Either way it becomes
-    `commlib.dist`'s default communicator unless one is set.
+    `commlib.dist`'s default communicator unless one is set. With torch's own torchcomms
+    routing on (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1), torch never calls a custom backend, so
+    the default group is made with the engine's name and wrapped.
     """
     if backend not in BACKENDS:
         raise ValueError(f"commlib.init: expected backend in {BACKENDS}; found {backend!r}")
@@ -71,6 +73,12 @@ def init(
     _log.configure(rank, world_size, log_dir)
     flight.install_sigusr1(_log.log_dir)
 
+    if not dist.is_initialized() and _torch_routes_to_torchcomms():
+        # torch then hands every backend name, "commlib" included, to torchcomms.new_comm:
+        # make the group torch's way and take commlib's path for commlib's own calls only.
+        engine = backend if backend in ("gloo", "nccl") else ("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(engine, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
     if dist.is_initialized():
         comm = _over_existing_group(store, rank, world_size, timeout_s, name, dev, check_consistency)
     else:
@@ -105,6 +113,11 @@ def _torchcomms_usable() -> bool:
     from commlib.backends import torchcomms as tc
 
     return tc.available() is None
+
+
+def _torch_routes_to_torchcomms() -> bool:
+    """TORCH_DISTRIBUTED_USE_TORCHCOMMS=1 (torch.distributed.config.use_torchcomms) in effect."""
+    return bool(getattr(dist.distributed_c10d, "_use_torchcomms_enabled", lambda: False)())
 
 
 def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: float, name: str, device: torch.device,

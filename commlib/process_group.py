@@ -214,6 +214,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def __init__(self, comms: dict[str, Communicator], rank: int, size: int) -> None:
         super().__init__(rank, size)
         self._comms = comms
+        self._group_name = self._group_desc = ""
         self._register_engines()
 
     # -- the communicators -------------------------------------------------------------
@@ -249,6 +250,25 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def _on(self, tensor: torch.Tensor) -> Communicator:
         return self.communicator(tensor.device) if len(self._comms) > 1 else next(iter(self._comms.values()))
+
+    # c10d keeps a group's name and description in its registered backends, and a group
+    # over torchcomms has none registered: keep them here as well, for Python readers
+    # (DeviceMesh reads `group_name` of every dimension's group).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+        super()._set_group_desc(desc)
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME

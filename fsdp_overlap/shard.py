@@ -9,10 +9,13 @@ Modes (`Mode`):
   runs two at once (two worker threads), so on CPU dual changes little (see README).
 - ``single``: both on `comm` (the baseline for dual).
 - ``native``: FSDP2's own ``set_separate_reduce_scatter_group(True)``: a second
-  process group created by FSDP itself. Its collectives do NOT go through commlib (no
-  deadlines, typed errors, logs or hooks); it is there to compare against.
+  process group created by FSDP itself; it is there to compare against. Over the commlib
+  process group (`commlib.init` makes the default group one) that group is a commlib group
+  too, so its collectives take commlib's path.
 - ``plain``: ``fully_shard`` untouched: FSDP2's default collectives and implicit
-  prefetching; `prefetch` and `async_prefetch` are not applied. The numerics reference.
+  prefetching; `prefetch` and `async_prefetch` are not applied. The numerics reference, and
+  the reference trainer's default: over the commlib process group its collectives take
+  commlib's path as well.
 
 The all-gathers stay on `comm` itself rather than on a split named ``.all_gather``: the
 logs already tell the two apart by op and communicator name (``world`` carries
@@ -55,7 +58,7 @@ class Sharded:
     mode: Mode
     mesh: DeviceMesh
     # The communicators carrying FSDP's all-gathers / reduce-scatters; None where FSDP's own
-    # process groups do (plain, native).
+    # process groups do (plain, native: commlib groups when the default group is one).
     all_gather_comm: commlib.Communicator | None
     reduce_scatter_comm: commlib.Communicator | None
     # commlib communicators this call created (dual: the reduce-scatter split).

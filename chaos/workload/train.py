@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one rank per GPU, GPU LOCAL_RANK")
-    p.add_argument("--fsdp-mode", choices=[m.value for m in fsdp_overlap.Mode], default=fsdp_overlap.Mode.DUAL.value)
+    p.add_argument("--fsdp-mode", choices=[m.value for m in fsdp_overlap.Mode], default=fsdp_overlap.Mode.PLAIN.value,
+                   help="plain: fully_shard as is, its collectives on the commlib process group (default)")
     p.add_argument("--prefetch", type=int, default=1, help="blocks all-gathered ahead")
     args = p.parse_args(argv)
     if args.steps < 0 or args.ckpt_every < 0:

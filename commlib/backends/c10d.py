@@ -4,11 +4,11 @@ The engine is either one commlib built itself (`C10dBackend.create`: a bare
 `ProcessGroupGloo` / `ProcessGroupNCCL` on a store of its own, registered nowhere in
 torch.distributed: the commlib process group of `commlib.process_group` carries it) or a
 process group the caller already has (`commlib.init` over a default group made with
-another backend). Either way ops are launched through the engine's own methods
-(`allreduce`, `_allgather_base`, `_reduce_scatter_base`, `alltoall_base`, ...) with c10d's
-option objects, whose names have stayed put across the torch releases that renamed the
-free functions; so no launch depends on the compat table, and every op carries its own
-deadline (`opts.timeout`), longer or shorter than the engine's default.
+another backend; its ops go to the group's backend for the device). Either way ops are
+launched through the engine's own methods (`allreduce`, `broadcast`, `_allgather_base`, ...)
+with c10d's option objects, so every op carries its own deadline (`opts.timeout`), longer
+or shorter than the engine's default. The three methods torch 2.13 renamed on ProcessGroup
+objects are looked up once through `compat.method`.
 
 Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
 is part of the op, and every backend must give the same numbers.
@@ -16,7 +16,6 @@ is part of the op, and every backend must give the same numbers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
+from commlib import compat
 from commlib.backends.base import Failure
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
@@ -96,8 +96,6 @@ def _routed_through_torchcomms(group: Any, device: torch.device) -> bool:
     return wrapper is not None and isinstance(group._get_backend(device), wrapper)
 
 
-_POLL_S = 0.0005
-
 
 @dataclass(slots=True)
 class C10dWork:
@@ -111,13 +109,8 @@ class C10dWork:
                 self.work.wait(timeout)
             else:
                 # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite
-                # timeout: poll until done (on this thread: its works are not thread-safe),
-                # and wait() only once it has completed.
-                until = time.monotonic() + timeout.total_seconds()
-                while not self.work.is_completed():
-                    if time.monotonic() >= until:
-                        return False
-                    time.sleep(_POLL_S)
+                # timeout, and its is_completed() only turns True inside wait(): the op's
+                # deadline is the timeout launch put in its c10d options, so wait() ends then.
                 self.work.wait()
         except RuntimeError as exc:
             if classify_exception(exc) is Failure.TIMEOUT:
@@ -136,12 +129,15 @@ class C10dBackend:
     """A Communicator backend over one c10d engine (see the module docstring).
 
     `store` is where splits rendezvous; `owned` says whether commlib built the engine (and
-    so shuts it down on finalize) or wraps a caller's process group (which it leaves alone).
+    so shuts it down on finalize) or wraps a caller's process group (which it leaves alone:
+    its ops go to the group's backend for `device`, since a ProcessGroup's own methods look
+    one up per call and a Python-made group may register none).
     """
 
     def __init__(self, engine: Any, device: torch.device, store: dist.Store, *, owned: bool,
                  name: str | None = None) -> None:
-        self.engine = engine
+        self.group = engine  # what splits and aborts act on
+        self.engine = engine if owned else engine._get_backend(device)
         self.device = device
         self.rank = engine.rank()
         self.size = engine.size()
@@ -150,7 +146,12 @@ class C10dBackend:
         self._owned = owned
         self._splits = 0
         self._native_avg = self.name == "nccl"
-        self._timed_wait = not _routed_through_torchcomms(engine, device)
+        self._routed = _routed_through_torchcomms(engine, device)
+        # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
+        # method names, Backend objects to the old ones: look each up once.
+        self._all_gather_single = compat.method(self.engine, "all_gather_single")
+        self._reduce_scatter_single = compat.method(self.engine, "reduce_scatter_single")
+        self._all_to_all_single = compat.method(self.engine, "all_to_all_single")
 
     @classmethod
     def create(cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device,
@@ -182,17 +183,18 @@ class C10dBackend:
         elif op is OpName.ALL_GATHER:
             w = e.allgather([call.output_list], [call.input], _options(c10d_opts.AllgatherOptions, timeout))
         elif op is OpName.ALL_GATHER_SINGLE:
-            w = e._allgather_base(call.output, call.input, _options(c10d_opts.AllgatherOptions, timeout))
+            w = self._all_gather_single(call.output, call.input, _options(c10d_opts.AllgatherOptions, timeout))
         elif op is OpName.REDUCE_SCATTER:
             w = e.reduce_scatter([call.output], [call.input_list],
                                  _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.REDUCE_SCATTER_SINGLE:
-            w = e._reduce_scatter_base(call.output, call.input,
+            w = self._reduce_scatter_single(call.output, call.input,
                                        _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.ALL_TO_ALL_SINGLE:
-            w = e.alltoall_base(call.output, call.input, [], [], _options(c10d_opts.AllToAllOptions, timeout))
+            w = self._all_to_all_single(call.output, call.input, [], [], _options(c10d_opts.AllToAllOptions, timeout))
         elif op is OpName.GATHER:
-            outputs = [call.output_list] if call.rank == call.root else []
+            # torchcomms' wrapper wants one (empty) output list off the root too.
+            outputs = [call.output_list] if call.rank == call.root else ([[]] if self._routed else [])
             w = e.gather(outputs, [call.input], _options(c10d_opts.GatherOptions, timeout, rootRank=call.root))
         elif op is OpName.SCATTER:
             inputs = [call.input_list] if call.rank == call.root else []
@@ -205,7 +207,7 @@ class C10dBackend:
             w = e.barrier(_options(c10d_opts.BarrierOptions, timeout))
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return C10dWork(w, finish, self._timed_wait)
+        return C10dWork(w, finish, not self._routed)
 
     def _reduction(self, call: Collective) -> tuple[Any, Callable[[], None] | None]:
         """The dist.ReduceOp to launch with, and the emulation step to run on completion."""
@@ -250,9 +252,11 @@ class C10dBackend:
         return None
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
+        self._splits += 1
+        if not self._owned:
+            return self._split_through_torch(ranks, name, timeout)
         # Only members build the new engine; the counter advances on every rank (split is
         # collective over this one), so members agree on the store prefix without talking.
-        self._splits += 1
         if self.rank not in ranks:
             return None
         engine = self.name if self.name in ENGINES else ("nccl" if self.device.type == "cuda" else "gloo")
@@ -260,12 +264,28 @@ class C10dBackend:
         return C10dBackend.create(engine, store=store, rank=ranks.index(self.rank), size=len(ranks),
                                   device=self.device, timeout=timeout)
 
+    def _split_through_torch(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
+        """A split of a caller's process group: torch's `new_group`, so it is built the way
+        the caller's group was (torchcomms-routed groups split through `TorchComm.split`)."""
+        parent_ranks = dist.get_process_group_ranks(self.group)
+        global_ranks = [parent_ranks[r] for r in ranks]
+        # Every member of the parent calls new_group, non-members included when the parent is
+        # the world group, because c10d numbers groups by call order. sort_ranks=False: new
+        # ranks follow the order of `ranks`, as torchcomms' split does; routed through
+        # torchcomms, new_group refuses sort_ranks=False even for sorted ranks.
+        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
+                               sort_ranks=global_ranks == sorted(global_ranks),
+                               use_local_synchronization=self.size != dist.get_world_size())
+        if self.rank not in ranks:
+            return None
+        return C10dBackend(group, self.device, self._store, owned=False)
+
     def classify(self, exc: BaseException) -> Failure:
         return classify_exception(exc)
 
     def abort(self) -> None:
         try:
-            self.engine.abort()
+            self.group.abort()
         except RuntimeError:
             pass  # engines without abort support: the Communicator is marked dead anyway
 

@@ -6,6 +6,16 @@ communicator's store (at most every `PUBLISH_INTERVAL_S`) together with a heartb
 publishing never puts a store round trip on a collective's path, and a board is at most one
 interval behind. When a deadline expires, the rank that timed out reads every peer's entry
 and `explain_timeout` names who never started the collective, and who stopped beating.
+
+The board holds collectives only: send/recv have their own per-peer numbering, which no
+peer outside the pair can compare with.
+
+The publisher writes through a store client of its own (`Store.clone()`): a TCPStore client
+serializes its operations, so sharing the communicator's would stop the heartbeat while the
+main thread blocks in a `store.wait` (the consistency check), and peers would call a live
+rank dead. A failed publication is retried at the next interval and logged (rate-limited);
+the board stops publishing only once the store has failed `GIVE_UP_FAILURES` times in a
+row over at least `GIVE_UP_S` (the job is ending, or the store's host is gone).
 """
 
 from __future__ import annotations
@@ -19,9 +29,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from commlib.observe import log as _log
+
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
 STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead
+GIVE_UP_FAILURES = 20  # consecutive failed publications ...
+GIVE_UP_S = 10.0  # ... spanning at least this long: the store is gone, stop publishing
+WARN_EVERY_S = 5.0  # at most one warning per board this often while publications fail
 
 
 @dataclass
@@ -39,12 +54,16 @@ class BoardEntry:
 class ProgressBoard:
     def __init__(self, store: dist.Store, rank: int, size: int, pid: int) -> None:
         self._store = store
+        self._publish_store = _own_client(store, rank)
         self.rank = rank
         self.size = size
         self.entry = BoardEntry(pid=pid)
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
+        self._failures = 0  # consecutive failed publications
+        self._failing_since_ns = 0
+        self._warned_ns = 0
         self.closed = False
         _Publisher.register(self)
 
@@ -66,8 +85,28 @@ class ProgressBoard:
             return
         version = self._version
         self.entry.heartbeat_ns = now_ns
-        self._store.set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
+        self._publish_store.set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
         self._published_version, self._published_ns = version, now_ns
+
+    def publish_failed(self, exc: Exception, now_ns: int) -> None:
+        """Count a failed publication; warn now and then; close once the store is clearly gone."""
+        if self._failures == 0:
+            self._failing_since_ns = now_ns
+        self._failures += 1
+        failing_s = (now_ns - self._failing_since_ns) / 1e9
+        gone = self._failures >= GIVE_UP_FAILURES and failing_s >= GIVE_UP_S
+        if gone or now_ns - self._warned_ns >= WARN_EVERY_S * 1e9:
+            self._warned_ns = now_ns
+            _log.get_logger().warning(
+                "board.publish_failed", board_rank=self.rank, failures=self._failures,
+                failing_s=round(failing_s, 3), error=_summary(exc), gave_up=gone)
+        if gone:
+            self.close()
+
+    def publish_succeeded(self) -> None:
+        if self._failures:
+            _log.get_logger().info("board.publish_recovered", board_rank=self.rank, failures=self._failures)
+        self._failures = 0
 
     def read(self) -> dict[int, BoardEntry | None]:
         """Every rank's published entry (None: never published). Never blocks on a missing key."""
@@ -101,13 +140,40 @@ class _Publisher:
         while True:
             time.sleep(PUBLISH_INTERVAL_S)
             now = time.time_ns()
-            for board in list(cls._boards):
+            with cls._lock:  # a board registered meanwhile would break the iteration
+                boards = list(cls._boards)
+            for board in boards:
                 try:
                     board.publish_if_due(now)
-                except Exception:
-                    # The store went away (job ending, server rank dead): stop this board
-                    # instead of raising in a daemon thread.
-                    board.close()
+                except Exception as exc:
+                    # A store hiccup (a busy server, a reconnect) must not silence the board for good.
+                    try:
+                        board.publish_failed(exc, now)
+                    except Exception:  # logging itself failed (a closed log): keep the thread alive
+                        pass
+                else:
+                    if board._failures:
+                        board.publish_succeeded()
+
+
+def _own_client(store: dist.Store, rank: int) -> dist.Store:
+    """A client of `store` for the publisher thread alone (see the module docstring).
+
+    A store that cannot be cloned (a Python `dist.Store` subclass, say) is shared, with a
+    warning: its heartbeat may then pause while the main thread waits on it.
+    """
+    try:
+        return store.clone()
+    except Exception as exc:
+        _log.get_logger().warning("board.shared_store_client", board_rank=rank, store=type(store).__name__,
+                                  error=_summary(exc))
+        return store
+
+
+def _summary(exc: BaseException) -> str:
+    """The exception's type and first line: c10d appends its whole C++ stack to the message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
 @dataclass

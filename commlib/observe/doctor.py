@@ -8,7 +8,11 @@ here talks to a process group or a store.
 Everything is analyzed per torchrun attempt (the `attempt` field of every event), because
 sequence numbers start over in each attempt. Within an attempt a collective is identified
 by (communicator, seq); a communicator created twice under one name in one process gets a
-label `name#2` for its second incarnation. Ranks in results are always global ranks: the
+label `name#2` for its second incarnation. Send/recv are numbered apart, per peer pair
+(their events carry `peer`, the other side's communicator rank, and `seq`, the pair's
+count of point-to-point ops), so they never enter the collective matching: a point-to-point
+op is identified by (communicator, the pair of ranks, its pair seq), and the k-th op of a
+pair on one side matches the k-th on the other (a send with a recv). Ranks in results are always global ranks: the
 communicator ranks that `collective.timeout` and `collective.mismatch` carry are mapped
 through the `comm_rank` of each rank's events (or the `comm.split` that made the
 communicator).
@@ -18,7 +22,10 @@ progress board's `missing_ranks`, plus ranks with no `collective.start` before t
 plus ranks that started it only after); for a peer failure, the members that stopped
 logging before it without logging a failure of their own; for a mismatch, the minority
 (every differing rank when there is no majority); for a hang (no deadline expired yet),
-the ranks that never started the oldest unfinished collective.
+the ranks that never started the oldest unfinished collective; for a send/recv that timed
+out or hangs, the peer that never posted the matching op.
+
+Nothing here imports torch (`python -m commlib.doctor` runs where only the logs are).
 """
 
 from __future__ import annotations
@@ -35,8 +42,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commlib.backends.base import Failure
-from commlib.backends.c10d import classify_text
 from commlib.observe.log import read_events
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
@@ -47,6 +52,14 @@ NOTICE_LEVELS = ("warning", "error", "critical")
 APP_ERROR_LEVELS = ("error", "critical")
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
 P2P_OPS = ("send", "recv")
+_MATCHING_P2P = {"send": "recv", "recv": "send"}
+# What a torch.distributed call outside commlib says when it timed out or lost a peer
+# (gloo's and nccl's texts, lower-cased), read from a logged error. This mirrors
+# `commlib.backends.c10d`'s classification, which the doctor cannot import: it imports torch.
+_ENGINE_TIMEOUT_TEXTS = ("timed out", "timeout")
+_ENGINE_PEER_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
+                      "remote process exited", "socket closed", "ncclremoteerror")
+_ENGINE_FAILURE_TYPES = ("DistNetworkError", "DistStoreError")  # torch's typed errors of a lost peer or store
 # Rooted list arguments exist only on the root: per-rank shapes legitimately differ.
 ROOT_ONLY_SHAPES = ("gather", "scatter")
 # op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after
@@ -108,11 +121,10 @@ class Call:
     status: str = "started"  # started | ok | timed_out | failed
     source: str = "log"  # log | flight (found only in a flight-recorder dump)
     stack: list[str] | None = None
+    peer: int | None = None  # send/recv: the other side's communicator rank; seq is the pair's
 
     def signature(self) -> tuple[Any, ...]:
-        """What every rank must agree on at one seq (send/recv pair up: they count as one)."""
-        if self.op in P2P_OPS:
-            return ("p2p",)
+        """What every rank must agree on at one collective seq."""
         shapes = None if self.op in ROOT_ONLY_SHAPES else json.dumps(self.shapes)
         return (self.op, shapes, self.dtype, self.root)
 
@@ -148,11 +160,13 @@ class CommLog:
     label: str
     size: int | None = None
     members: dict[int, int] = field(default_factory=dict)  # comm rank -> global rank
-    calls: dict[int, dict[int, Call]] = field(default_factory=lambda: defaultdict(dict))  # seq -> rank -> call
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    # Collectives only: seq -> rank -> call.
+    calls: dict[int, dict[int, Call]] = field(default_factory=lambda: defaultdict(dict))
+    # Send/recv as each side logged them: (global rank, peer's comm rank, pair seq) -> call.
+    p2p_calls: dict[tuple[int, int, int], Call] = field(default_factory=dict)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # collectives' and send/recv's
     mismatches: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
     parent: tuple["CommLog", list[int]] | None = None  # the communicator it was split from, and ranks
-    first_p2p_seq: int | None = None
 
     def global_rank(self, comm_rank: int) -> int:
         if comm_rank in self.members:
@@ -165,13 +179,21 @@ class CommLog:
         size = self.size if self.size is not None else len(self.members)
         return sorted({self.global_rank(r) for r in range(size)} | set(self.members.values()))
 
-    def aligned(self, seq: int) -> bool:
-        """Whether seq names the same collective on every member.
+    def pair_key(self, rank: int, peer: int, seq: int) -> tuple[int, int, int]:
+        """(lower global rank, higher, pair seq) of `rank`'s send/recv with comm rank `peer`."""
+        other = self.global_rank(peer)
+        return (min(rank, other), max(rank, other), seq)
 
-        Send/recv advance only the pair's counters, so in a communicator of more than two
-        ranks the numbering diverges after the first point-to-point op.
+    def pairs(self) -> dict[tuple[int, int, int], dict[int, Call]]:
+        """Send/recv matched across each pair: (lower global rank, higher, pair seq) -> rank -> call.
+
+        Resolved when asked, not while loading: a peer's global rank is known only once
+        every rank's log has been read.
         """
-        return self.first_p2p_seq is None or (self.size or 0) <= 2 or seq < self.first_p2p_seq
+        out: dict[tuple[int, int, int], dict[int, Call]] = defaultdict(dict)
+        for (rank, peer, seq), call in self.p2p_calls.items():
+            out[self.pair_key(rank, peer, seq)][rank] = call
+        return out
 
 
 @dataclass
@@ -223,6 +245,17 @@ def load(logdir: str | os.PathLike[str]) -> RunLogs:
     dumps = [builder.add_dump(p) for p in sorted(directory.glob("flight_rank*.json"))]
     return RunLogs(str(directory), dict(sorted(builder.attempts.items())), [d for d in dumps if d],
                    [str(p) for p in files])
+
+
+def _peer(e: dict[str, Any]) -> int | None:
+    """The other side's communicator rank of a send/recv event or flight entry; None for a collective.
+
+    Flight dumps written before entries had `peer` kept it in `root`.
+    """
+    if e.get("op") not in P2P_OPS:
+        return None
+    peer = e.get("peer", e.get("root"))
+    return peer if isinstance(peer, int) else None
 
 
 class _Builder:
@@ -300,13 +333,28 @@ class _Builder:
         seq = e.get("seq")
         if not isinstance(seq, int):
             return
+        peer = _peer(e)
         call = Call(rank=rl.rank, comm=comm.label, seq=seq, op=str(e.get("op")), start_ns=ts,
-                    bytes=e.get("bytes"), shapes=e.get("shapes"), dtype=e.get("dtype"), root=e.get("root"),
-                    deadline_s=e.get("deadline_s"), step=e.get("step"), phase=e.get("phase"))
-        comm.calls[seq][rl.rank] = call
+                    bytes=e.get("bytes"), shapes=e.get("shapes"), dtype=e.get("dtype"),
+                    root=None if peer is not None else e.get("root"),
+                    deadline_s=e.get("deadline_s"), step=e.get("step"), phase=e.get("phase"), peer=peer)
+        self._place(comm, call)
         rl.calls.append(call)
-        if call.op in P2P_OPS and (comm.first_p2p_seq is None or seq < comm.first_p2p_seq):
-            comm.first_p2p_seq = seq
+
+    @staticmethod
+    def _place(comm: CommLog, call: Call) -> None:
+        if call.peer is not None:
+            comm.p2p_calls[(call.rank, call.peer, call.seq)] = call
+        else:
+            comm.calls[call.seq][call.rank] = call
+
+    @staticmethod
+    def _find(comm: CommLog, rank: int, seq: Any, peer: int | None) -> Call | None:
+        if not isinstance(seq, int):
+            return None
+        if peer is not None:
+            return comm.p2p_calls.get((rank, peer, seq))
+        return comm.calls.get(seq, {}).get(rank)
 
     def _call(self, comm: CommLog, rl: RankLog, e: dict[str, Any], ts: int) -> Call:
         """The call an end/failure event closes; made up when its start was never logged.
@@ -314,14 +362,14 @@ class _Builder:
         A failure inside the consistency check happens before the start is logged: the rank
         did arrive, so the call starts `duration_s` before the failure.
         """
-        seq = e.get("seq")
-        call = comm.calls.get(seq, {}).get(rl.rank) if isinstance(seq, int) else None
+        seq, peer = e.get("seq"), _peer(e)
+        call = self._find(comm, rl.rank, seq, peer)
         if call is None:
             duration = e.get("duration_s") or 0.0
             call = Call(rank=rl.rank, comm=comm.label, seq=seq if isinstance(seq, int) else -1, op=str(e.get("op")),
-                        start_ns=ts - int(duration * 1e9), step=e.get("step"), phase=e.get("phase"))
+                        start_ns=ts - int(duration * 1e9), step=e.get("step"), phase=e.get("phase"), peer=peer)
             if isinstance(seq, int):
-                comm.calls[seq][rl.rank] = call
+                self._place(comm, call)
             rl.calls.append(call)
         return call
 
@@ -348,7 +396,8 @@ class _Builder:
         info = DumpInfo(path=str(path), rank=data.get("rank", -1), comm=comm_name,
                         attempt=where[0] if where else None, reason=str(data.get("reason")),
                         dumped_ns=data.get("dumped_ns"), entries=len(entries),
-                        unfinished=[{"comm": comm_name, "op": x.get("op"), "seq": x.get("seq")}
+                        unfinished=[{"comm": comm_name, "op": x.get("op"), "seq": x.get("seq"),
+                                     **({"peer": _peer(x)} if _peer(x) is not None else {})}
                                     for x in entries if x.get("state") == "started"])
         if where is None:
             return info
@@ -361,21 +410,22 @@ class _Builder:
         rl = att.ranks[rank]
         status = {"completed": "ok", "started": "started"}
         for x in entries:
-            seq = x.get("seq")
+            seq, peer = x.get("seq"), _peer(x)
             if not isinstance(seq, int):
                 continue
-            call = comm.calls.get(seq, {}).get(rank)
+            call = self._find(comm, rank, seq, peer)
             if call is None:
                 end, start_mono = x.get("end_mono_ns"), x.get("start_mono_ns")
                 duration = (end - start_mono) / 1e9 if end and start_mono else None
                 call = Call(rank=rank, comm=comm.label, seq=seq, op=str(x.get("op")), start_ns=x.get("start_ns"),
-                            bytes=x.get("nbytes"), shapes=x.get("shapes"), dtype=x.get("dtype"), root=x.get("root"),
+                            bytes=x.get("nbytes"), shapes=x.get("shapes"), dtype=x.get("dtype"),
+                            root=None if peer is not None else x.get("root"),
                             step=x.get("step"), phase=x.get("phase"), source="flight",
                             status=status.get(x.get("state"), x.get("state") or "started"),
-                            duration_s=duration)
+                            duration_s=duration, peer=peer)
                 if duration is not None and call.start_ns is not None:
                     call.end_ns = call.start_ns + int(duration * 1e9)
-                comm.calls[seq][rank] = call
+                self._place(comm, call)
                 bisect.insort(rl.calls, call, key=lambda c: c.start_ns or 0)
             if x.get("stack") and call.stack is None:
                 call.stack = x["stack"]
@@ -389,9 +439,19 @@ class _Builder:
 class CallRef:
     comm: str
     op: str
-    seq: int
+    seq: int  # a send/recv's: the count of its pair's point-to-point ops
     status: str  # at the time the position is taken: ok, started (in progress), timed_out, failed
     start_ns: int | None
+    peer: int | None = None  # a send/recv's other side (global rank)
+
+    def describe(self) -> str:
+        if self.peer is None:
+            return f"{self.op} #{self.seq} on {self.comm!r}"
+        return f"{_p2p_name(self.op, self.seq, self.peer)} on {self.comm!r}"
+
+
+def _p2p_name(op: str, seq: int, peer: int) -> str:
+    return f"{op} #{seq} {'to' if op == 'send' else 'from'} rank {peer}"
 
 
 @dataclass
@@ -415,10 +475,10 @@ class RankPosition:
         s = self.last_started
         if s is not None:
             state = {"started": "still in it", "ok": "finished"}.get(s.status, s.status)
-            parts.append(f"last started {s.op} #{s.seq} on {s.comm!r} ({state})")
+            parts.append(f"last started {s.describe()} ({state})")
         f = self.last_finished
-        if f is not None and (s is None or (f.comm, f.seq) != (s.comm, s.seq)):
-            parts.append(f"last finished {f.op} #{f.seq} on {f.comm!r}")
+        if f is not None and (s is None or (f.comm, f.seq, f.peer) != (s.comm, s.seq, s.peer)):
+            parts.append(f"last finished {f.describe()}")
         if s is None and f is None:
             parts.append("no collective yet")
         if self.step is not None or self.phase is not None:
@@ -455,6 +515,7 @@ class AttemptFinding:
     problems: list[Problem]
     culprits: list[int]  # the culprits of the earliest problem that names any
     positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
+    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
 
 
 @dataclass
@@ -559,7 +620,8 @@ def _analyze_attempt(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Att
         collectives=sum(1 for c in att.comms.values() for calls in c.calls.values() if calls),
         start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
         problems=problems, culprits=culprits,
-        positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [])
+        positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
+        p2p_ops=sum(len(c.pairs()) for c in att.comms.values()))
 
 
 def _app_errors(att: AttemptLog) -> list[Problem]:
@@ -588,7 +650,7 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         what = first.get("error") or first.get("message") or ""
         message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
         details: dict[str, Any] = {"event": name}
-        if classify_text(str(what)) in (Failure.TIMEOUT, Failure.PEER):
+        if _engine_failure(first.get("error_type"), str(what)):
             # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
             # or lost a peer: its reporters are victims, and the suspects are the ranks that
             # had gone quiet before it without an error of their own.
@@ -601,6 +663,14 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
                                 message.strip(), reporters, first["ts_ns"], details))
     return problems
+
+
+def _engine_failure(error_type: Any, text: str) -> bool:
+    """Whether a logged error is the engine's timeout or lost peer (torch's typed errors, else its texts)."""
+    if error_type in _ENGINE_FAILURE_TYPES:
+        return True
+    low = text.lower()
+    return any(t in low for t in _ENGINE_TIMEOUT_TEXTS + _ENGINE_PEER_TEXTS)
 
 
 def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
@@ -625,7 +695,9 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
         if c is None:
             return None
         status = c.status if c.end_ns is not None and c.end_ns <= t else "started"  # still in it at t
-        return CallRef(c.comm, c.op, c.seq, status, c.start_ns)
+        comm = att.comms.get(c.comm)
+        peer = None if c.peer is None else comm.global_rank(c.peer) if comm is not None else c.peer
+        return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer)
 
     return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last[1] if last else None,
                         last_event_ns=last[0] if last else None, step=step, phase=phase,
@@ -659,7 +731,7 @@ def _checked_mismatch(comm: CommLog) -> Problem | None:
 def _seen_mismatch(comm: CommLog) -> Problem | None:
     """The first seq whose `collective.start` events disagree (the check was off)."""
     differing = [seq for seq, calls in sorted(comm.calls.items())
-                 if comm.aligned(seq) and len({c.signature() for c in calls.values()}) > 1]
+                 if len({c.signature() for c in calls.values()}) > 1]
     if not differing:
         return None
     seq = differing[0]
@@ -711,11 +783,17 @@ def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dic
 
 def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
               dumps: list[DumpInfo]) -> list[Problem]:
-    """Timeouts, peer failures and errors logged on `comm`, or else the oldest unfinished collective."""
+    """Timeouts, peer failures and errors logged on `comm` (collectives' and send/recv's), or
+    else the oldest unfinished collective and, per pair of ranks, the oldest unfinished send/recv."""
     problems: list[Problem] = []
     by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    by_pair: dict[tuple[tuple[int, int, int], str], list[dict[str, Any]]] = defaultdict(list)
     for f in comm.failures:
-        by_key[(f.get("seq", -1), f["event"])].append(f)
+        peer = _peer(f)
+        if peer is not None and isinstance(f.get("seq"), int):
+            by_pair[(comm.pair_key(f["rank"], peer, f["seq"]), f["event"])].append(f)
+        else:
+            by_key[(f.get("seq", -1), f["event"])].append(f)
     for (seq, event), events in sorted(by_key.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
         mismatch = mismatches.get(seq)
         if event == "collective.timeout":
@@ -724,10 +802,13 @@ def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
             problems.append(_peer_failure(att, comm, seq, events))
         else:
             problems.append(_error(comm, seq, events, mismatch))
+    for (key, event), events in sorted(by_pair.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
+        problems.append(_p2p_failure(att, comm, key, event, events))
     if not comm.failures:
         hang = _hang(att, comm, mismatches, dumps)
         if hang is not None:
             problems.append(hang)
+        problems += _p2p_hangs(att, comm, dumps)
     return problems
 
 
@@ -806,14 +887,17 @@ def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
     return [r for r in ranks if r not in att.ranks or att.ranks[r].last_ns <= t]
 
 
-def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]]) -> Problem:
+def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
+                  others: list[int] | None = None, what: str | None = None) -> Problem:
+    """`others`: the ranks that could have failed (default every other member); `what`: the op, in words."""
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
     op = events[0].get("op")
-    others = [r for r in comm.member_ranks() if r not in reporters]
+    if others is None:
+        others = [r for r in comm.member_ranks() if r not in reporters]
     gone = _gone_before(att, others, t)
     silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
-    head = f"rank(s) {reporters} saw a peer fail during {op} #{seq} on {comm.label!r}"
+    head = f"rank(s) {reporters} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
     if silent:
         message = (f"{head}: rank(s) {silent} had stopped logging before, without reporting an error "
                    f"(killed or crashed). {_where_text(att, silent, None)}.")
@@ -828,13 +912,14 @@ def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[st
                     "where": _where(att, gone, None)})
 
 
-def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None) -> Problem:
+def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None,
+           what: str | None = None) -> Problem:
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
     op = events[0].get("op")
     errors = sorted({f"{e.get('error_type')}: {e.get('error')}" for e in events})
     culprits = mismatch.ranks if mismatch is not None else reporters
-    message = f"{op} #{seq} on {comm.label!r} failed on rank(s) {reporters}: {errors[0]}"
+    message = f"{what or f'{op} #{seq}'} on {comm.label!r} failed on rank(s) {reporters}: {errors[0]}"
     if mismatch is not None:
         message += f" (ranks disagree on this collective: {mismatch.message})"
     return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
@@ -847,7 +932,7 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
     rank was alive and in it when dumped.
     """
     unfinished = [seq for seq, calls in comm.calls.items()
-                  if comm.aligned(seq) and any(c.status == "started" for c in calls.values())]
+                  if any(c.status == "started" for c in calls.values())]
     if not unfinished:
         return None
     seq = min(unfinished)
@@ -875,6 +960,105 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
     return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
                    {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None),
                     "dumps": [d.path for d in seen]})
+
+
+def _p2p_failure(att: AttemptLog, comm: CommLog, key: tuple[int, int, int], event: str,
+                 events: list[dict[str, Any]]) -> Problem:
+    """A send/recv that timed out, lost its peer or failed: about the pair, never the whole communicator."""
+    lo, hi, seq = key
+    first = min(events, key=lambda e: e["ts_ns"])
+    rank, op = first["rank"], str(first.get("op"))
+    peer = hi if rank == lo else lo
+    what = _p2p_name(op, seq, peer)
+    calls = comm.pairs().get(key, {})
+    details: dict[str, Any] = {"p2p": True, "pair": [lo, hi], "peer": peer}
+    if event == "peer.failure":
+        problem = _peer_failure(att, comm, seq, events, others=[peer], what=what)
+    elif event != "collective.timeout":
+        problem = _error(comm, seq, events, None, what=what)
+    else:
+        problem = _p2p_timeout(att, comm, seq, events, rank, op, peer, calls.get(rank), calls.get(peer))
+    problem.details.update(details)
+    return problem
+
+
+def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]], rank: int, op: str,
+                 peer: int, mine: Call | None, theirs: Call | None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    want = _MATCHING_P2P.get(op, "?")
+    deadline = events[0].get("deadline")
+    head = (f"{_p2p_name(op, seq, peer)} on {comm.label!r} timed out"
+            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "") + f" on rank(s) {reporters}")
+    late: list[int] = []
+    frozen: list[int] = []
+    if theirs is None or (theirs.start_ns is not None and theirs.start_ns > t and peer not in reporters):
+        culprits = [peer]
+        body = f"rank {peer} never posted the matching {_p2p_name(want, seq, rank)}"
+        if theirs is not None and theirs.start_ns is not None:
+            late = [peer]
+            body += f" before the deadline (it posted {theirs.op} #{seq} {(theirs.start_ns - t) / 1e9:.2f} s after it)"
+    elif theirs.op == op:
+        culprits = sorted({rank, peer})
+        body = (f"rank {peer} posted {_p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
+                f"both sides issued {op} as their point-to-point op #{seq} with each other")
+    else:
+        frozen = _frozen({r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
+        culprits = frozen
+        body = f"rank {peer} posted the matching {want} and the backend did not complete it"
+        if frozen:
+            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+    message = f"{head}: {body}."
+    if culprits:
+        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
+                   {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
+                    "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
+                    "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
+
+
+def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
+    """Per pair of ranks, the oldest send/recv that a side started and never left (no deadline expired)."""
+    by_pair: dict[tuple[int, int], dict[int, dict[int, Call]]] = defaultdict(dict)
+    for (lo, hi, seq), calls in comm.pairs().items():
+        by_pair[(lo, hi)][seq] = calls
+    problems = []
+    for (lo, hi), by_seq in sorted(by_pair.items()):
+        unfinished = [seq for seq, calls in by_seq.items() if any(c.status == "started" for c in calls.values())]
+        if not unfinished:
+            continue
+        seq = min(unfinished)
+        calls = by_seq[seq]
+        stuck = sorted(r for r, c in calls.items() if c.status == "started")
+        rank = stuck[0]
+        peer = hi if rank == lo else lo
+        op = calls[rank].op
+        theirs = calls.get(peer)
+        head = (f"{_p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: rank(s) "
+                f"{stuck} in it at the end of their logs (hung, or killed while in it)")
+        if theirs is None:
+            culprits = [peer]
+            body = (f"rank {peer} never posted the matching {_p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
+                    f"Where it was: {_where_text(att, [peer], None)}")
+        elif theirs.op == op:
+            culprits = [lo, hi]
+            body = f"both sides issued {op} as their point-to-point op #{seq} with each other"
+        else:
+            culprits = []
+            body = "both sides posted it (the backend did not complete it)"
+        seen = [d for d in dumps if d.rank in stuck and any(
+            u.get("comm") == comm.label and u.get("op") == calls[d.rank].op and u.get("seq") == seq
+            and u.get("peer") == calls[d.rank].peer for u in d.unfinished)]
+        message = f"{head}; {body}"
+        if seen:
+            message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
+                        f"{sorted({d.rank for d in seen})} alive and still in it")
+        t = min(c.start_ns or 0 for c in calls.values())
+        problems.append(Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
+                                {"p2p": True, "pair": [lo, hi], "peer": peer, "stuck": stuck,
+                                 "missing": [r for r in (lo, hi) if r not in calls],
+                                 "where": _where(att, culprits or stuck, None), "dumps": [d.path for d in seen]}))
+    return problems
 
 
 def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
@@ -928,9 +1112,9 @@ def stragglers(run: RunLogs) -> list[StragglerStat]:
             members = comm.member_ranks()
             if len(members) < 2:
                 continue
-            for seq, calls in comm.calls.items():
-                starts = {r: c.start_ns for r, c in calls.items() if c.start_ns is not None and c.op not in P2P_OPS}
-                if len(starts) != len(members) or not comm.aligned(seq):
+            for calls in comm.calls.values():
+                starts = {r: c.start_ns for r, c in calls.items() if c.start_ns is not None}
+                if len(starts) != len(members):
                     continue
                 first = min(starts.values())
                 last_rank = max(starts, key=lambda r: starts[r])
@@ -965,10 +1149,10 @@ def op_stats(run: RunLogs) -> list[OpStat]:
     for att in run.attempts.values():
         for comm in att.comms.values():
             n = comm.size or len(comm.members)
-            for calls in comm.calls.values():
-                for c in calls.values():
-                    if c.status == "ok" and c.duration_s is not None and c.source == "log":
-                        samples[(c.op, n, int(c.bytes or 0))].append(c.duration_s)
+            every = [c for calls in comm.calls.values() for c in calls.values()] + list(comm.p2p_calls.values())
+            for c in every:
+                if c.status == "ok" and c.duration_s is not None and c.source == "log":
+                    samples[(c.op, n, int(c.bytes or 0))].append(c.duration_s)
     out = []
     for (op, n, nbytes), values in sorted(samples.items()):
         values.sort()

@@ -5,11 +5,15 @@ written atomically to the log dir) answers "what was this rank doing": `Communic
 dumps it on a CollectiveTimeout, a PeerFailure and `abort()`; an operator can ask a live,
 hung process for it with SIGUSR1, which works even while the main thread is blocked inside
 a collective (see `install_sigusr1`).
+
+The dump runs on another thread than the one appending, so it works on a copy of the ring
+(`FlightRecorder.entries`), never on the live deque.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from commlib.observe import log as _log
 from commlib.ops import Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
@@ -48,6 +53,7 @@ class FlightEntry:
     start_mono_ns: int
     step: Any = None
     phase: Any = None
+    peer: int | None = None  # the other rank of a send/recv (then `seq` counts this pair's p2p ops)
     state: str = "started"  # started | completed | timed_out | failed
     end_mono_ns: int | None = None
     stack: list[str] | None = None
@@ -73,7 +79,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.with_stacks = os.environ.get(STACKS_ENV, "0") == "1"
         self._ring: deque[FlightEntry] = deque(maxlen=capacity)
-        self._dumps = 0
+        self._dumps = itertools.count(1)  # next() is atomic: the SIGUSR1 thread dumps too
         _RECORDERS.add(self)
 
     def start(self, call: Collective) -> FlightEntry:
@@ -82,8 +88,8 @@ class FlightRecorder:
         entry = FlightEntry(
             call.seq, call.op.value, self.comm, [t.shape for t in tensors],
             _dtype_name(tensors[0].dtype) if tensors else None, call.nbytes(),
-            call.root if call.root is not None else call.peer, call.async_op, call.deadline_s,
-            time.time_ns(), time.monotonic_ns(), context.get("step"), context.get("phase"),
+            call.root, call.async_op, call.deadline_s,
+            time.time_ns(), time.monotonic_ns(), context.get("step"), context.get("phase"), call.peer,
             stack=traceback.format_stack()[:-3] if self.with_stacks else None,
         )
         self._ring.append(entry)
@@ -95,7 +101,8 @@ class FlightRecorder:
         entry.state = state
 
     def entries(self) -> list[FlightEntry]:
-        return list(self._ring)
+        """A copy of the ring, safe to take from any thread while the owner appends."""
+        return _copy(self._ring)
 
     def snapshot(self, reason: str) -> dict[str, Any]:
         return {
@@ -110,7 +117,7 @@ class FlightRecorder:
             "dumped_ns": time.time_ns(),
             "dumped_mono_ns": time.monotonic_ns(),
             "capacity": self.capacity,
-            "entries": [asdict(e) for e in self._ring],
+            "entries": [asdict(e) for e in self.entries()],
         }
 
     def dump(self, directory: Path | None, reason: str) -> Path | None:
@@ -119,8 +126,7 @@ class FlightRecorder:
         if directory is None:
             sys.stderr.write(data + "\n")
             return None
-        self._dumps += 1
-        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{os.getpid()}_{self._dumps}_{reason}.json"
+        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{os.getpid()}_{next(self._dumps)}_{reason}.json"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             f.write(data)
@@ -133,12 +139,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
+def _copy(items: Any) -> list[Any]:
+    """`list(items)` of a deque or WeakSet that another thread may change meanwhile.
+
+    Under the GIL, copying a deque is one C call that no append interleaves with; a
+    WeakSet's iteration runs Python code and can see a concurrent add ("changed size during
+    iteration"), and so can a deque without a GIL: retry, then give up loudly.
+    """
+    for _ in range(100):
+        try:
+            return list(items)
+        except RuntimeError:
+            continue
+    return list(items)
+
+
 # Every live recorder of the process (the one registry this module owns), for SIGUSR1.
 _RECORDERS: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
 
 
 def dump_all(directory: Path | None, reason: str) -> list[Path | None]:
-    return [r.dump(directory, reason) for r in list(_RECORDERS)]
+    return [r.dump(directory, reason) for r in _copy(_RECORDERS)]
 
 
 def install_sigusr1(directory_fn: Any) -> bool:
@@ -149,6 +170,11 @@ def install_sigusr1(directory_fn: Any) -> bool:
     is the interpreter's wakeup fd: the C-level handler writes the signal number to a pipe
     from whichever thread the kernel picked, and a daemon thread reading that pipe does the
     dump. Returns False when not called from the main thread (signals cannot be set there).
+
+    The process has one wakeup fd, and it may be someone else's already (asyncio's loop sets
+    one to learn of its signals): every byte read is forwarded to that previous fd, so its
+    owner still hears of every signal. A SIGUSR1 handler installed before keeps being called.
+    A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again.
     """
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -156,15 +182,53 @@ def install_sigusr1(directory_fn: Any) -> bool:
         return True
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.signal(signal.SIGUSR1, lambda *_: None)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    previous_handler = signal.getsignal(signal.SIGUSR1)
+
+    def handler(signum: int, frame: Any) -> None:
+        if callable(previous_handler):
+            previous_handler(signum, frame)
+
+    signal.signal(signal.SIGUSR1, handler)
+    forward_to = [signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)]
 
     def watch() -> None:
         while True:
-            signals = os.read(read_fd, 64)
-            if signal.SIGUSR1 in signals:
-                dump_all(directory_fn(), "sigusr1")
+            try:
+                signals = os.read(read_fd, 64)
+                if forward_to[0] >= 0:
+                    forward_to[0] = _forward(forward_to[0], signals)
+                if signal.SIGUSR1 in signals:
+                    directory = directory_fn()
+                    for recorder in _copy(_RECORDERS):
+                        try:
+                            recorder.dump(directory, "sigusr1")
+                        except Exception as exc:  # the other recorders still dump
+                            _dump_failed(exc, recorder.comm)
+            except Exception as exc:  # one failure must not silence every later SIGUSR1
+                _dump_failed(exc, None)
 
     threading.Thread(target=watch, name="commlib-sigusr1", daemon=True).start()
     install_sigusr1.installed = True  # type: ignore[attr-defined]
     return True
+
+
+def _dump_failed(exc: Exception, comm: str | None) -> None:
+    try:
+        _log.get_logger().error("flight.sigusr1_dump_failed", comm=comm, error=f"{type(exc).__name__}: {exc}")
+    except Exception:
+        pass  # the log is broken too: nothing left to tell, but the thread lives on
+
+
+def _forward(fd: int, data: bytes) -> int:
+    """Pass wakeup bytes on to the fd that was the wakeup fd before ours (often a socket).
+
+    Returns the fd to forward to next time: -1 once it is closed (its owner is gone).
+    """
+    try:
+        os.write(fd, data)
+    except BlockingIOError:
+        pass  # its buffer is full: its owner has wakeups pending already, as with its own fd
+    except OSError as exc:
+        _log.get_logger().warning("flight.wakeup_forward_stopped", fd=fd, error=f"{type(exc).__name__}: {exc}")
+        return -1
+    return fd

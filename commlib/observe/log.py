@@ -13,7 +13,12 @@ the readers of these files; both skip a truncated line instead of failing.
 The pipeline is a list of plain structlog processors: merge the caller's context
 (`commlib.context(step=..., phase=...)`, a ContextVar, so threads and asyncio tasks keep
 their own), add the static fields of the process, add wall and monotonic clocks, render
-JSON.
+JSON. It belongs to commlib's own logger (`get_logger`), never to structlog's global
+configuration: a library must leave the host application's `structlog.configure` alone.
+
+A logger bound before a `configure` keeps writing where the log pointed when it was bound
+(a communicator logs into the directory of its creation); a log file's descriptor is
+closed once the last logger writing to it is gone, so reconfiguring leaks nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,10 +92,17 @@ def _add_clocks(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
 
 
 class LineWriter:
-    """A structlog logger that writes each rendered event as one line in one write(2)."""
+    """A structlog logger that writes each rendered event as one line in one write(2).
 
-    def __init__(self, fd: int) -> None:
+    With `owned`, the descriptor is this writer's: it is closed when the writer is garbage
+    (every logger bound to it is gone), not before, so a logger bound earlier never writes
+    to a closed descriptor or to a file that reused its number.
+    """
+
+    def __init__(self, fd: int, owned: bool = False) -> None:
         self._fd = fd
+        if owned:
+            weakref.finalize(self, os.close, fd)
 
     def msg(self, line: str) -> None:
         os.write(self._fd, (line + "\n").encode())
@@ -101,10 +114,22 @@ class LineWriter:
 class _State:
     path: Path | None = None
     enabled: bool = False  # INFO events are written (a log dir is configured)
+    logger: Any = None  # commlib's own structlog logger; None until the first use
 
 
 # The one piece of global state this module owns: where this process logs.
 STATE = _State()
+
+
+def _build_logger(fd: int, owned: bool, level: int, fields: "ProcessFields | None") -> Any:
+    """commlib's logger: its own processors, filter and writer, none of structlog's global config."""
+    processors: list[Any] = [_merge_context]
+    if fields is not None:
+        processors.append(fields)
+    processors += [structlog.processors.add_log_level, _add_clocks,
+                   structlog.processors.JSONRenderer(serializer=_dumps)]
+    wrapper = structlog.make_filtering_bound_logger(level)
+    return wrapper(LineWriter(fd, owned), processors=processors, context={})
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -128,18 +153,9 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
         pid=os.getpid(),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     )
-    structlog.configure(
-        processors=[
-            _merge_context,
-            fields,
-            structlog.processors.add_log_level,
-            _add_clocks,
-            structlog.processors.JSONRenderer(serializer=_dumps),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=lambda *_: LineWriter(fd),
-        cache_logger_on_first_use=False,
-    )
+    # Replacing the logger drops the previous writer: its file is closed once no logger
+    # bound to it is left.
+    STATE.logger = _build_logger(fd, path is not None, level, fields)
     STATE.path = path
     STATE.enabled = path is not None
     return path
@@ -154,8 +170,11 @@ def _dumps(obj: Any, **_: Any) -> str:
 
 
 def get_logger(**bound: Any) -> Any:
-    """A structlog logger writing into this rank's log (the trainer and chaos use it too)."""
-    return structlog.get_logger(**bound)
+    """commlib's structlog logger, with `bound` fields, writing into this rank's log (the
+    trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
+    if STATE.logger is None:
+        STATE.logger = _build_logger(sys.stderr.fileno(), False, logging.WARNING, None)
+    return STATE.logger.bind(**bound) if bound else STATE.logger
 
 
 def log_dir() -> Path | None:

@@ -9,6 +9,9 @@ Layout (JSON object format, open it in https://ui.perfetto.dev or chrome://traci
 - a complete event ("X") per collective: name = op, ts/dur in microseconds, args = seq,
   bytes, step, phase, status, attempt; a collective never finished is drawn up to the rank's
   last event with status "unfinished";
+- send/recv likewise, on their communicator's track, named "send -> R" / "recv <- R" (R the
+  peer's global rank; args.seq is the pair's own count), and a flow arrow from each send to
+  the recv it matched;
 - instant events ("i") for timeouts, peer failures, errors, mismatches, aborts, and any
   other event logged at warning level or above (chaos faults, for instance).
 
@@ -39,14 +42,14 @@ def build_trace(run: RunLogs) -> dict[str, Any]:
     def us(ts_ns: int) -> float:
         return (ts_ns - origin) / 1e3
 
-    # A communicator keeps its track across ranks and attempts; order tracks by first use.
+    # A communicator keeps its track across ranks and attempts; order tracks by first use
+    # (of a collective or a send/recv: a communicator may carry only point-to-point traffic).
     first_use: dict[str, int] = {}
     for att in atts:
-        for comm in att.comms.values():
-            for calls in comm.calls.values():
-                for c in calls.values():
-                    if c.start_ns is not None:
-                        first_use[comm.label] = min(first_use.get(comm.label, c.start_ns), c.start_ns)
+        for rl in att.ranks.values():
+            for c in rl.calls:
+                if c.start_ns is not None:
+                    first_use[c.comm] = min(first_use.get(c.comm, c.start_ns), c.start_ns)
     tids = {label: i + 1 for i, label in enumerate(sorted(first_use, key=lambda k: (first_use[k], k)))}
 
     events: list[dict[str, Any]] = []
@@ -69,10 +72,16 @@ def build_trace(run: RunLogs) -> dict[str, Any]:
                     status, dur_us = c.status, ((c.end_ns or c.start_ns) - c.start_ns) / 1e3
                 tid = tids[c.comm]
                 tracks.add((rank, tid))
-                events.append({"name": c.op, "cat": "collective", "ph": "X", "ts": us(c.start_ns), "dur": dur_us,
-                               "pid": rank, "tid": tid,
-                               "args": {"seq": c.seq, "bytes": c.bytes, "step": c.step, "phase": c.phase,
-                                        "status": status, "attempt": att.attempt, "comm": c.comm}})
+                args = {"seq": c.seq, "bytes": c.bytes, "step": c.step, "phase": c.phase,
+                        "status": status, "attempt": att.attempt, "comm": c.comm}
+                name, cat = c.op, "collective"
+                if c.peer is not None:
+                    peer = att.comms[c.comm].global_rank(c.peer)
+                    name, cat = f"{c.op} {'->' if c.op == 'send' else '<-'} {peer}", "p2p"
+                    args["peer"] = peer
+                events.append({"name": name, "cat": cat, "ph": "X", "ts": us(c.start_ns), "dur": dur_us,
+                               "pid": rank, "tid": tid, "args": args})
+    events += _flows(run, us, tids)
     events += _instants(run, us, tids, tracks)
     meta: list[dict[str, Any]] = []
     for rank, names in sorted(hosts.items()):
@@ -88,6 +97,30 @@ def build_trace(run: RunLogs) -> dict[str, Any]:
                      "args": {"sort_index": tid}})
     return {"traceEvents": meta + events, "displayTimeUnit": "ms",
             "otherData": {"origin_ts_ns": origin, "logdir": run.logdir}}
+
+
+def _flows(run: RunLogs, us: Any, tids: dict[str, int]) -> list[dict[str, Any]]:
+    """An arrow from each send to the recv it matched (same pair, same pair seq)."""
+    out: list[dict[str, Any]] = []
+    for att in run.attempts.values():
+        for comm in att.comms.values():
+            for (_, _, seq), calls in sorted(comm.pairs().items()):
+                sends = [c for c in calls.values() if c.op == "send" and c.start_ns is not None]
+                recvs = [c for c in calls.values() if c.op == "recv" and c.start_ns is not None]
+                if len(sends) != 1 or len(recvs) != 1:
+                    continue
+                send, recv = sends[0], recvs[0]
+                flow = {"name": "p2p", "cat": "p2p", "id": len(out) // 2 + 1, "tid": tids[comm.label],
+                        "args": {"seq": seq, "attempt": att.attempt}}
+                # The arrow ends just inside the end of the recv's slice (at its start if it never ended).
+                if recv.duration_s is not None:
+                    end_ns = recv.start_ns + int(recv.duration_s * 1e9)
+                else:
+                    end_ns = recv.end_ns if recv.end_ns is not None else recv.start_ns
+                out.append({**flow, "ph": "s", "ts": us(send.start_ns), "pid": send.rank})
+                out.append({**flow, "ph": "f", "bp": "e", "ts": us(max(end_ns - 1000, recv.start_ns)),
+                            "pid": recv.rank})
+    return out
 
 
 def _instants(run: RunLogs, us: Any, tids: dict[str, int], tracks: set[tuple[int, int]]) -> list[dict[str, Any]]:

@@ -77,13 +77,20 @@ def _check_every_mode(out: dict, steps: int) -> None:
     assert out["created"] == {"plain": ([], 0), "single": ([], 0), "dual": (["world.reduce_scatter"], 0),
                               "native": ([], 1)}
     calls = out["calls"]
-    assert not [k for k in calls if k[0] in ("plain", "native")], calls  # these bypass commlib
     assert {k[2] for k in calls} == {"all_gather_single", "reduce_scatter_single"}, calls
     # Per step: all-gathers of the root (kept through backward) and of every block in forward
     # and again in backward, all async (prefetch with the unshard knob); one synchronous
     # reduce-scatter per block and the root.
     all_gathers, reduce_scatters = steps * (2 * out["blocks"] + 1), steps * (out["blocks"] + 1)
+    # plain and native: FSDP2's own collectives, on the commlib process group (native's
+    # reduce-scatters on the second group FSDP made, a commlib group too).
+    native_group = next(k[1] for k in calls if k[0] == "native" and k[2] == "reduce_scatter_single")
+    assert native_group.startswith("group"), calls
     assert calls == {
+        ("plain", "world", "all_gather_single", True): all_gathers,
+        ("plain", "world", "reduce_scatter_single", True): reduce_scatters,
+        ("native", "world", "all_gather_single", True): all_gathers,
+        ("native", native_group, "reduce_scatter_single", True): reduce_scatters,
         ("single", "world", "all_gather_single", True): all_gathers,
         ("single", "world", "reduce_scatter_single", False): reduce_scatters,
         ("dual", "world", "all_gather_single", True): all_gathers,
@@ -196,11 +203,8 @@ def _two_rank_job(comm: commlib.Communicator, steps: int) -> dict:
 
 
 def _tiny_modes(comm: commlib.Communicator) -> dict[str, bool]:
-    """Over the torchcomms stand-in, which never creates torch.distributed's default group."""
-    assert not dist.is_initialized()
-    mesh_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("mesh/", mesh_store), rank=comm.rank,
-                            world_size=comm.size)
+    """Over the torchcomms engine (the stand-in), under the commlib default group."""
+    assert commlib.current() is comm and comm.backend == "torchcomms:gloo"
     ref = _tiny_steps(shard(_Tiny(), comm, mode="plain").model, comm.rank)
     return {mode: all(torch.equal(a, b) for a, b in zip(ref, _tiny_steps(shard(_Tiny(), comm, mode=mode).model,
                                                                           comm.rank)))

@@ -71,6 +71,22 @@ def test_two_runs_are_bitwise_equal(reference: Path, tmp_path: Path) -> None:
     assert len(first["state_digest"]["tensors"]) > 16  # model and optimizer tensors
 
 
+STANDIN = REPO / "tests" / "torchcomms_standin"
+
+
+def test_torchcomms_engine_trains_fsdp2_and_dcp_like_gloo(reference: Path, tmp_path: Path) -> None:
+    """`--backend torchcomms`: the default group's engine is torchcomms (the stand-in here), so
+    plain FSDP2's and DCP's collectives run on it, through commlib, to the same bits."""
+    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
+                   "--results", tmp_path / "results.json", "--log-dir", tmp_path / "logs", "--backend", "torchcomms",
+                   extra_env={"PYTHONPATH": os.pathsep.join([str(REPO), str(STANDIN)])})
+    _same_training(read_results(reference / "results.json"), read_results(tmp_path / "results.json"))
+    starts = [e for e in read_events(tmp_path / "logs" / "rank0.jsonl") if e["event"] == "collective.start"]
+    ops = {e["op"] for e in starts}
+    assert {"all_gather_single", "reduce_scatter_single", "gather", "scatter", "broadcast"} <= ops  # FSDP2, DCP
+    assert {e["backend"] for e in starts} == {"torchcomms:gloo"}
+
+
 def test_resumed_run_equals_uninterrupted_run(reference: Path, tmp_path: Path) -> None:
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     torchrun_train(tmp_path, "--steps", "2", "--ckpt-every", "2", "--ckpt-dir", ckpt)

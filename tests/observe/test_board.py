@@ -1,0 +1,123 @@
+"""The progress board's publisher: it keeps beating while its rank blocks on the store, survives
+a store's hiccup, and stops (saying so in the log) only once the store is gone."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib.observe import board as board_mod
+from commlib.observe import log
+from commlib.observe.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard
+from commlib.testing import run
+
+PEER_LATE_S = 5.0  # longer than STALE_AFTER_S: a heartbeat that stops is called stale by then
+
+
+def _late_peer(comm: commlib.Communicator) -> dict[str, Any]:
+    comm.barrier()
+    if comm.rank == 0:
+        # Blocks in the consistency check's store.wait until rank 1 arrives.
+        comm.all_reduce(torch.ones(2))
+        return {}
+    time.sleep(0.5)  # rank 0 is in the check by now
+    ages = []
+    until = time.monotonic() + PEER_LATE_S
+    while time.monotonic() < until:
+        entry = comm.board.read()[0]
+        assert entry is not None, "rank 1: expected rank 0's board entry published; found none"
+        ages.append((time.time_ns() - entry.heartbeat_ns) / 1e9)
+        time.sleep(0.1)
+    comm.all_reduce(torch.ones(2))
+    return {"ages": ages}
+
+
+def test_heartbeat_goes_on_while_the_rank_waits_in_the_consistency_check() -> None:
+    _, late = run(_late_peer, world_size=2, timeout=120, check_consistency=True)
+    ages = late["ages"]
+    assert len(ages) > 10
+    # A heartbeat is published every HEARTBEAT_S; a loaded 2-core machine may delay it a little.
+    assert max(ages) < HEARTBEAT_S + 1.5 < STALE_AFTER_S, (
+        f"expected rank 0's heartbeat to stay younger than {HEARTBEAT_S + 1.5} s while it waited in the "
+        f"consistency check; found ages up to {max(ages):.2f} s")
+
+
+class _FlakyStore(dist.Store):
+    """A real store (a HashStore underneath) whose writes fail until `heal_at` (a monotonic time)."""
+
+    def __init__(self, heal_at: float) -> None:
+        super().__init__()
+        self._inner = dist.HashStore()
+        self.heal_at = heal_at
+        self.failed = 0
+
+    def set(self, key: str, value: Any) -> None:
+        if time.monotonic() < self.heal_at:
+            self.failed += 1
+            raise RuntimeError("Connection reset by peer (the store's host is busy)")
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+
+def _events(path: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in log.read_events(path) if e["event"] == name]
+
+
+def _store_hiccup_and_loss(_: commlib.Communicator, logdir: str) -> dict[str, Any]:
+    # (1) A store that fails for a second, then works: the board publishes again, and says what happened.
+    flaky = _FlakyStore(heal_at=time.monotonic() + 1.0)
+    board = ProgressBoard(flaky, 0, 1, os.getpid())
+    board.started(1, "all_reduce", {"step": 4})
+    give_up = time.monotonic() + 20
+    while not flaky._inner.check(["board/0"]) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    published = flaky._inner.check(["board/0"])
+    entry = BoardEntry(**json.loads(flaky._inner.get("board/0"))) if published else None
+    out: dict[str, Any] = {"failed": flaky.failed, "closed_after_hiccup": board.closed,
+                           "published": entry is not None and entry.started_seq == 1}
+    board.close()
+
+    # (2) The store's server goes away for good: the board gives up, and says so.
+    board_mod.GIVE_UP_FAILURES, board_mod.GIVE_UP_S = 5, 0.5
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, is_master=False)
+    lost = ProgressBoard(client, 0, 1, os.getpid())
+    while not server.check(["board/0"]) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    del server
+    gc.collect()
+    lost.started(1, "all_reduce", {})
+    until = time.monotonic() + 20
+    while not lost.closed and time.monotonic() < until:
+        time.sleep(0.05)
+    out["closed_when_gone"] = lost.closed
+    return out
+
+
+def test_publisher_survives_a_store_hiccup_and_stops_only_when_the_store_is_gone(tmp_path: Path) -> None:
+    [out] = run(_store_hiccup_and_loss, world_size=1, timeout=120, args=(str(tmp_path),), log_dir=tmp_path)
+    assert out["failed"] >= 3, "the store was to fail several publications"
+    assert out["published"] and not out["closed_after_hiccup"], (
+        f"expected the board to publish again once the store healed; found {out}")
+    path = tmp_path / "rank0.jsonl"
+    warned = _events(path, "board.publish_failed")
+    assert warned and "Connection reset by peer" in warned[0]["error"] and warned[0]["level"] == "warning"
+    # Rate-limited: one warning per WARN_EVERY_S, not one per failed publication.
+    hiccup = [e for e in warned if "Connection reset" in e["error"]]
+    assert len(hiccup) < out["failed"]
+    assert _events(path, "board.publish_recovered")[0]["failures"] >= 3
+    assert out["closed_when_gone"]
+    assert [e for e in warned if e["gave_up"]], f"expected a warning that the board gave up; found {warned}"
