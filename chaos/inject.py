@@ -22,7 +22,7 @@ Faults acted here (the harness does ``kill`` and ``hang`` from outside, with sig
               from the harness would have to hit a window of a few milliseconds.
 
 Step-level triggers (step, after_s, p) arm a fault at the start of a step; the fault then
-acts at the first collective from there on that passes its op/comm filter (so ``exit``
+acts at the first collective from there on that passes its op/comm/phase filters (so ``exit``
 and friends happen mid-step), or at the next staged checkpoint for
 ``kill_during_checkpoint``. A ``seq`` trigger acts at that collective. Before acting, the
 firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
@@ -126,12 +126,13 @@ class Injector:
                 continue
             if f.trigger.kind is not TriggerKind.SEQ and i not in self._armed:
                 continue
-            if not f.trigger.matches_call(call.op.value, call.seq, call.comm):
+            if not f.trigger.matches_call(call.op.value, call.seq, call.comm, call.context.get("phase")):
                 continue
             if f.type is FaultType.CORRUPT and _floating_input(call) is None:
                 continue  # nothing to corrupt in this one; the next floating collective gets it
             step = self.step if self.step is not None else call.context.get("step")
-            if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm):
+            if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm,
+                          phase=call.context.get("phase")):
                 _act(f, call, self.rank, step)
 
     def _fire(self, index: int, fault: Fault, step: Any, **where: Any) -> bool:

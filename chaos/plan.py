@@ -22,6 +22,14 @@ total, across torchrun restarts. Triggers:
 ``p: P``          at each step with probability P, drawn from ``seed``, the fault's index,
                   the attempt and the step (so a run is reproducible).
 
+In-collective faults (delay, raise, corrupt, exit, segfault) may narrow the collective they
+act on with ``op`` (its name), ``comm`` (its communicator's name) and ``phase`` (the
+``commlib.context(phase=...)`` it runs in: ``checkpoint`` picks DCP's collectives in the
+reference trainer, which runs torch.distributed through commlib's backend). With a step
+trigger the fault acts at the first matching collective from that step on; alone
+(``delay:rank=1,phase=checkpoint``) a filter acts at the first matching collective of the
+run, i.e. the trigger defaults to ``after_s: 0``.
+
 Type-specific fields: ``duration_s`` (delay: how long the collective is held, default
 its deadline plus ``DELAY_MARGIN_S``; hang: how long the rank stays stopped, default until
 a survivor reports the failure), ``release`` (hang: ``kill`` or ``cont``), ``code``
@@ -104,6 +112,7 @@ class Trigger:
     value: float
     op: str | None = None
     comm: str | None = None
+    phase: str | None = None
 
     def draw(self, seed: int, index: int, attempt: int, step: int) -> bool:
         """The `p` trigger's coin for one step: a pure function of its arguments."""
@@ -120,11 +129,17 @@ class Trigger:
             return self.draw(seed, index, attempt, step)
         return False
 
-    def matches_call(self, op: str, seq: int, comm: str) -> bool:
-        """Whether a collective is the one this fault acts on (the seq, and the op/comm filters)."""
+    def matches_call(self, op: str, seq: int, comm: str, phase: Any) -> bool:
+        """Whether a collective is the one this fault acts on (the seq, and the op/comm/phase filters)."""
         if self.kind is TriggerKind.SEQ and seq != self.value:
             return False
-        return (self.op is None or op == self.op) and (self.comm is None or comm == self.comm)
+        return ((self.op is None or op == self.op) and (self.comm is None or comm == self.comm)
+                and (self.phase is None or phase == self.phase))
+
+    def filters(self) -> list[tuple[str, str]]:
+        """The op/comm/phase filters that are set, as (field, value)."""
+        return [(name, v) for name, v in (("op", self.op), ("comm", self.comm), ("phase", self.phase))
+                if v is not None]
 
 
 @dataclass(frozen=True)
@@ -139,8 +154,7 @@ class Fault:
     code: int = 1
 
     def describe(self) -> str:
-        where = f" op={self.trigger.op}" if self.trigger.op else ""
-        where += f" comm={self.trigger.comm}" if self.trigger.comm else ""
+        where = "".join(f" {name}={v}" for name, v in self.trigger.filters())
         value = self.trigger.value
         shown = int(value) if self.trigger.kind in (TriggerKind.STEP, TriggerKind.SEQ) else value
         return f"{self.type} rank {self.rank} at {self.trigger.kind}={shown}{where} (x{self.count})"
@@ -151,9 +165,7 @@ class Fault:
         value: float | int = int(t.value) if t.kind in (TriggerKind.STEP, TriggerKind.SEQ) else t.value
         out: dict[str, Any] = {"type": self.type.value, "rank": self.rank, t.kind.value: value,
                                "count": self.count, "seed": self.seed}
-        for name, v in (("op", t.op), ("comm", t.comm)):
-            if v is not None:
-                out[name] = v
+        out.update(t.filters())
         if self.duration_s is not None:
             out["duration_s"] = self.duration_s
         if self.type is FaultType.HANG:
@@ -251,6 +263,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
+_FILTERS = ("op", "comm", "phase")  # what narrows an in-collective fault to one collective
 _COMMON_FIELDS = {"type", "rank", "count", "seed"} | {k.value for k in TriggerKind}
 _TYPE_FIELDS = {
     FaultType.DELAY: {"duration_s"},
@@ -260,7 +273,7 @@ _TYPE_FIELDS = {
 
 
 def _fields_of(ftype: FaultType) -> set[str]:
-    return _COMMON_FIELDS | ({"op", "comm"} if ftype.in_collective else set()) | _TYPE_FIELDS.get(ftype, set())
+    return _COMMON_FIELDS | (set(_FILTERS) if ftype.in_collective else set()) | _TYPE_FIELDS.get(ftype, set())
 
 
 def parse_fault(item: Any, where: str) -> Fault:
@@ -303,6 +316,9 @@ def parse_fault(item: Any, where: str) -> Fault:
 
 def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
     given = [k for k in TriggerKind if k.value in item]
+    if not given and ftype.in_collective and any(name in item for name in _FILTERS):
+        item = {**item, TriggerKind.AFTER_S.value: 0}  # a filter alone: from the first step on
+        given = [TriggerKind.AFTER_S]
     if len(given) != 1:
         found = f"found {[k.value for k in given]}" if given else "found none"
         raise PlanError(f"{where}.trigger", f"expected exactly one trigger of "
@@ -326,7 +342,10 @@ def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
         raise PlanError(f"{where}.op", f"unknown op {op!r}; expected one of {[o.value for o in OpName]}")
     if comm is not None and (not isinstance(comm, str) or not comm):
         raise PlanError(f"{where}.comm", f"expected a communicator name; found {comm!r}")
-    return Trigger(kind, value, op, comm)
+    phase = item.get("phase")
+    if phase is not None and (not isinstance(phase, str) or not phase):
+        raise PlanError(f"{where}.phase", f"expected a phase name (e.g. 'checkpoint'); found {phase!r}")
+    return Trigger(kind, value, op, comm, phase)
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

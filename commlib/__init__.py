@@ -27,6 +27,7 @@ _EXPORTS = {
     "PeerFailure": "commlib.errors",
     "CollectiveMismatch": "commlib.errors",
     "CommAborted": "commlib.errors",
+    "find_comm_error": "commlib.errors",
     "register_pre_hook": "commlib.hooks",
     "register_post_hook": "commlib.hooks",
     "register_failure_hook": "commlib.hooks",

@@ -74,7 +74,13 @@ def to_reduction(op: Any) -> Reduction:
     if kind == _tdist.ReduceOp.PREMUL_SUM:
         if op is kind:
             raise TypeError("commlib.dist: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
-        factor = op.factor
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            # Before torch 2.13, `_make_nccl_premul_sum(f)` (FSDP2's gradient divide factor on
+            # nccl) builds a ReduceOp whose factor Python cannot read back.
+            raise TypeError(f"commlib.dist: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
+                            f"found one without `.factor` on torch {torch.__version__}: pass "
+                            f"commlib.premul_sum(factor) instead")
         return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
     try:
         return _FROM_TORCH[kind]

@@ -44,6 +44,33 @@ def _rebuild(cls: type[CommError], message: str, fields: dict[str, object]) -> C
     return error
 
 
+def find_comm_error(exc: BaseException) -> CommError | None:
+    """The commlib error behind `exc`: itself, its cause or context, or one of the per-rank
+    failures of an error that gathers them (DCP's `CheckpointException.failures`: rank ->
+    (exception, traceback)). None when a commlib error is nowhere in it.
+
+    torch's layers wrap what a collective raised (DCP re-raises every rank's failure as one
+    CheckpointException); a trainer deciding how to exit must still see the typed error.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, CommError):
+            return e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for value in failures.values():
+                inner = value[0] if isinstance(value, tuple) and value else value
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+    return None
+
+
 class CollectiveTimeout(CommError):
     """A collective did not complete within its deadline.
 

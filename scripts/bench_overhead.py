@@ -1,10 +1,13 @@
 """commlib's added cost per collective, against raw torch.distributed in the same run.
 
 2 ranks, gloo on loopback, synchronous all_reduce of 4 B, 4 KiB and 4 MiB. Each
-configuration runs in its own pair of processes and measures both paths interleaved
-(raw, commlib, raw, commlib, ... in rounds), so machine noise hits both alike; the figure
-is the median over rounds of (commlib - raw) per call, in wall time and in CPU time of
-the calling thread (stable where wall time is not; see `_interleaved`).
+configuration runs in its own pair of processes and measures three paths interleaved
+(raw, commlib, backend, raw, ... in rounds), so machine noise hits them alike: raw is
+`dist.all_reduce` on a plain gloo group, commlib is `Communicator.all_reduce`, backend is
+`dist.all_reduce` on the default group, which `commlib.init` made with
+`backend="commlib"` (the path an unmodified trainer takes). The figures are medians over
+rounds of (path - raw) per call, in wall time and in CPU time of the calling thread
+(stable where wall time is not; see `_interleaved`).
 
 Configurations: commlib as shipped (flight recorder + progress board on, no log dir),
 with JSON logs (a log dir), and with the consistency check. Also measured: the flight
@@ -42,10 +45,12 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[st
     microseconds, and commlib's whole added cost is CPU work on that thread.
     """
     out: dict[str, dict[str, float]] = {}
+    plain = dist.new_group(backend="gloo")  # torch's own gloo group, beside commlib's default one
     for label, numel in SIZES.items():
         t = torch.ones(numel)
         n = max(3, iters // max(1, numel // 4096))  # fewer calls for the big message
-        paths = {"raw": lambda: dist.all_reduce(t), "commlib": lambda: comm.all_reduce(t)}
+        paths = {"raw": lambda: dist.all_reduce(t, group=plain), "commlib": lambda: comm.all_reduce(t),
+                 "backend": lambda: dist.all_reduce(t)}
         for run in paths.values():  # warm up both paths
             for _ in range(3):
                 run()
@@ -65,6 +70,7 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[st
             "added_us": statistics.median(b - a for a, b in zip(wall["raw"], wall["commlib"])),
             "raw_cpu_us": statistics.median(cpu["raw"]),
             "added_cpu_us": statistics.median(b - a for a, b in zip(cpu["raw"], cpu["commlib"])),
+            "backend_added_cpu_us": statistics.median(b - a for a, b in zip(cpu["raw"], cpu["backend"])),
         }
     return out
 
@@ -114,18 +120,19 @@ def main() -> None:
     }
     print(f"2 ranks, gloo, sync all_reduce; median over {args.rounds} interleaved rounds; torch {torch.__version__}\n")
     print("| configuration | size | raw wall (us) | commlib wall (us) | added wall (us) | raw CPU (us) "
-          "| added CPU (us) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+          "| added CPU (us) | added CPU, backend path (us) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, kwargs in configs.items():
         r0 = testing.run(_interleaved, 2, timeout=600, args=(args.rounds, args.iters), **kwargs)[0]
         for label, row in r0.items():
             print(f"| {name} | {label} | {row['raw_us']:.1f} | {row['commlib_us']:.1f} | {row['added_us']:+.1f} "
-                  f"| {row['raw_cpu_us']:.1f} | {row['added_cpu_us']:+.1f} |")
+                  f"| {row['raw_cpu_us']:.1f} | {row['added_cpu_us']:+.1f} | {row['backend_added_cpu_us']:+.1f} |")
     # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
     solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
             for name, kwargs in configs.items()}
     print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
-          + ", ".join(f"{name} {rows['4 KiB']['added_cpu_us']:+.1f} us" for name, rows in solo.items()))
+          + ", ".join(f"{name} {rows['4 KiB']['added_cpu_us']:+.1f} us (backend path "
+                      f"{rows['4 KiB']['backend_added_cpu_us']:+.1f} us)" for name, rows in solo.items()))
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
     lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)

@@ -301,6 +301,18 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def require_supported_torch() -> None:
+    """Fail at once, naming the torch version, where the fused loss this model uses is missing.
+
+    `nn.LinearCrossEntropyLoss` first shipped in torch 2.13; without this check an older torch
+    fails with a bare AttributeError only after minutes of startup (compiling FlexAttention).
+    """
+    if not hasattr(nn, "LinearCrossEntropyLoss"):
+        raise RuntimeError(f"the reference workload needs torch.nn.LinearCrossEntropyLoss (torch >= 2.13); "
+                           f"found torch {torch.__version__} without it. commlib itself supports older torch "
+                           f"(see README, 'Supported torch versions')")
+
+
 def loss_options(cfg: ModelConfig) -> nn.LinearCrossEntropyOptions:
     """Chunking of the fused head+loss: fixed chunks of ``cfg.loss_batch_chunk`` token rows.
 

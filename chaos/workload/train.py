@@ -18,7 +18,8 @@ Exit codes (torchrun restarts the job on any non-zero one):
     0  finished
     1  any other exception (including `CheckpointMismatch`)
     2  bad command line (argparse)
-    3  a commlib `CommError`: timeout, peer failure, mismatch, aborted communicator
+    3  a commlib `CommError`: timeout, peer failure, mismatch, aborted communicator (also
+       when DCP re-raised it inside its `CheckpointException`)
     4  `NonFiniteError`: a non-finite loss or gradient, caught before the optimizer step
 """
 
@@ -32,6 +33,7 @@ import time
 import traceback
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 import commlib
 import fsdp_overlap
@@ -40,8 +42,8 @@ from chaos.inject import install_from_env
 from chaos.results import write_results
 from chaos.workload.checkpoint import Checkpointer, TrainState
 from chaos.workload.data import DataConfig, batch_for
-from chaos.workload.model import (MASKS, ModelConfig, Transformer, build_block_mask, set_deterministic,
-                                  warm_up_attention)
+from chaos.workload.model import (MASKS, ModelConfig, Transformer, build_block_mask, require_supported_torch,
+                                  set_deterministic, warm_up_attention)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -103,21 +105,26 @@ def configs(args: argparse.Namespace) -> tuple[ModelConfig, DataConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require_supported_torch()
     device = _device(args.device)
     comm = commlib.init(backend=args.backend, timeout=args.timeout, log_dir=args.log_dir, device=device)
     try:
         train(args, comm, device)
-    except Exception as exc:
-        code = _exit_code(exc)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        comm_error = commlib.find_comm_error(exc)
+        code = _exit_code(exc, comm_error)
         traceback.print_exc()
+        error: BaseException = exc
         fields: dict[str, object] = {}
-        if isinstance(exc, commlib.CommError):
-            fields = exc.fields()
+        if comm_error is not None:
+            error, fields = comm_error, comm_error.fields()
             # Every event's `rank` is the global rank; the error's is its communicator's.
             fields["comm_rank"] = fields.pop("rank")
+            if comm_error is not exc:
+                fields["raised_as"] = type(exc).__name__  # e.g. DCP's CheckpointException
         elif isinstance(exc, NonFiniteError):
             fields = {"step": exc.step, "ranks": exc.ranks}
-        commlib.get_logger().error("train.error", error=str(exc), error_type=type(exc).__name__,
+        commlib.get_logger().error("train.error", error=str(error), error_type=type(error).__name__,
                                    exit_code=code, **fields)
         return code
     comm.finalize()
@@ -237,8 +244,8 @@ def _device(kind: str) -> torch.device:
     return device
 
 
-def _exit_code(exc: BaseException) -> int:
-    if isinstance(exc, commlib.CommError):
+def _exit_code(exc: BaseException, comm_error: commlib.CommError | None) -> int:
+    if comm_error is not None:
         return EXIT_COMM_ERROR
     if isinstance(exc, NonFiniteError):
         return EXIT_NON_FINITE

@@ -16,6 +16,7 @@ is part of the op, and every backend must give the same numbers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,6 +78,9 @@ def classify_exception(exc: BaseException) -> Failure:
     if isinstance(exc, dist.DistStoreError) and by_text is not Failure.TIMEOUT:
         return Failure.PEER
     return by_text
+
+
+_NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters  # torch >= 2.12
 
 
 def _options(kind: Callable[[], Any], timeout: timedelta, **fields: Any) -> Any:
@@ -273,9 +277,17 @@ class C10dBackend:
         # the world group, because c10d numbers groups by call order. sort_ranks=False: new
         # ranks follow the order of `ranks`, as torchcomms' split does; routed through
         # torchcomms, new_group refuses sort_ranks=False even for sorted ranks.
+        in_order = global_ranks == sorted(global_ranks)
+        order: dict[str, bool] = {}
+        if _NEW_GROUP_SORTS:
+            order["sort_ranks"] = in_order
+        elif not in_order:
+            # Before torch 2.12 new_group always sorts: the ranks would silently come back in
+            # another order than the one asked for.
+            raise ValueError(f"commlib: split({ranks}, {name!r}) on torch {torch.__version__}: expected the ranks in "
+                             f"ascending order (this torch's new_group cannot keep another order); found {ranks}")
         group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
-                               sort_ranks=global_ranks == sorted(global_ranks),
-                               use_local_synchronization=self.size != dist.get_world_size())
+                               use_local_synchronization=self.size != dist.get_world_size(), **order)
         if self.rank not in ranks:
             return None
         return C10dBackend(group, self.device, self._store, owned=False)

@@ -9,6 +9,8 @@ only if every one of those recoveries was exact. Each firing is checked on its o
 """
 
 import chaos
+from chaos.plan import Ledger
+from commlib.observe.log import read_events
 
 
 def _run(tmp_path, faults, tiny_args, reference_dir, leftovers, **kwargs):
@@ -37,16 +39,26 @@ def test_process_deaths_recover_bitwise(tmp_path, tiny_args, reference_dir, left
 
 def test_timeouts_name_the_faulted_rank_and_recover_bitwise(tmp_path, tiny_args, deadline_s, reference_dir,
                                                             leftovers):
-    report, _ = _run(tmp_path, ["hang:rank=1,step=3", "delay:rank=0,step=6,op=all_gather_single"], tiny_args,
-                     reference_dir, leftovers, png=False)
-    assert [(f.type, f.rank) for f in report.faults] == [("hang", 1), ("delay", 0)]
+    # The second delay holds one of DCP's own collectives (the trainer's save at step 4 runs
+    # torch.distributed through commlib's backend): its deadline and typed error hold there too.
+    report, run_dir = _run(tmp_path, ["hang:rank=1,step=3", "delay:rank=1,step=4,phase=checkpoint",
+                                      "delay:rank=0,step=6,op=all_gather_single"], tiny_args,
+                           reference_dir, leftovers, png=False)
+    assert [(f.type, f.rank) for f in report.faults] == [("hang", 1), ("delay", 1), ("delay", 0)]
     assert report.checks["diagnosis_names_faulted_rank"]
     for f in report.faults:
         assert f.rank in f.diagnosis["culprits"]
         assert f.detected_by["event"] == "collective.timeout"
         assert deadline_s - 0.5 < f.detected_after_s < deadline_s + 5.0
-    hang = report.faults[0]
+    hang, in_checkpoint, _ = report.faults
     assert hang.released_after_s >= hang.detected_after_s  # held until a survivor reported it
+    assert (in_checkpoint.resumed_from, in_checkpoint.detected_by["rank"]) == (2, 0)
+    [firing] = [f for f in Ledger(run_dir / "chaos_state").firings() if f.index == 1]
+    assert firing.detail["phase"] == "checkpoint"
+    # The survivor left through the trainer's typed-error exit, not as a bare engine error.
+    [error] = [e for e in read_events(run_dir / "logs" / "rank0.jsonl")
+               if e.get("event") == "train.error" and e["attempt"] == firing.attempt]
+    assert (error["exit_code"], error["error_type"], error["missing_ranks"]) == (3, "CollectiveTimeout", [1]), error
 
 
 def test_in_rank_errors_recover_bitwise(tmp_path, tiny_args, reference_dir, leftovers):

@@ -29,6 +29,17 @@ def test_shorthand_yaml_and_json_give_the_same_plan(tmp_path):
     assert short.restarts == 1 + 1 + 2 + RESTART_MARGIN  # one per possible firing, plus spares
 
 
+def test_a_phase_filter_alone_acts_from_the_first_step_on():
+    fault = parse_shorthand("delay:rank=1,phase=checkpoint")
+    t = fault.trigger
+    assert (t.kind, t.value, t.phase) == (TriggerKind.AFTER_S, 0.0, "checkpoint")
+    assert fault.describe() == "delay rank 1 at after_s=0.0 phase=checkpoint (x1)"
+    assert Plan.from_dict(Plan((fault,)).to_dict()).faults == (fault,)
+    assert t.matches_call("all_gather", 7, "world", "checkpoint")
+    assert not t.matches_call("all_gather", 7, "world", "forward")
+    assert not t.matches_call("all_gather", 7, "world", None)  # outside any commlib.context
+
+
 @pytest.mark.parametrize("text, field, words", [
     ("boom:rank=1,step=1", ".type", "unknown fault 'boom'"),
     ("kill:rank=1,step=-1", ".step", "expected an int >= 0; found -1"),
@@ -38,6 +49,8 @@ def test_shorthand_yaml_and_json_give_the_same_plan(tmp_path):
     ("kill:rank=1,seq=3", ".seq", "cannot be triggered by a collective sequence number"),
     ("kill:rank=1,step=1,op=all_reduce", ".op", "unknown field for a kill fault"),
     ("delay:rank=0,step=1,op=allreduce", ".op", "unknown op 'allreduce'"),
+    ("kill:rank=1,phase=checkpoint", ".phase", "unknown field for a kill fault"),
+    ("raise:rank=1,step=2,phase=3", ".phase", "expected a phase name (e.g. 'checkpoint'); found 3"),
     ("hang:rank=0,p=1.5", ".p", "expected a probability in (0, 1]"),
     ("hang:rank=0,step=2,release=later", ".release", "expected 'kill' or 'cont'"),
     ("exit:rank=0,step=1,code=300", ".code", "[0, 255]"),
