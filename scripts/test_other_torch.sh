@@ -31,7 +31,8 @@ for line in requires("torch") or []:
         print(str(req).split(";")[0].strip())
 PY
 )
-"${pip[@]}" "${pinned[@]}"
+# numpy is no requirement of torch's, but torch.distributed's object collectives need it from 2.14 on.
+"${pip[@]}" "${pinned[@]}" numpy
 "${pip[@]}" -e ".[test]" "torch==$version"
 "$venv/bin/python" -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(v != '$version' and f'expected torch $version, found {torch.__version__}')"
 exec "$venv/bin/python" -m pytest -q -p no:xdist tests/commlib tests/observe "$@"

@@ -118,6 +118,7 @@ class ProgressBoard:
 
     def close(self) -> None:
         self.closed = True
+        _Publisher.unregister(self)
 
 
 class _Publisher:
@@ -136,24 +137,34 @@ class _Publisher:
                 cls._thread.start()
 
     @classmethod
+    def unregister(cls, board: ProgressBoard) -> None:
+        with cls._lock:
+            cls._boards.discard(board)
+
+    @classmethod
     def _run(cls) -> None:
         while True:
             time.sleep(PUBLISH_INTERVAL_S)
-            now = time.time_ns()
-            with cls._lock:  # a board registered meanwhile would break the iteration
-                boards = list(cls._boards)
-            for board in boards:
+            cls._publish_all(time.time_ns())
+
+    @classmethod
+    def _publish_all(cls, now: int) -> None:
+        # A function of its own so that its list of boards dies with each pass: held across
+        # the sleep, it would keep closed boards (and their store clients) alive for good.
+        with cls._lock:  # a board registered meanwhile would break the iteration
+            boards = list(cls._boards)
+        for board in boards:
+            try:
+                board.publish_if_due(now)
+            except Exception as exc:
+                # A store hiccup (a busy server, a reconnect) must not silence the board for good.
                 try:
-                    board.publish_if_due(now)
-                except Exception as exc:
-                    # A store hiccup (a busy server, a reconnect) must not silence the board for good.
-                    try:
-                        board.publish_failed(exc, now)
-                    except Exception:  # logging itself failed (a closed log): keep the thread alive
-                        pass
-                else:
-                    if board._failures:
-                        board.publish_succeeded()
+                    board.publish_failed(exc, now)
+                except Exception:  # logging itself failed (a closed log): keep the thread alive
+                    pass
+            else:
+                if board._failures:
+                    board.publish_succeeded()
 
 
 def _own_client(store: dist.Store, rank: int) -> dist.Store:

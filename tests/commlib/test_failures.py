@@ -100,3 +100,23 @@ def _shape_mismatch_then_recover(comm: commlib.Communicator) -> list[float]:
 def test_shape_mismatch_caught_before_launch(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMMLIB_CHECK_CONSISTENCY", "1")  # the environment switch, inherited by the ranks
     assert testing.run(_shape_mismatch_then_recover, 2, backend=backend) == [[2.0] * 3] * 2
+
+
+def _rank1_skips_a_checked_collective(comm: commlib.Communicator) -> dict[str, object]:
+    comm.all_reduce(torch.ones(2))
+    if comm.rank == 1:
+        time.sleep(3)  # never posts its fingerprint for #2
+        return {}
+    start = time.monotonic()
+    with pytest.raises(commlib.CollectiveTimeout) as info:
+        comm.all_reduce(torch.ones(2), timeout=1.0)
+    return {"elapsed": time.monotonic() - start, "message": str(info.value), "missing": info.value.missing_ranks,
+            "reported": info.value.elapsed}
+
+
+def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(backend: str) -> None:
+    # The flight entry used to be created after the store wait failed: "timed out after 0.0 s".
+    r0 = testing.run(_rank1_skips_a_checked_collective, 2, backend=backend, check_consistency=True)[0]
+    assert 1.0 <= r0["elapsed"] < 2.0 and 0.9 <= r0["reported"] <= r0["elapsed"], r0
+    assert "all_reduce #2 on 'world' timed out after 1.0 s on rank 0" in r0["message"], r0
+    assert r0["missing"] == [1]
