@@ -9,22 +9,13 @@ that repeats any of it is a bug.
 
 from __future__ import annotations
 
-import enum
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 
+from commlib.failures import Failure
 from commlib.ops import Collective, Reduction
-
-
-class Failure(enum.Enum):
-    """What a raw backend exception means."""
-
-    TIMEOUT = "timeout"  # the op did not complete in time
-    PEER = "peer"  # a peer died or closed the connection
-    ABORTED = "aborted"  # the communicator was aborted, finalized or is dead
-    OTHER = "other"
 
 
 class BackendWork(Protocol):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 from commlib import compat
-from commlib.backends.base import Failure
+from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
 ENGINES = ("gloo", "nccl")
@@ -43,41 +43,13 @@ _DIST_OPS = {
     ReduceOp.AVG: dist.ReduceOp.AVG,
 }
 
-# Substrings of engine errors, lower-cased: the fallback where torch raises no typed error.
-# gloo: "Operation timed out!", "Timed out waiting ... for recv", "Connection closed by peer",
-# "Connection reset by peer"; nccl: watchdog timeouts, "NCCL communicator was aborted",
-# remote errors.
-_TIMEOUT_TEXTS = ("timed out", "timeout")
-_PEER_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
-               "remote process exited", "socket closed", "ncclremoteerror")
-_ABORT_TEXTS = ("aborted", "not initialized", "has been destroyed", "pair closure")
-
-
-def classify_text(message: str) -> Failure:
-    """Map an engine's error text to its meaning (shared by both backends, which both wrap gloo/nccl)."""
-    text = message.lower()
-    if any(s in text for s in _PEER_TEXTS):
-        return Failure.PEER
-    if any(s in text for s in _TIMEOUT_TEXTS):
-        return Failure.TIMEOUT
-    if any(s in text for s in _ABORT_TEXTS):
-        return Failure.ABORTED
-    return Failure.OTHER
-
-
 def classify_exception(exc: BaseException) -> Failure:
-    """What a raw torch.distributed failure means: torch's typed errors first, the text after.
-
-    `DistNetworkError` is a transport failure (a peer's socket went away); a `DistStoreError`
-    that is not a timeout means the store itself is gone, which is what a dead rank 0 looks
-    like. `DistBackendError` covers timeouts and aborts alike, so its text decides.
-    """
+    """What a raw torch.distributed failure means (`commlib.failures.classify`)."""
     if isinstance(exc, dist.DistNetworkError):
-        return Failure.PEER
-    by_text = classify_text(str(exc))
-    if isinstance(exc, dist.DistStoreError) and by_text is not Failure.TIMEOUT:
-        return Failure.PEER
-    return by_text
+        return classify(NETWORK_ERROR, str(exc))
+    if isinstance(exc, dist.DistStoreError):
+        return classify(STORE_ERROR, str(exc))
+    return classify(None, str(exc))
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters  # torch >= 2.12
@@ -192,8 +164,10 @@ class C10dBackend:
             w = e.reduce_scatter([call.output], [call.input_list],
                                  _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.REDUCE_SCATTER_SINGLE:
-            w = self._reduce_scatter_single(call.output, call.input,
-                                       _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
+            # torchcomms' gloo (under torch's routing) overwrites the input with the full reduction.
+            source = call.input.clone() if self._routed and self.name == "gloo" else call.input
+            w = self._reduce_scatter_single(call.output, source,
+                                            _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
         elif op is OpName.ALL_TO_ALL_SINGLE:
             w = self._all_to_all_single(call.output, call.input, [], [], _options(c10d_opts.AllToAllOptions, timeout))
         elif op is OpName.GATHER:

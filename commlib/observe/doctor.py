@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commlib.failures import Failure, classify
 from commlib.observe.log import read_events
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
@@ -53,13 +54,6 @@ APP_ERROR_LEVELS = ("error", "critical")
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
 P2P_OPS = ("send", "recv")
 _MATCHING_P2P = {"send": "recv", "recv": "send"}
-# What a torch.distributed call outside commlib says when it timed out or lost a peer
-# (gloo's and nccl's texts, lower-cased), read from a logged error. This mirrors
-# `commlib.backends.c10d`'s classification, which the doctor cannot import: it imports torch.
-_ENGINE_TIMEOUT_TEXTS = ("timed out", "timeout")
-_ENGINE_PEER_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
-                      "remote process exited", "socket closed", "ncclremoteerror")
-_ENGINE_FAILURE_TYPES = ("DistNetworkError", "DistStoreError")  # torch's typed errors of a lost peer or store
 # Rooted list arguments exist only on the root: per-rank shapes legitimately differ.
 ROOT_ONLY_SHAPES = ("gather", "scatter")
 # op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after
@@ -215,7 +209,9 @@ class DumpInfo:
     reason: str
     dumped_ns: int | None
     entries: int
-    unfinished: list[dict[str, Any]]  # entries still "started" at dump time: comm, op, seq
+    # Entries still "started" at dump time: comm, op, seq, and a send/recv's peer (a global
+    # rank once the dump's owner is found in the logs, as `rank`; else its communicator rank).
+    unfinished: list[dict[str, Any]]
 
 
 @dataclass
@@ -407,6 +403,9 @@ class _Builder:
         comm = att.comms.get(self._label(attempt, rank, comm_name))
         if comm is None:
             return info
+        for u in info.unfinished:  # the entries name the peer by its rank in the communicator
+            if "peer" in u:
+                u["peer"] = comm.global_rank(u["peer"])
         rl = att.ranks[rank]
         status = {"completed": "ok", "started": "started"}
         for x in entries:
@@ -650,7 +649,7 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         what = first.get("error") or first.get("message") or ""
         message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
         details: dict[str, Any] = {"event": name}
-        if _engine_failure(first.get("error_type"), str(what)):
+        if classify(first.get("error_type"), str(what)) in (Failure.TIMEOUT, Failure.PEER):
             # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
             # or lost a peer: its reporters are victims, and the suspects are the ranks that
             # had gone quiet before it without an error of their own.
@@ -663,14 +662,6 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
                                 message.strip(), reporters, first["ts_ns"], details))
     return problems
-
-
-def _engine_failure(error_type: Any, text: str) -> bool:
-    """Whether a logged error is the engine's timeout or lost peer (torch's typed errors, else its texts)."""
-    if error_type in _ENGINE_FAILURE_TYPES:
-        return True
-    low = text.lower()
-    return any(t in low for t in _ENGINE_TIMEOUT_TEXTS + _ENGINE_PEER_TEXTS)
 
 
 def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
@@ -1048,7 +1039,7 @@ def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pr
             body = "both sides posted it (the backend did not complete it)"
         seen = [d for d in dumps if d.rank in stuck and any(
             u.get("comm") == comm.label and u.get("op") == calls[d.rank].op and u.get("seq") == seq
-            and u.get("peer") == calls[d.rank].peer for u in d.unfinished)]
+            and u.get("peer") == (hi if d.rank == lo else lo) for u in d.unfinished)]
         message = f"{head}; {body}"
         if seen:
             message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "

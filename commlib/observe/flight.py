@@ -175,6 +175,10 @@ def install_sigusr1(directory_fn: Any) -> bool:
     one to learn of its signals): every byte read is forwarded to that previous fd, so its
     owner still hears of every signal. A SIGUSR1 handler installed before keeps being called.
     A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again.
+    Whoever sets the wakeup fd later takes it over for good, and asyncio does not forward:
+    a loop that adds its first signal handler after `commlib.init`, or closes (removing its
+    last handler sets the wakeup fd to -1, and a SIGUSR1 handler of its own back to the
+    default action, which kills), ends SIGUSR1 dumps in that process.
     """
     if threading.current_thread() is not threading.main_thread():
         return False

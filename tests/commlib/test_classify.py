@@ -9,8 +9,8 @@ produce the gloo ones for real.
 import pytest
 import torch.distributed as dist
 
-from commlib.backends.base import Failure
 from commlib.backends.c10d import classify_exception
+from commlib.failures import Failure, classify
 
 GLOO = [
     ("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv operation to complete",
@@ -57,3 +57,5 @@ def test_engine_texts_raised_as_torchs_backend_error(text: str, meaning: Failure
 ])
 def test_torchs_typed_errors_come_before_the_text(exc: BaseException, meaning: Failure) -> None:
     assert classify_exception(exc) is meaning
+    # The doctor reads the same meaning from a logged error (its type's name and its text).
+    assert classify(type(exc).__name__, str(exc)) is meaning
