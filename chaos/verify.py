@@ -2,8 +2,10 @@
 
 - `ensure_reference` runs the job without faults once per configuration and caches it
   under ``{root}/{key}/`` (`reference_key`: trainer, its arguments, world size, backend,
-  torch version and the trainer's source files); concurrent callers (parallel tests)
-  wait on a file lock instead of computing it twice.
+  torch version, the trainer's source files and every ``.py`` file of commlib,
+  fsdp_overlap and chaos, so that no code change is verified against a reference the old
+  code computed); concurrent callers (parallel tests) wait on a file lock instead of
+  computing it twice.
 - `compare` holds a faulted run's results file against the reference's: every step's
   loss bitwise equal (compared as ``float.hex``), every step exactly once in the final
   history (same steps in the same order as the reference, none missing, none doubled),
@@ -29,7 +31,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,18 +51,55 @@ class ReferenceRunError(RuntimeError):
     """The fault-free reference run itself failed: nothing can be verified against it."""
 
 
-def reference_key(job: Job) -> str:
+# The libraries whose code decides a run's numbers (the workload lives in chaos).
+KEYED_PACKAGES = ("commlib", "fsdp_overlap", "chaos")
+
+
+def reference_key(job: Job, package_roots: Sequence[Path] | None = None) -> str:
     """What determines the reference run's numbers, hashed. The launch topology is not part of it:
-    the same world size must give the same numbers however it is spread over nodes."""
+    the same world size must give the same numbers however it is spread over nodes.
+
+    `package_roots`: the package directories whose sources are hashed (default: those of
+    `KEYED_PACKAGES` as imported here)."""
+    roots = package_roots if package_roots is not None else package_dirs()
     data = {"trainer": job.trainer, "trainer_args": list(job.trainer_args), "world_size": job.world_size,
-            "backend": job.backend, "torch": torch.__version__, "sources": _source_digest(job)}
+            "backend": job.backend, "torch": torch.__version__, "sources": _trainer_digest(job),
+            "libraries": sources_digest(roots)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _source_digest(job: Job) -> str:
+def package_dirs(names: Sequence[str] = KEYED_PACKAGES) -> list[Path]:
+    """The directory of each package in `names`, as this interpreter imports it."""
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not locations:
+            raise ReferenceRunError(f"reference_key: expected {name!r} to be an importable package; "
+                                    f"found {'a module' if spec is not None else 'nothing'}")
+        dirs.extend(Path(loc) for loc in locations)
+    return dirs
+
+
+def sources_digest(roots: Sequence[Path]) -> str:
+    """sha256 over every ``.py`` file under each root (recursively), named relative to the
+    root's parent (``commlib/communicator.py``), so the same code in another checkout
+    gives the same digest and any edit, addition, removal or rename gives another."""
+    digest = hashlib.sha256()
+    for root in roots:
+        root = Path(root)
+        for path in sorted(root.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            name = path.relative_to(root.parent).as_posix()
+            data = path.read_bytes()
+            digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def _trainer_digest(job: Job) -> str:
     """The trainer's own files (its directory's .py files), so an edited trainer is not
-    compared with a stale reference. Libraries it imports (commlib, fsdp_overlap) are not
-    covered: after changing those, clear the cache (or pass another reference dir)."""
+    compared with a stale reference."""
     if job.is_script:
         origin = Path(job.trainer)
     else:
@@ -125,6 +164,11 @@ class Comparison:
     checks: dict[str, bool] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def equal(self) -> bool:
+        """Whether the two runs are the same run: every check ran held, and none found a problem."""
+        return bool(self.checks) and all(self.checks.values()) and not self.problems
+
 
 def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
     """Bitwise comparison of two results files (as `chaos.results.read_results` returns them)."""
@@ -142,13 +186,17 @@ def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
 
     want_steps = _history_steps(reference) or list(range(1, int(reference["steps"]) + 1))
     got_steps = _history_steps(faulted)
-    if got_steps is not None:
+    if got_steps is None and _history_steps(reference) is not None:
+        out.checks["history_exact"] = False
+        out.problems.append("history: expected a history of the steps applied, as the reference has; found none")
+    elif got_steps is not None:
         out.checks["history_exact"] = got_steps == want_steps
         if got_steps != want_steps:
             doubled = sorted({s for s in got_steps if got_steps.count(s) > 1})
             missing = sorted(set(want_steps) - set(got_steps))
-            out.problems.append(f"history: expected steps {want_steps[0]}..{want_steps[-1]} once each, in order; "
-                                f"found doubled {doubled}, missing {missing}")
+            expected = f"steps {want_steps[0]}..{want_steps[-1]}" if want_steps else "no steps"
+            out.problems.append(f"history: expected {expected} once each, in order; found doubled {doubled}, "
+                                f"missing {missing}" + ("" if doubled or missing else f", order {got_steps}"))
 
     got_digest, want_digest = faulted["state_digest"], reference["state_digest"]
     out.checks["state_bitwise"] = got_digest["total"] == want_digest["total"]

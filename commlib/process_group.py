@@ -241,12 +241,17 @@ class CommlibProcessGroup(dist.ProcessGroup):
         # capability checks, object collectives' device): answer with the engine itself.
         # One backend type per device: c10d keys its backends by type, and two of one type
         # would alias each other.
+        # The first one is also the group's default backend: torch 2.15 reads the group's name
+        # through it (its flight-recorder hook), and without one that raises "Could not find
+        # the default backend type 0".
         for kind, comm in self._comms.items():
             engine = getattr(comm._backend, "engine", None)
             if engine is not None:
                 backend_type = (dist.ProcessGroup.BackendType.NCCL if kind == "cuda"
                                 else dist.ProcessGroup.BackendType.GLOO)
                 self._register_backend(torch.device(kind), backend_type, engine)
+                if kind == next(iter(self._comms)):
+                    self._set_default_backend(backend_type)
 
     def _on(self, tensor: torch.Tensor) -> Communicator:
         return self.communicator(tensor.device) if len(self._comms) > 1 else next(iter(self._comms.values()))
