@@ -104,8 +104,8 @@ class LineWriter:
         if owned:
             weakref.finalize(self, os.close, fd)
 
-    def msg(self, line: str) -> None:
-        os.write(self._fd, (line + "\n").encode())
+    def msg(self, line: bytes) -> None:
+        os.write(self._fd, line)  # rendered with its newline (`render_json_line`)
 
     debug = info = warning = error = critical = exception = msg
 
@@ -127,7 +127,7 @@ def _build_logger(fd: int, owned: bool, level: int, fields: "ProcessFields | Non
     if fields is not None:
         processors.append(fields)
     processors += [structlog.processors.add_log_level, _add_clocks,
-                   structlog.processors.JSONRenderer(serializer=_dumps)]
+                   render_json_line]
     wrapper = structlog.make_filtering_bound_logger(level)
     return wrapper(LineWriter(fd, owned), processors=processors, context={})
 
@@ -161,12 +161,29 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     return path
 
 
-# Built once: `json.dumps` with options builds a new encoder per call (a third of its cost).
-_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
+def _plain(obj: Any) -> Any:
+    """What JSON has no type for: tuples (torch.Size among them) as lists, the rest as text."""
+    return list(obj) if isinstance(obj, tuple) else str(obj)
 
 
-def _dumps(obj: Any, **_: Any) -> str:
-    return _ENCODER.encode(obj)
+try:
+    import orjson
+except ImportError:  # the doctor reads logs where commlib's dependencies may not all be
+    orjson = None
+
+# Built once: `json.dumps` with options builds a new encoder per call.
+_ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))
+
+
+def render_json_line(_: Any, __: str, event: dict[str, Any]) -> bytes:
+    """The last processor: one event as one JSON line, newline included, ready for write(2).
+
+    orjson where installed (a collective's two events are on the hot path: it encodes ~5x
+    faster than the stdlib), the stdlib otherwise; both give the same JSON.
+    """
+    if orjson is not None:
+        return orjson.dumps(event, default=_plain, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    return (_ENCODER.encode(event) + "\n").encode()
 
 
 def get_logger(**bound: Any) -> Any:
