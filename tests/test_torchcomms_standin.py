@@ -1,15 +1,17 @@
 """Tests of the test-only torchcomms stand-in in tests/torchcomms_standin.
 
 Most API-surface checks run in this process on a one-rank communicator. Values, split, stores,
-timeouts and a killed peer need real peers: one spawned two-rank run (gloo on loopback) does all
-of them, because every spawned process pays for importing torch.
+timeouts, CUDA-like waits, dropped works and a killed peer need real peers: one spawned two-rank
+run (gloo on loopback) does all of them, because every spawned process pays for importing torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import itertools
+import json
 import multiprocessing
 import os
 import queue
@@ -32,6 +34,7 @@ if _STANDIN_PATH not in sys.path:
 
 import torchcomms  # noqa: E402
 from torchcomms import OpName, ReduceOp  # noqa: E402
+from torchcomms._comm import NONBLOCKING_WAIT_ENV  # noqa: E402
 
 CPU = torch.device("cpu")
 _ENV_KEYS = (
@@ -211,6 +214,20 @@ def _ops_values(
     return out
 
 
+def _split_outcome(comm: torchcomms.TorchComm, ranks: list[int], name: str) -> Any:
+    """(name, rank, size) of the child, with a one-rank all-reduce proving it works, or the
+    error and how long it took (the split waits at most 1 s)."""
+    start = time.monotonic()
+    try:
+        child = comm.split(ranks, name, timeout=timedelta(seconds=1))
+    except RuntimeError as exc:
+        return (*_err(exc), time.monotonic() - start)
+    assert child is not None
+    t = torch.ones(1)
+    child.all_reduce(t, ReduceOp.SUM, False)
+    return child.get_name(), child.get_rank(), child.get_size(), t.item()
+
+
 def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
     raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -287,11 +304,14 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
             res["split_solo"] = (solo.get_name(), solo.get_rank(), solo.get_size(), t.tolist())
         else:
             res["split_solo"] = None
-        try:
-            comm.split([0, 1] if rank == 0 else [1], "mismatch")
-            res["split_mismatch"] = None
-        except RuntimeError as exc:
-            res["split_mismatch"] = str(exc)
+        # rank 0's split([]) left its split counter behind: the ranks now meet under other keys
+        res["split_after_solo"] = _split_outcome(comm, [0, 1], "after_solo")
+        # a split of rank 0 alone advances its counter, and the ranks meet again
+        if rank == 0:
+            comm.split([0], "catch_up")
+        res["split_aligned"] = _split_outcome(comm, [0, 1], "aligned")
+        # different lists: rank 1 alone gets a 1-rank communicator, rank 0 waits it out
+        res["split_mismatch"] = _split_outcome(comm, [0, 1] if rank == 0 else [1], "mismatch")
         try:
             comm.split([1 - rank], "without_me")
             res["split_without_me"] = None
@@ -303,6 +323,39 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
         handle.remove()
         res["split_hooks"] = [(n.name, names) for n, _, _, names in seen]
         res["split_hook_ids_increase"] = all(a[1] < b[1] for a, b in itertools.pairwise(seen))
+
+    with _section(res, "stream_ordered"):
+        os.environ[NONBLOCKING_WAIT_ENV] = "1"
+        try:
+            stream = torchcomms.new_comm("gloo", CPU, name="stream", store=raw, timeout=long)
+        finally:
+            del os.environ[NONBLOCKING_WAIT_ENV]
+        if rank == 1:
+            time.sleep(1.0)
+        t = torch.full((2,), float(rank + 1))
+        start = time.monotonic()
+        work = stream.all_reduce(t, ReduceOp.SUM, False)  # a sync op is only enqueued too
+        issued = time.monotonic() - start
+        work.wait()
+        waited, done_at_wait = time.monotonic() - start, work.is_completed()
+        while not work.is_completed():
+            time.sleep(0.001)
+        completed = time.monotonic() - start
+        try:
+            work.wait_blocking()
+            blocking = None
+        except RuntimeError as exc:
+            blocking = str(exc)
+        got = torch.zeros(1)
+        if rank == 1:
+            time.sleep(0.5)
+            stream.send(torch.tensor([42.0]), 0, True).wait()
+        else:
+            received = stream.recv(got, 1, True)
+            while not received.is_completed():  # completes without wait(), as on CUDA
+                time.sleep(0.001)
+        res["stream_ordered"] = (issued, waited, done_at_wait, completed, t.tolist(), blocking,
+                                 got.tolist())
 
     with _section(res, "stores"):
         # Two communicators on one store without persistent_store (needs MASTER_ADDR), and
@@ -322,6 +375,7 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
     async_comm = torchcomms.new_comm("gloo", CPU, name="t_async", store=raw, timeout=long)
     p2p_comm = torchcomms.new_comm("gloo", CPU, name="t_p2p", store=raw, timeout=long)
     kill_comm = torchcomms.new_comm("gloo", CPU, name="t_kill", store=raw, timeout=long)
+    drop_comm = torchcomms.new_comm("gloo", CPU, name="t_drop", store=raw, timeout=long)
     one_second = timedelta(seconds=1)
     if rank == 0:
         with _section(res, "timeout_sync"):
@@ -366,6 +420,11 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
                 res["timeout_p2p"] = None
             except Exception as exc:
                 res["timeout_p2p"] = (*_err(exc), time.monotonic() - start, list(hooks))
+        with _section(res, "drop_unfinished"):
+            work = drop_comm.all_reduce(torch.ones(2), ReduceOp.SUM, True, timeout=one_second)
+            start = time.monotonic()
+            del work  # blocks until the op times out, as torchcomms' gloo joins its thread
+            res["drop_unfinished"] = time.monotonic() - start
         raw.set("rank0_timeouts_done", "1")
         with _section(res, "peer_killed"):
             # Rank 1 reports, then SIGKILLs itself; this op must fail, not hang.
@@ -406,7 +465,7 @@ def _expected_values(rank: int, dtype: torch.dtype) -> dict[str, Any]:
         "all_gather_single": [[1, 1], [2, 2]],
         "reduce_scatter": [10 + 2 * rank] * 2,
         "reduce_scatter_single": [[10, 12], [14, 16]][rank],
-        "reduce_scatter_single_input": [10 * rank + i for i in range(4)],
+        "reduce_scatter_single_input": [10, 12, 14, 16],  # gloo overwrites it: the full sum
         "all_to_all_single": [[0, 1, 100, 101], [2, 3, 102, 103]][rank],
         "scatter": [7 + rank] * 3,
         "recv": [[50, 51, 52], [0, 1, 2]][rank],
@@ -442,9 +501,9 @@ def test_avg_and_premul_sum(two_ranks: dict[int, dict[str, Any]]) -> None:
         assert res["rs_avg"] == [[5.0, 6.0], [7.0, 8.0]][rank]
         assert res["premul_float"] == [1.5, 1.5]
         assert res["premul_tensor"] == [6.0, 6.0]
-        # the reduce-scatters scale a copy: the caller's input is unchanged
-        inputs = [10.0 * rank + i for i in range(4)]
-        assert res["rs_premul"] == ([[30.0, 36.0], [42.0, 48.0]][rank], inputs)
+        # reduce_scatter_single reduces its input in place (scaled, summed); the list variant
+        # reduces a copy
+        assert res["rs_premul"] == ([[30.0, 36.0], [42.0, 48.0]][rank], [30.0, 36.0, 42.0, 48.0])
         inputs_list = [[10.0 * rank + i] * 2 for i in range(2)]
         assert res["rs_list_premul"] == ([20.0 + 4 * rank] * 2, inputs_list)
 
@@ -463,16 +522,46 @@ def test_split_renumbers_and_excludes(two_ranks: dict[int, dict[str, Any]]) -> N
         # a child's timeout is its own (the environment's default), not the parent's
         assert res["split_timeout"] == (timedelta(seconds=45), timedelta(seconds=60))
         assert res["split_solo"] == (None if rank == 0 else ("solo_1", 0, 1, [1.0]))
-        assert "inconsistent split" in res["split_mismatch"]
+        kind, message, elapsed = res["split_after_solo"]
+        assert kind == "RuntimeError" and "wait timeout" in message, message
+        assert 0.9 <= elapsed < 5.0, elapsed
+        assert res["split_aligned"] == ("aligned_0", rank, 2, 2.0)
+        if rank == 0:
+            kind, message, elapsed = res["split_mismatch"]
+            assert kind == "RuntimeError" and "wait timeout" in message, message
+            assert 0.9 <= elapsed < 5.0, elapsed
+        else:
+            assert res["split_mismatch"] == ("mismatch_1", 0, 1, 1.0)
         assert f"Current rank {rank} is not included" in res["split_without_me"]
         assert res["parent_after_split_errors"] == [2.0]
         assert res["split_hooks"] == [
             ("split", "rev"),
             ("split", "solo"),
+            ("split", "after_solo"),
+            *([("split", "catch_up")] if rank == 0 else []),
+            ("split", "aligned"),
             ("split", "mismatch"),
             ("split", "without_me"),
         ]
         assert res["split_hook_ids_increase"]
+
+
+def test_stream_ordered_wait_does_not_block(two_ranks: dict[int, dict[str, Any]]) -> None:
+    # TORCHCOMMS_STANDIN_NONBLOCKING_WAIT=1: rank 1 joins 1 s late; rank 0's wait() (of a
+    # sync op, even) returns at once and is_completed() says when the op really ended.
+    for res in two_ranks.values():
+        _no_errors(res, "stream_ordered")
+    issued, waited, done_at_wait, completed, value, blocking, got = two_ranks[0]["stream_ordered"]
+    assert issued < 0.5 and waited < 0.5 and done_at_wait is False, (issued, waited)
+    assert 0.9 <= completed < 5.0, completed
+    assert value == [3.0, 3.0] and got == [42.0]
+    assert blocking is not None and "waitBlocking not implemented" in blocking
+
+
+def test_dropping_an_unfinished_work_blocks(two_ranks: dict[int, dict[str, Any]]) -> None:
+    res = two_ranks[0]
+    _no_errors(res, "drop_unfinished")
+    assert 0.8 <= res["drop_unfinished"] < 3.0, res["drop_unfinished"]
 
 
 def test_two_comms_on_one_store_and_no_store(two_ranks: dict[int, dict[str, Any]]) -> None:
@@ -565,14 +654,19 @@ def test_is_the_standin_and_torch_ignores_it() -> None:
     assert torchcomms._IS_TEST_STANDIN is True
     assert distributed_c10d._TORCHCOMM_AVAILABLE is False
     assert not (Path(_STANDIN_PATH) / "__init__.py").exists()
+    # torch 2.13 probes torchcomms._comms._BackendWrapper; without the opt-in it is refused
+    with pytest.raises(ImportError, match="only importable with TORCHCOMMS_STANDIN_BACKEND"):
+        importlib.import_module("torchcomms._comms")
+    # torch 2.14+ imports is_backend_built
+    assert torchcomms.is_backend_built("gloo") and not torchcomms.is_backend_built("nccl")
 
 
 def test_reduce_op_api() -> None:
-    for kind in torchcomms.RedOpType:
-        if kind is not torchcomms.RedOpType.PREMUL_SUM:
-            assert getattr(ReduceOp, kind.name).type is kind
-    assert ReduceOp.PREMUL_SUM(0.25).type is torchcomms.RedOpType.PREMUL_SUM
-    assert ReduceOp.PREMUL_SUM(torch.tensor(2.0)).type is torchcomms.RedOpType.PREMUL_SUM
+    for kind in torchcomms.RedOpType.__members__.values():
+        if kind != torchcomms.RedOpType.PREMUL_SUM:
+            assert getattr(ReduceOp, kind.name).type == kind
+    assert ReduceOp.PREMUL_SUM(0.25).type == torchcomms.RedOpType.PREMUL_SUM
+    assert ReduceOp.PREMUL_SUM(torch.tensor(2.0)).type == torchcomms.RedOpType.PREMUL_SUM
     with pytest.raises(TypeError):
         ReduceOp.PREMUL_SUM("2")
     with pytest.raises(TypeError):
@@ -610,8 +704,27 @@ def test_signatures_follow_the_binding() -> None:
     split = inspect.signature(torchcomms.TorchComm.split).parameters
     assert list(split) == ["self", "ranks", "name", "hints", "timeout"]
     new_comm = inspect.signature(torchcomms.new_comm).parameters
-    assert new_comm["name"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(new_comm) == ["backend", "device", "name", "abort_process_on_timeout_or_error",
+                              "timeout", "high_priority_stream", "store", "enable_reconfigure",
+                              "hints"]
+    assert all(p.kind is positional for p in new_comm.values())
     assert new_comm["name"].default is inspect.Parameter.empty
+
+
+def test_enums_compare_by_value_not_identity(comm: torchcomms.TorchComm) -> None:
+    # pybind11 enums: each value crossing the binding is a new object; `is` does not hold.
+    seen: list[Any] = []
+    comm.register_pre_hook(lambda name, op_id, args: seen.append(name))
+    comm.barrier(False)
+    (name,) = seen
+    assert name == OpName.barrier and name is not OpName.barrier and name != OpName.split
+    assert ReduceOp.SUM.type == torchcomms.RedOpType.SUM
+    assert ReduceOp.SUM.type is not torchcomms.RedOpType.SUM
+    assert OpName.send != torchcomms.RedOpType.SUM  # both 0: different enums never compare equal
+    assert {OpName.barrier: 1}[name] == 1
+    with pytest.raises(TypeError):
+        iter(torchcomms.RedOpType)  # type: ignore[call-overload]
+    assert list(torchcomms.RedOpType.__members__)[:2] == ["SUM", "PRODUCT"]
 
 
 def test_call_conventions_are_enforced(comm: torchcomms.TorchComm) -> None:
@@ -620,15 +733,24 @@ def test_call_conventions_are_enforced(comm: torchcomms.TorchComm) -> None:
         comm.all_reduce(t, ReduceOp.SUM)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="async_op"):
         comm.barrier()  # type: ignore[call-arg]
-    for bad in (1, None, "false"):
-        with pytest.raises(TypeError, match="async_op"):
-            comm.all_reduce(t, ReduceOp.SUM, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="async_op"):
+        comm.all_reduce(t, ReduceOp.SUM, "false")  # type: ignore[arg-type]
+    # the binding converts like pybind11's bool: 1 and 2.5 are async, 0 and None sync
+    for loose, is_async in ((1, True), (2.5, True), (0, False), (None, False)):
+        work = comm.all_reduce(t, ReduceOp.SUM, loose)  # type: ignore[arg-type]
+        work.wait()
+        if is_async:
+            with pytest.raises(RuntimeError, match="waitBlocking not implemented"):
+                work.wait_blocking()
+        else:
+            work.wait_blocking()
     c10d_sum = dist.ReduceOp(dist.ReduceOp.SUM)
     for bad_op in (dist.ReduceOp.SUM, c10d_sum, "sum", torchcomms.RedOpType.SUM):
         with pytest.raises(TypeError, match=r"torchcomms\.ReduceOp"):
             comm.all_reduce(t, bad_op, False)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="timeout"):
-        comm.all_reduce(t, ReduceOp.SUM, False, timeout=5.0)  # type: ignore[arg-type]
+        comm.all_reduce(t, ReduceOp.SUM, False, timeout=5)  # type: ignore[arg-type]
+    comm.all_reduce(t, ReduceOp.SUM, False, timeout=5.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="hints"):
         comm.all_reduce(t, ReduceOp.SUM, False, hints={"a": 1})  # type: ignore[dict-item]
     # keywords and positional hints/timeout are accepted, as by the binding
@@ -667,7 +789,7 @@ def test_new_comm_arguments_and_environment(env: pytest.MonkeyPatch, store: dist
     with pytest.raises(TypeError, match="name"):
         torchcomms.new_comm("gloo", CPU)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
-        torchcomms.new_comm("gloo", CPU, None, name="x")  # type: ignore[misc, arg-type]
+        torchcomms.new_comm("gloo", CPU, "x", name="x")  # type: ignore[misc]
     with pytest.raises(NotImplementedError):
         torchcomms.new_comm("gloo", CPU, name="x", enable_reconfigure=True)
     # a store without persistent_store, or no store, needs MASTER_ADDR
@@ -691,6 +813,12 @@ def test_new_comm_arguments_and_environment(env: pytest.MonkeyPatch, store: dist
     assert c.get_options().timeout == timedelta(seconds=42)
     explicit = _solo(store, "explicit", timeout=timedelta(seconds=7))
     assert explicit.get_options().timeout == timedelta(seconds=7)
+    # as the binding: name may be positional, and a float timeout is seconds
+    positional = torchcomms.new_comm("gloo", CPU, "positional", None, 7.5,
+                                     store=dist.PrefixStore("positional", store),
+                                     hints={"persistent_store": "true"})
+    assert positional.get_name() == "positional"
+    assert positional.get_options().timeout == timedelta(seconds=7.5)
 
 
 def test_store_rules(env: pytest.MonkeyPatch, store: dist.TCPStore) -> None:
@@ -702,9 +830,8 @@ def test_store_rules(env: pytest.MonkeyPatch, store: dist.TCPStore) -> None:
     env.setenv("MASTER_ADDR", "127.0.0.1")
     first = torchcomms.new_comm("gloo", CPU, name="dup", store=store)
     other = torchcomms.new_comm("gloo", CPU, name="other", store=store)
-    with pytest.raises(RuntimeError, match="unique per store"):
-        torchcomms.new_comm("gloo", CPU, name="dup", store=store)
-    for c in (first, other):
+    again = torchcomms.new_comm("gloo", CPU, name="dup", store=store)  # torchcomms accepts it
+    for c in (first, other, again):
         t = torch.ones(1)
         c.all_reduce(t, ReduceOp.SUM, False)
         assert t.tolist() == [1.0]
@@ -716,13 +843,18 @@ def test_finalize(comm: torchcomms.TorchComm) -> None:
         lambda: comm.all_reduce(torch.ones(1), ReduceOp.SUM, False),
         lambda: comm.barrier(True),
         lambda: comm.broadcast(torch.ones(1), 0, False),
-        lambda: comm.split([0], "late"),
     ):
         with pytest.raises(RuntimeError, match="not initialized"):
             call()
     with pytest.raises(RuntimeError, match="already finalized"):
         comm.finalize()
     assert (comm.get_rank(), comm.get_size(), comm.get_backend()) == (0, 1, "gloo")
+    # torchcomms' gloo split does not check: a finalized parent still gives a usable child
+    late = comm.split([0], "late")
+    assert late is not None
+    t = torch.ones(1)
+    late.all_reduce(t, ReduceOp.SUM, False)
+    assert t.tolist() == [1.0]
 
 
 def test_gloo_has_no_abort_or_set_timeout(comm: torchcomms.TorchComm) -> None:
@@ -795,16 +927,45 @@ def test_hooks(comm: torchcomms.TorchComm) -> None:
     comm.register_post_hook(lambda op_id, args: post.append((op_id, args)))
     child = comm.split([0], "child")
     assert child is not None and child.get_name() == "child_0"
-    assert pre[-1][0] is OpName.split and pre[-1][2].ranks == [0] and pre[-1][2].name == "child"
+    assert pre[-1][0] == OpName.split and pre[-1][2].ranks == [0] and pre[-1][2].name == "child"
     assert isinstance(post[-1][1], torchcomms.SplitPostHookArgs) and post[-1][0] == pre[-1][1]
     posts = len(post)
     assert comm.split([], "nobody") is None
-    assert pre[-1][0] is OpName.split and pre[-1][2].ranks == []
+    assert pre[-1][0] == OpName.split and pre[-1][2].ranks == []
     assert len(post) == posts  # no post-hook when split returns None
     comm.finalize()
     assert pre[-1][:2] == (OpName.finalize, 2**64 - 1)
     assert isinstance(pre[-1][2], torchcomms.FinalizePreHookArgs)
     assert post[-1][0] == 2**64 - 1 and isinstance(post[-1][1], torchcomms.FinalizePostHookArgs)
+
+
+def test_flight_recorder_hook_dumps_torch_format(comm: torchcomms.TorchComm) -> None:
+    from torchcomms.hooks import FlightRecorderHook
+
+    hook = FlightRecorderHook(max_entries=8, isolated=True)
+    assert json.loads(hook.dump_json()) == {"version": "2.10", "comm_lib_version": "",
+                                            "pg_config": {}, "pg_status": {}}  # no entries key
+    hook.register_with_comm(comm)
+    t, out = torch.ones(2), torch.zeros(2)
+    comm.all_reduce(t, ReduceOp.SUM, False)
+    work = comm.all_gather_single(out, t, True)
+    work.wait()
+    comm.split([0], "child")
+    comm.finalize()  # not recorded
+    dump = json.loads(hook.dump_json())
+    assert sorted(dump) == ["comm_lib_version", "entries", "pg_config", "pg_status", "version"]
+    assert dump["pg_config"] == {"solo": {"name": "solo", "desc": "gloo", "ranks": "[0]"}}
+    entries = dump["entries"]
+    assert [e["profiling_name"] for e in entries] == ["gloo:all_reduce", "gloo:all_gather_single",
+                                                       "gloo:split"]
+    first = entries[0]
+    assert (first["process_group"], first["pg_id"], first["record_id"], first["state"]) == (
+        ["solo", "gloo"], 0, 0, "scheduled")
+    assert (first["input_sizes"], first["input_dtypes"], first["output_sizes"]) == (
+        [[2]], ["Float"], [[2]])
+    assert entries[1]["output_sizes"] == [[2]] and entries[2]["input_sizes"] == []
+    assert all(e["retired"] for e in entries) and hook.size() == 3
+    assert "entries" not in json.loads(hook.dump_json(include_completed=False))
 
 
 def test_abort_hook_handle_and_errors(comm: torchcomms.TorchComm) -> None:

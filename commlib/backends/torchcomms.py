@@ -9,16 +9,25 @@ does and does not prove.
 
 Rank and size: torchcomms reads them from the environment only (TORCHCOMM_RANK /
 TORCHCOMM_SIZE, then the launcher's), even when given a store, so `create` sets those two
-variables from commlib's explicit arguments. Every communicator gets commlib's store under a prefix of
-its own name, with the `persistent_store` hint (so torchcomms uses it directly instead of
-starting its own store server; it allows one communicator per store), so two commlib
-communicators, or a split, never collide.
+variables from commlib's explicit arguments while `new_comm` runs and puts the environment
+back afterwards. Every communicator gets commlib's store under a prefix of its own name, with
+the `persistent_store` hint (so torchcomms uses it directly instead of starting its own store
+server; it allows one communicator per store), so two commlib communicators, or a split,
+never collide.
+
+Where torchcomms' engines differ, this backend makes them mean one thing: a wait blocks the
+CPU under the deadline on every engine (`TorchWork.wait()` does not on CUDA), a
+`reduce_scatter_single` leaves its input as it was (gloo's overwrites it), and a split that
+leaves ranks out keeps every rank's split counter in step (gloo's does not advance it for an
+empty rank list).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.backends.base import Failure
-from commlib.backends.c10d import classify_text
+from commlib.backends.c10d import classify_exception
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
 
@@ -46,6 +55,22 @@ def available() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _rank_and_size_in_environment(rank: int, size: int) -> Iterator[None]:
+    """TORCHCOMM_RANK/TORCHCOMM_SIZE for the duration of a `new_comm`, then as they were."""
+    keys = {"TORCHCOMM_RANK": str(rank), "TORCHCOMM_SIZE": str(size)}
+    before = {key: os.environ.get(key) for key in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
+
+
 def _torchcomms() -> Any:
     why = available()
     if why is not None:
@@ -56,28 +81,45 @@ def _torchcomms() -> Any:
 
 
 _POLL_MARGIN_S = 0.05  # a wait this close to the op's own deadline just waits for torchcomms
+_POLL_INTERVAL_S = 0.0005
 
 
 @dataclass
 class TorchcommsWork:
     work: Any  # torchcomms.TorchWork
-    deadline_mono: float  # when torchcomms itself times the op out (its per-op timeout)
+    deadline_mono: float  # torchcomms times the op out (its per-op timeout) no earlier than this
+    abandoned: list[Any]  # the backend's: works whose op still ran when a wait gave up
 
     def wait(self, timeout: timedelta) -> bool:
-        # TorchWork.wait() takes no timeout: the per-op timeout given at launch bounds it.
-        # A caller's shorter wait is honoured by polling up to that point.
+        # TorchWork is not thread-safe: everything here runs on the caller's thread.
         until = time.monotonic() + timeout.total_seconds()
-        while until < self.deadline_mono - _POLL_MARGIN_S and not self.work.is_completed():
-            if time.monotonic() >= until:
-                return False
-            time.sleep(0.0005)
+        # TorchWork.wait() takes no timeout (on gloo it blocks up to the op's own one): a
+        # caller's shorter wait is honoured by polling up to that point.
+        if until < self.deadline_mono - _POLL_MARGIN_S and not self._poll(until):
+            return self._give_up()
         try:
             self.work.wait()
         except RuntimeError as exc:
-            if classify_text(str(exc)) is Failure.TIMEOUT:
+            if classify_exception(exc) is Failure.TIMEOUT:
                 return False
             raise
+        # On CUDA wait() only makes the current stream wait for the op and returns at once;
+        # the CPU waits here, under the same deadline (wait_blocking is not implemented by
+        # torchcomms' NCCL nor for gloo's async works).
+        return self._poll(until) or self._give_up()
+
+    def _poll(self, until: float) -> bool:
+        while not self.work.is_completed():
+            if time.monotonic() >= until:
+                return False
+            time.sleep(_POLL_INTERVAL_S)
         return True
+
+    def _give_up(self) -> bool:
+        # Dropping a TorchWork whose op still runs blocks until the op ends (gloo joins its
+        # thread): the backend keeps it, so the caller's timeout error comes on time.
+        self.abandoned.append(self.work)
+        return False
 
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
@@ -93,9 +135,14 @@ class TorchcommsBackend:
         self.rank = comm.get_rank()
         self.size = comm.get_size()
         self.name = f"torchcomms:{comm.get_backend()}"
-        # The one torchcomms hook used: an abort torchcomms decides on its own (a watchdog
-        # on an op nobody waits for) is invisible to commlib's path; remember it so the next
-        # launch fails fast instead of blocking on a dead communicator.
+        # gloo overwrites reduce_scatter_single's input with the full reduction.
+        self._copy_reduce_scatter_input = comm.get_backend() == "gloo"
+        self._abandoned: list[Any] = []
+        # The one torchcomms hook used: an abort torchcomms decides on its own (the NCCL
+        # family's watchdog aborting on an op nobody waits for) is invisible to commlib's path;
+        # remember it so the next launch fails fast instead of blocking on a dead communicator.
+        # gloo runs abort hooks only when a synchronous op fails, which commlib never issues;
+        # a timed-out gloo communicator refuses its next op by itself ("pair closure").
         self._engine_aborted = False
         self._abort_hook = comm.register_abort_hook(self._on_engine_abort)
 
@@ -104,11 +151,10 @@ class TorchcommsBackend:
                timeout: timedelta, engine: str | None = None) -> "TorchcommsBackend":
         tc = _torchcomms()
         engine = engine or ("nccl" if device.type == "cuda" else "gloo")
-        os.environ["TORCHCOMM_RANK"] = str(rank)
-        os.environ["TORCHCOMM_SIZE"] = str(size)
-        comm = tc.new_comm(engine, device, abort_process_on_timeout_or_error=False, timeout=timeout,
-                           store=dist.PrefixStore(f"torchcomms/{name}/", store), name=name,
-                           hints={"persistent_store": "true"})
+        with _rank_and_size_in_environment(rank, size):
+            comm = tc.new_comm(engine, device, abort_process_on_timeout_or_error=False, timeout=timeout,
+                               store=dist.PrefixStore(f"torchcomms/{name}/", store), name=name,
+                               hints={"persistent_store": "true"})
         return cls(comm, device)
 
     def _on_engine_abort(self, *_: Any) -> None:
@@ -120,6 +166,7 @@ class TorchcommsBackend:
             raise RuntimeError("torchcomms communicator was aborted by torchcomms")
         c, op = self.comm, call.op
         kw = {"timeout": timeout}
+        deadline_mono = time.monotonic() + timeout.total_seconds()  # taken before torchcomms' own
         if op is OpName.ALL_REDUCE:
             w = c.all_reduce(call.tensor, self._op(call.reduce_op), True, **kw)
         elif op is OpName.BROADCAST:
@@ -133,7 +180,8 @@ class TorchcommsBackend:
         elif op is OpName.REDUCE_SCATTER:
             w = c.reduce_scatter(call.output, call.input_list, self._op(call.reduce_op), True, **kw)
         elif op is OpName.REDUCE_SCATTER_SINGLE:
-            w = c.reduce_scatter_single(call.output, call.input, self._op(call.reduce_op), True, **kw)
+            source = call.input.clone() if self._copy_reduce_scatter_input else call.input
+            w = c.reduce_scatter_single(call.output, source, self._op(call.reduce_op), True, **kw)
         elif op is OpName.ALL_TO_ALL_SINGLE:
             w = c.all_to_all_single(call.output, call.input, True, **kw)
         elif op is OpName.GATHER:
@@ -148,7 +196,7 @@ class TorchcommsBackend:
             w = c.barrier(True, **kw)
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return TorchcommsWork(w, time.monotonic() + timeout.total_seconds())
+        return TorchcommsWork(w, deadline_mono, self._abandoned)
 
     def _op(self, op: Reduction | None) -> Any:
         ops = self._tc.ReduceOp
@@ -163,12 +211,17 @@ class TorchcommsBackend:
         return None
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "TorchcommsBackend | None":
-        # torchcomms wants non-members to pass an empty list (a list without the caller raises).
-        sub = self.comm.split(ranks if self.rank in ranks else [], name, timeout=timeout)
-        return None if sub is None else TorchcommsBackend(sub, self.device)
+        if self.rank in ranks:
+            return TorchcommsBackend(self.comm.split(ranks, name, timeout=timeout), self.device)
+        # A non-member's split([]) returns before torchcomms' gloo advances its split counter,
+        # and the members' next split would then wait for this rank under other store keys.
+        # A split of this rank alone advances it like the members' (a list without the caller
+        # raises); the 1-rank child is not needed.
+        self.comm.split([self.rank], name, timeout=timeout).finalize()
+        return None
 
     def classify(self, exc: BaseException) -> Failure:
-        return classify_text(str(exc))
+        return classify_exception(exc)
 
     def abort(self) -> None:
         self._abort_hook.remove()

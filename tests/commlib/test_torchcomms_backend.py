@@ -1,4 +1,6 @@
-"""What only the torchcomms backend does: finding torchcomms, and what it is handed.
+"""What only the torchcomms backend does: finding torchcomms, what it is handed, and where
+torchcomms' engines differ (a CUDA wait that does not block the CPU, gloo's reduce-scatter and
+split), that commlib still means one thing.
 
 The shared Communicator suite runs against both backends through the `backend` fixture;
 these tests pin the choices specific to torchcomms.
@@ -6,7 +8,10 @@ these tests pin the choices specific to torchcomms.
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ import torch
 import commlib
 from commlib import testing
 from commlib.backends import torchcomms as tc_backend
+from commlib.observe.log import read_events
 
 # Not imported from conftest: spawned ranks re-import this module, and there `conftest`
 # can resolve to tests/conftest.py.
@@ -65,8 +71,6 @@ def test_premul_sum_and_avg_map_to_native_reductions(backend: str) -> None:
 
 
 def _second_communicator_and_split(comm: commlib.Communicator, backend: str) -> list[float]:
-    import os
-
     store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     second = commlib.init(backend, rank=comm.rank, world_size=comm.size, store=store, name="second")
     sub = comm.split([0, 1], "sub")
@@ -82,3 +86,138 @@ def test_two_communicators_and_a_split_share_one_store(backend: str) -> None:
     # torchcomms allows one communicator per persistent store (the stand-in enforces it):
     # each commlib communicator must bring its own prefix.
     assert testing.run(_second_communicator_and_split, 2, backend=backend, args=(backend,)) == [[2.0] * 3] * 2
+
+
+# -- a wait that does not block the CPU (torchcomms on CUDA) -------------------------------
+
+
+def _late_peer_then_absent_peer(comm: commlib.Communicator) -> dict[str, object]:
+    ends: list[tuple[float, float]] = []
+    comm.register_post_hook(lambda call, duration: ends.append((time.monotonic(), duration)))
+    out: dict[str, object] = {}
+    for mode in ("sync", "async"):
+        comm.barrier()  # both ranks start each round together
+        if comm.rank == 1:
+            time.sleep(1.0)
+        t, start = torch.ones(2), time.monotonic()
+        if mode == "sync":
+            comm.all_reduce(t)
+        else:
+            comm.all_reduce(t, async_op=True).wait()
+        post_at, duration = ends[-1]
+        out[mode] = {"returned": time.monotonic() - start, "post_hook": post_at - start,
+                     "duration": duration, "value": t.tolist()}
+    if comm.rank == 1:
+        time.sleep(2.5)  # alive, but never joins the next collective
+        return out
+    start = time.monotonic()
+    with pytest.raises(commlib.CollectiveTimeout) as info:
+        comm.all_reduce(torch.ones(2), timeout=1.0)
+    out["timeout"] = {"elapsed": time.monotonic() - start, "missing": info.value.missing_ranks,
+                      "message": str(info.value)}
+    return out
+
+
+def test_deadline_holds_when_wait_does_not_block_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    # On CUDA, TorchWork.wait() only makes the current stream wait. The stand-in's
+    # stream-ordered mode does the same on CPU: commlib must still wait on the CPU, under
+    # its deadline, before it logs the end and runs post-hooks.
+    monkeypatch.syspath_prepend(str(STANDIN))
+    monkeypatch.setenv("TORCHCOMMS_STANDIN_NONBLOCKING_WAIT", "1")
+    r0, r1 = testing.run(_late_peer_then_absent_peer, 2, backend="torchcomms", timeout=120,
+                         log_dir=str(tmp_path))
+    for mode in ("sync", "async"):
+        late = r0[mode]
+        assert late["value"] == [2.0, 2.0] == r1[mode]["value"]
+        assert late["returned"] >= 0.9 and late["post_hook"] >= 0.9 and late["duration"] >= 0.9, late
+    logged = [e["duration_s"] for e in read_events(tmp_path / "rank0.jsonl")
+              if e["event"] == "collective.end" and e["op"] == "all_reduce"]
+    assert len(logged) == 2 and min(logged) >= 0.9, logged
+    timeout = r0["timeout"]
+    assert 1.0 <= timeout["elapsed"] < 1.5, timeout
+    assert timeout["missing"] == [1] and "rank 1 never started it" in timeout["message"], timeout
+
+
+# -- what torchcomms' gloo does differently, made to mean one thing ------------------------
+
+
+def _short_wait_then_drop(comm: commlib.Communicator) -> float | None:
+    if comm.rank == 1:
+        time.sleep(3.0)  # never joins
+        return None
+    start = time.monotonic()
+    work = comm.all_reduce(torch.ones(2), async_op=True, timeout=2.0)
+    try:
+        work.wait(timeout=0.3)
+    except commlib.CollectiveTimeout:
+        pass
+    del work
+    gc.collect()
+    return time.monotonic() - start
+
+
+def test_a_wait_that_gives_up_returns_on_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dropping a TorchWork whose op still runs blocks until the op's own timeout (2 s here):
+    # the 0.3 s wait must not pay for that.
+    monkeypatch.syspath_prepend(str(STANDIN))
+    elapsed, _ = testing.run(_short_wait_then_drop, 2, backend="torchcomms", timeout=60)
+    assert 0.3 <= elapsed < 1.0, elapsed
+
+
+def _reduce_scatter_inputs(comm: commlib.Communicator) -> list[tuple[list[float], list[float]]]:
+    out = []
+    for op in (commlib.ReduceOp.SUM, commlib.ReduceOp.AVG, commlib.premul_sum(2.0)):
+        for async_op in (False, True):
+            shard, source = torch.empty(2), torch.arange(4.0) + comm.rank
+            work = comm.reduce_scatter_single(shard, source, op, async_op=async_op)
+            if work is not None:
+                work.wait()
+            out.append((shard.tolist(), source.tolist()))
+    return out
+
+
+def test_reduce_scatter_single_leaves_its_input_alone(backend: str) -> None:
+    # torchcomms' gloo all-reduces the input in place; commlib's API must not.
+    for rank, results in enumerate(testing.run(_reduce_scatter_inputs, 2, backend=backend)):
+        sums = [[1.0, 3.0], [5.0, 7.0]][rank]
+        expected = [sums] * 2 + [[s / 2 for s in sums]] * 2 + [[s * 2 for s in sums]] * 2
+        assert [shard for shard, _ in results] == expected
+        assert all(source == [rank + i for i in (0.0, 1.0, 2.0, 3.0)] for _, source in results)
+
+
+def _split_without_rank_0_then_split_all(comm: commlib.Communicator) -> tuple[bool, float]:
+    one = comm.split([1], "one")
+    both = comm.split([0, 1], "both", timeout=3.0)
+    assert both is not None
+    t = torch.ones(1)
+    both.all_reduce(t)
+    return one is not None, t.item()
+
+
+def test_a_split_that_leaves_a_rank_out_keeps_later_splits_working(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchcomms' gloo does not count a split([]) of a non-member: the next split of the same
+    # parent would wait for that rank under other store keys until it timed out.
+    monkeypatch.syspath_prepend(str(STANDIN))
+    results = testing.run(_split_without_rank_0_then_split_all, 2, backend="torchcomms", timeout=60)
+    assert results == [(False, 2.0), (True, 2.0)]
+
+
+def _environment_around_init(comm: commlib.Communicator) -> dict[str, object]:
+    keys = ("TORCHCOMM_RANK", "TORCHCOMM_SIZE")
+    after_init = [os.environ.get(k) for k in keys]
+    # a value the process had before is put back, and torchcomms still got commlib's
+    os.environ.update(TORCHCOMM_RANK="5", TORCHCOMM_SIZE="9")
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       is_master=False)
+    second = commlib.init("torchcomms", rank=comm.rank, world_size=comm.size, store=store,
+                          name="second")
+    return {"after_init": after_init, "after_second": [os.environ.get(k) for k in keys],
+            "second": (second.rank, second.size)}
+
+
+def test_rank_and_size_stay_out_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(STANDIN))
+    for rank, out in enumerate(testing.run(_environment_around_init, 2, backend="torchcomms")):
+        assert out == {"after_init": [None, None], "after_second": ["5", "9"], "second": (rank, 2)}

@@ -85,9 +85,9 @@ def _ops_and_split(comm: commlib.Communicator) -> dict[str, object]:
     gathered = torch.empty(2 * n)
     comm.all_gather_single(gathered, torch.full((2,), float(r)), async_op=True).wait()
     out["all_gather_single"] = gathered.tolist()
-    shard = torch.empty(1)
-    comm.reduce_scatter_single(shard, torch.arange(float(n)) + r, async_op=True).wait()
-    out["reduce_scatter_single"] = shard.tolist()
+    shard, rs_input = torch.empty(1), torch.arange(float(n)) + r
+    comm.reduce_scatter_single(shard, rs_input, async_op=True).wait()
+    out["reduce_scatter_single"] = (shard.tolist(), rs_input.tolist())
     at_root = [torch.empty(1) for _ in range(n)] if r == 0 else []
     comm.gather(at_root, torch.tensor([10.0 + r]), root=0)  # torch passes [[]] off the root
     out["gather"] = [x.item() for x in at_root]
@@ -113,9 +113,11 @@ def _ops_and_split(comm: commlib.Communicator) -> dict[str, object]:
                     "pair_ops": dict(pair_seen),
                     "children": len(dist.distributed_c10d._world.comms) - len(known)}
     out["world_ops"] = dict(seen)
-    # torch registered a FlightRecorderHook on each communicator; hooks share one recorder.
+    # torch registered a FlightRecorderHook on each communicator; hooks share one recorder,
+    # dumped in torch's flight-recorder format.
     entries = json.loads(FlightRecorderHook().dump_json())["entries"]
-    out["recorded"] = dict(Counter(e["op"] for e in entries if e["comm"] == world_tc.get_name()))
+    out["recorded"] = dict(Counter(e["profiling_name"].removeprefix("gloo:") for e in entries
+                                   if e["process_group"][0] == world_tc.get_name()))
     return out
 
 
@@ -141,14 +143,15 @@ def _routed_session(comm: commlib.Communicator) -> dict[str, object]:
 def test_c10d_backend_over_torchcomms_backed_process_group(routed: None) -> None:
     # One spawn for the whole session: ops, splits, then a deadline (rank 1 stops joining).
     r0, r1 = testing.run(_routed_session, 2, backend="gloo", timeout=120)
-    assert r0["kind"] == r1["kind"] == ("_BackendWrapper", "torchcomms._backend_wrapper")
+    assert r0["kind"] == r1["kind"] == ("_BackendWrapper", "torchcomms._comms")
     assert r0["backend"] == "gloo"  # torch still calls the group "gloo"; torchcomms runs it
     for r, out in enumerate((r0, r1)):
         assert out["all_reduce"] == [3.0, 3.0]
         assert out["avg"] == [1.5, 1.5]
         assert out["broadcast"] == [1.0, 1.0, 1.0]
         assert out["all_gather_single"] == [0.0, 0.0, 1.0, 1.0]
-        assert out["reduce_scatter_single"] == [1.0 + 2 * r]
+        # torchcomms' gloo overwrites the input; commlib hands it a copy
+        assert out["reduce_scatter_single"] == ([1.0 + 2 * r], [float(r), float(r + 1)])
         assert out["p2p"] == (0.0 if r == 0 else 42.0)
         assert out["world_ops"] == {"all_reduce": 2, "broadcast": 1, "all_gather_single": 1,
                                     "reduce_scatter_single": 1, "gather": 1,
@@ -169,7 +172,7 @@ def _unrouted_world(comm: commlib.Communicator) -> tuple[str, str, float]:
     from torch.distributed import distributed_c10d as c10d
 
     try:
-        importlib.import_module("torchcomms._backend_wrapper")
+        importlib.import_module("torchcomms._comms")
         probe = "importable"
     except ImportError as exc:
         probe = str(exc)
@@ -181,7 +184,7 @@ def _unrouted_world(comm: commlib.Communicator) -> tuple[str, str, float]:
 
 def test_without_a_backend_wrapper_torch_does_not_route(standin_on_path: None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    # The plain stand-in (no opt-in) has neither torchcomms._comms nor _backend_wrapper:
+    # The plain stand-in (no opt-in) refuses to import torchcomms._comms (its _BackendWrapper):
     # torch's import-time probe fails, so the flag is inert and c10d stays on gloo.
     monkeypatch.delenv(OPT_IN_ENV, raising=False)
     assert os.environ[ROUTE_ENV] == "1"

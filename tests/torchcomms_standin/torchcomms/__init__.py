@@ -11,9 +11,9 @@ See ``tests/torchcomms_standin/README.md`` for what it enforces and what it does
 
 from typing import TYPE_CHECKING, Any
 
-# torch.distributed probes ``torchcomms._comms`` / ``torchcomms._backend_wrapper`` while torch
-# itself is being imported (to route c10d through torchcomms). This package has no ``_comms``,
-# and ``_backend_wrapper`` raises ImportError unless TORCHCOMMS_STANDIN_BACKEND_WRAPPER=1, so by
+# torch.distributed probes ``torchcomms._comms._BackendWrapper`` (and torch 2.14+
+# ``is_backend_built``) while torch itself is being imported (to route c10d through
+# torchcomms). ``_comms`` raises ImportError unless TORCHCOMMS_STANDIN_BACKEND_WRAPPER=1, so by
 # default that probe fails and c10d stays unaware of the stand-in; to let the probe run cleanly
 # mid-import, importing this package must not import torch: names load lazily on first use.
 if TYPE_CHECKING:
@@ -69,6 +69,11 @@ def __dir__() -> list[str]:
 
 #: Marks this module as the test stand-in (tests may assert it; commlib must not use it).
 _IS_TEST_STANDIN = True
+
+
+def is_backend_built(backend: str) -> bool:
+    """Whether this build has ``backend`` (torch 2.14+ imports this): the stand-in has gloo."""
+    return backend == "gloo"
 
 __all__ = [
     "new_comm",

@@ -9,7 +9,9 @@ never touched) and calls its methods directly. Deadlines are gloo's own: a colle
 its timeout in the c10d options, so gloo itself raises "Timed out waiting ...ms for recv
 operation to complete" and closes the pairs ("Application timeout caused pair closure"),
 exactly the failure torchcomms' gloo backend shows. Point-to-point ops pass the deadline to
-``Work.wait``. See ../README.md for the decisions and for what is not emulated.
+``Work.wait``. A stream-ordered communicator (``TORCHCOMMS_STANDIN_NONBLOCKING_WAIT=1``) waits
+as CUDA does: each op runs on a thread of its own and ``TorchWork.wait()`` does not block.
+See ../README.md for the decisions and for what is not emulated.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import itertools
 import logging
 import os
 import threading
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -73,6 +74,8 @@ FINALIZE_OP_ID = 2**64 - 1
 _TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure")
 _PAIR_CLOSED = "Application timeout caused pair closure"
 _NOT_EMULATED = "is not emulated by the torchcomms stand-in"
+# Set to 1 to make communicators stream-ordered, as on CUDA: TorchWork.wait() does not block.
+NONBLOCKING_WAIT_ENV = "TORCHCOMMS_STANDIN_NONBLOCKING_WAIT"
 
 # One process-wide, increasing op id sequence shared by all communicators, as in torchcomms.
 _op_ids = itertools.count()
@@ -91,10 +94,17 @@ def _type_name(value: object) -> str:
     return type(value).__module__ + "." + type(value).__qualname__
 
 
-def _check_async_op(async_op: object) -> bool:
-    if type(async_op) is not bool:
-        raise TypeError(f"async_op must be a bool, got {_type_name(async_op)}")
-    return async_op
+def _check_bool(what: str, value: object) -> bool:
+    """pybind11's ``bool`` conversion: None is False, anything with ``__bool__`` converts
+    (1, 0, 2.5), a string does not."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if getattr(type(value), "__bool__", None) is not None:
+        try:
+            return bool(value)
+        except Exception:
+            pass
+    raise TypeError(f"{what} must be a bool, got {_type_name(value)}")
 
 
 def _check_tensor(what: str, value: object) -> torch.Tensor:
@@ -137,9 +147,15 @@ def _check_hints(hints: object) -> dict[str, str]:
 
 
 def _check_timeout(timeout: object) -> timedelta | None:
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta or None, got {_type_name(timeout)}")
-    return timeout
+    """pybind11's ``std::chrono`` conversion: a timedelta, or a float of seconds (not an int)."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, float):
+        return timedelta(seconds=timeout)
+    raise TypeError(
+        f"timeout must be a datetime.timedelta, a float of seconds or None, got "
+        f"{_type_name(timeout)}"
+    )
 
 
 def _check_op(op: object) -> ReduceOp:
@@ -182,14 +198,14 @@ _C10D_REDUCE: dict[RedOpType, c10d.ReduceOp] = {
 
 def _premultiply(tensor: torch.Tensor, op: ReduceOp) -> None:
     """Scale ``tensor`` in place for PREMUL_SUM (an int tensor and a float factor fail here)."""
-    if op.type is RedOpType.PREMUL_SUM:
+    if op.type == RedOpType.PREMUL_SUM:
         assert op._factor is not None
         tensor.mul_(op._factor)
 
 
 def _average(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
     """Finish an AVG: divide the sum by the size (truncating for integer tensors)."""
-    if op.type is not RedOpType.AVG:
+    if op.type != RedOpType.AVG:
         return
     if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         tensor.div_(size)
@@ -262,9 +278,8 @@ def _claim_once(store: Store, key: str, message: str) -> None:
         raise RuntimeError(message)
 
 
-def _dup_store(bootstrap: Store, rank: int, host: str, timeout: timedelta) -> Store:
+def _dup_store(bootstrap: Store, key: str, rank: int, host: str, timeout: timedelta) -> Store:
     """Rank 0 serves a fresh TCPStore for this communicator and publishes its port."""
-    key = "dup_store_port"
     if rank == 0:
         server = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         bootstrap.set(key, str(server.port))
@@ -298,14 +313,14 @@ def _communicator_store(
             raise RuntimeError("MASTER_PORT env is not set")
         # The launcher (torchrun, a test) serves MASTER_ADDR:MASTER_PORT; no rank serves it.
         store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    # torchcomms publishes the port under one fixed key, so communicators made at once on one
+    # store race. Here the key names the communicator and how many of that name this rank
+    # made on the store before: ranks that create them in the same order agree, and a name
+    # may be used again (torchcomms accepts that too).
     bootstrap = PrefixStore(name, store)
-    _claim_once(
-        bootstrap,
-        f"torchcomms_standin/created/{rank}",
-        f"a communicator named {name!r} was already created on this store; torchcomms needs "
-        "communicator names that are unique per store",
-    )
-    return PrefixStore(name, _dup_store(bootstrap, rank, host, timeout))
+    count = bootstrap.add(f"torchcomms_standin/created/{rank}", 1)
+    key = f"dup_store_port/{count}"
+    return PrefixStore(name, _dup_store(bootstrap, key, rank, host, timeout))
 
 
 def _make_process_group(
@@ -341,19 +356,19 @@ _Launch = Callable[[timedelta], tuple[Any, _Finisher]]
 def new_comm(
     backend: str,
     device: torch.device,
-    *,
     name: str,
     abort_process_on_timeout_or_error: bool | None = None,
-    timeout: timedelta | None = None,
+    timeout: timedelta | float | None = None,
+    high_priority_stream: bool | None = None,
     store: Store | None = None,
     enable_reconfigure: bool = False,
     hints: dict[str, str] | None = None,
 ) -> TorchComm:
     """Create a communicator over all ranks; every rank must call it (it blocks until all do).
 
-    Everything after ``device`` is keyword-only and ``name`` is required: torchcomms' .pyi
-    and its binding disagree on the positional order (the binding has ``name`` third and
-    required), so only keyword calls work against both.
+    The binding's order and conversions: ``name`` third and required, the flags converted as
+    pybind11 converts a ``bool``, ``timeout`` a timedelta or a float of seconds.
+    ``high_priority_stream`` has no effect on gloo.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {_type_name(backend)}")
@@ -367,19 +382,18 @@ def new_comm(
         raise RuntimeError(f"the torchcomms stand-in runs on CPU only, got device {device}")
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {_type_name(name)}")
-    if (
-        abort_process_on_timeout_or_error is not None
-        and type(abort_process_on_timeout_or_error) is not bool
-    ):
-        raise TypeError("abort_process_on_timeout_or_error must be a bool or None")
-    _check_timeout(timeout)
+    if abort_process_on_timeout_or_error is not None:
+        abort_process_on_timeout_or_error = _check_bool(
+            "abort_process_on_timeout_or_error", abort_process_on_timeout_or_error
+        )
+    timeout = _check_timeout(timeout)
+    if high_priority_stream is not None:
+        _check_bool("high_priority_stream", high_priority_stream)
     if store is not None and not isinstance(store, Store):
         raise TypeError(f"store must be a torch.distributed.Store or None, got {_type_name(store)}")
-    if type(enable_reconfigure) is not bool:
-        raise TypeError("enable_reconfigure must be a bool")
-    hint_map = _check_hints(hints)
-    if enable_reconfigure:
+    if _check_bool("enable_reconfigure", enable_reconfigure):
         raise NotImplementedError(f"enable_reconfigure=True {_NOT_EMULATED}")
+    hint_map = _check_hints(hints)
 
     options = CommOptions(
         abort_process_on_timeout_or_error=(
@@ -392,11 +406,20 @@ def new_comm(
     )
     rank, size = _rank_and_size_from_env()
     comm_store = _communicator_store(store, name, rank, hint_map, options.timeout)
-    return TorchComm._create(name, rank, size, device, comm_store, options)
+    stream_ordered = _env_bool(NONBLOCKING_WAIT_ENV, False)
+    return TorchComm._create(
+        name, rank, list(range(size)), device, comm_store, options, stream_ordered
+    )
 
 
 class TorchWork:
-    """Handle of one operation. ``wait()`` returns once the op finished, raising its error."""
+    """Handle of one operation. ``wait()`` returns once the op finished, raising its error.
+
+    On a stream-ordered communicator (``TORCHCOMMS_STANDIN_NONBLOCKING_WAIT=1``, the CUDA
+    case) ``wait()`` returns at once and raises nothing, as NCCL's only makes the current
+    stream wait; the op runs to its end on a thread of its own and ``is_completed()`` says
+    when it did.
+    """
 
     _comm: TorchComm
     _async: bool
@@ -431,6 +454,10 @@ class TorchWork:
         work._p2p_timeout = p2p_timeout
         work._error = error
         work._waited = False
+        if status is WorkStatus.INPROGRESS and comm._stream_ordered:
+            # The "device" runs the op; the thread holds the work until the op has ended.
+            threading.Thread(target=work._settle, name="torchcomms-standin-stream",
+                             daemon=True).start()
         return work
 
     def _settle(self) -> None:
@@ -453,13 +480,20 @@ class TorchWork:
             self._pg_work = None
             self._finish = None
 
+    def __del__(self) -> None:
+        # torchcomms' gloo runs an async op on a std::async thread whose future joins it when
+        # destroyed: dropping an unfinished work blocks until the op ends or times out.
+        if getattr(self, "_status", None) is WorkStatus.INPROGRESS:
+            self._settle()
+
     def is_completed(self) -> bool:
         """True once the op finished successfully (False while running and after an error).
 
-        A point-to-point op only completes in ``wait()``, as with torchcomms' gloo backend.
+        With gloo a point-to-point op only completes in ``wait()``, as with torchcomms' gloo.
         """
         if (
             self._status is WorkStatus.INPROGRESS
+            and not self._comm._stream_ordered
             and self._p2p_timeout is None
             and self._pg_work.is_completed()
         ):
@@ -467,18 +501,24 @@ class TorchWork:
         return self._status is WorkStatus.COMPLETED
 
     def wait(self) -> None:
-        """Wait for the op. Its error is raised by the first ``wait()`` only, as in torchcomms."""
+        """Wait for the op. Its error is raised by the first ``wait()`` only, as in torchcomms.
+
+        Stream-ordered: returns at once, whatever the op's state (NCCL's enqueues a stream wait).
+        """
         if self._waited:
             return
         self._waited = True
+        if self._comm._stream_ordered:
+            return
         self._settle()
         if self._status is WorkStatus.ERROR:
             assert self._error is not None
             raise self._error
 
     def wait_blocking(self) -> None:
-        """Supported only on works of synchronous ops, as with torchcomms' gloo backend."""
-        if self._async:
+        """Supported only by works that are complete from the start (gloo's synchronous ops),
+        as in torchcomms: neither gloo's async works nor NCCL's implement it."""
+        if self._async or self._comm._stream_ordered:
             raise RuntimeError("[TorchWork]: waitBlocking not implemented for this work type")
         self.wait()
 
@@ -489,12 +529,14 @@ class TorchComm:
     _name: str
     _rank: int
     _size: int
+    _global_ranks: list[int]  # the new_comm ranks of the members, in this communicator's order
     _device: torch.device
     _store: Store  # the store this communicator's gloo group rendezvoused on
     _options: CommOptions
     _pg: Any  # a ProcessGroupGloo; typed Any because torch's stubs omit the Backend methods
     _finalized: bool
     _timed_out: bool  # gloo closed the pairs after a timeout: every later op fails
+    _stream_ordered: bool  # CUDA-like: wait() does not block (TORCHCOMMS_STANDIN_NONBLOCKING_WAIT)
     _split_count: int
     _hook_ids: Iterator[int]
     _pre_hooks: dict[int, PreHook]
@@ -509,22 +551,26 @@ class TorchComm:
         cls,
         name: str,
         rank: int,
-        size: int,
+        global_ranks: list[int],
         device: torch.device,
         store: Store,
         options: CommOptions,
+        stream_ordered: bool,
     ) -> TorchComm:
+        size = len(global_ranks)
         pg = _make_process_group(store, rank, size, options.timeout, options.hints)
         comm = object.__new__(cls)
         comm._name = name
         comm._rank = rank
         comm._size = size
+        comm._global_ranks = global_ranks
         comm._device = device
         comm._store = store
         comm._options = options
         comm._pg = pg
         comm._finalized = False
         comm._timed_out = False
+        comm._stream_ordered = stream_ordered
         comm._split_count = 0
         comm._hook_ids = itertools.count()
         comm._pre_hooks = {}
@@ -642,16 +688,17 @@ class TorchComm:
 
     def _call_pre_hooks(self, op_name: OpName, op_id: int, args: PreHookArgs) -> None:
         for hook in list(self._pre_hooks.values()):
-            hook(op_name, op_id, args)
+            hook(op_name._copy(), op_id, args)  # a new object per call, as from the binding
 
     def _call_post_hooks(self, op_id: int, args: PostHookArgs) -> None:
         for hook in list(self._post_hooks.values()):
             hook(op_id, args)
 
-    def _begin(self, op_name: OpName, args: PreHookArgs) -> int:
+    def _begin(self, op_name: OpName, args: PreHookArgs, *, initialized: bool = True) -> int:
+        """Take an op id and run the pre-hooks; ``initialized``: refuse after finalize()."""
         op_id = _next_op_id()
         self._call_pre_hooks(op_name, op_id, args)
-        if self._finalized:
+        if initialized and self._finalized:
             raise RuntimeError("TorchCommGloo not initialized")
         return op_id
 
@@ -700,20 +747,20 @@ class TorchComm:
         p2p: bool = False,
     ) -> TorchWork:
         deadline = self._deadline(timeout)
-        if async_op:
+        if async_op or self._stream_ordered:  # stream-ordered: a sync op is only enqueued too
             try:
                 pg_work, finish = self._launch(launch, deadline)
             except Exception as exc:
-                work = TorchWork._new(
-                    self,
-                    async_op=True,
-                    status=WorkStatus.ERROR,
-                    error=self._translate_error(exc),
-                )
+                error = self._translate_error(exc)
+                if not async_op:
+                    if error is exc:
+                        raise
+                    raise error from exc
+                work = TorchWork._new(self, async_op=True, status=WorkStatus.ERROR, error=error)
             else:
                 work = TorchWork._new(
                     self,
-                    async_op=True,
+                    async_op=async_op,
                     status=WorkStatus.INPROGRESS,
                     pg_work=pg_work,
                     finish=finish,
@@ -752,9 +799,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("tensor", tensor)
         _check_int("dst", dst)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("dst", dst)
         op_id = self._begin(OpName.send, SendPreHookArgs(tensor, dst, async_op))
         _ensure_contiguous(tensor)
@@ -774,9 +821,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("tensor", tensor)
         _check_int("src", src)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("src", src)
         op_id = self._begin(OpName.recv, RecvPreHookArgs(tensor, src, async_op))
         _ensure_contiguous(tensor)
@@ -798,9 +845,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("tensor", tensor)
         _check_int("root", root)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("root", root)
         op_id = self._begin(OpName.broadcast, BroadcastPreHookArgs(tensor, root, async_op))
         _ensure_contiguous(tensor)
@@ -822,9 +869,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("tensor", tensor)
         _check_op(op)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(OpName.all_reduce, AllReducePreHookArgs(tensor, async_op))
         _ensure_contiguous(tensor)
 
@@ -848,9 +895,9 @@ class TorchComm:
         _check_tensor("tensor", tensor)
         _check_int("root", root)
         _check_op(op)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("root", root)
         op_id = self._begin(OpName.reduce, ReducePreHookArgs(tensor, root, async_op))
         _ensure_contiguous(tensor)
@@ -874,9 +921,9 @@ class TorchComm:
     ) -> TorchWork:
         outputs = _check_tensor_list("tensor_list", tensor_list)
         _check_tensor("tensor", tensor)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(OpName.all_gather, AllGatherPreHookArgs(tensor, outputs, async_op))
         if len(outputs) != self._size:
             raise RuntimeError("tensor_list size must equal comm_size for all_gather")
@@ -909,9 +956,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("output", output)
         _check_tensor("input", input)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(
             OpName.all_gather_single, AllGatherSinglePreHookArgs(input, output, async_op)
         )
@@ -945,13 +992,21 @@ class TorchComm:
         async_op: bool,
         timeout: timedelta | None,
     ) -> TorchWork:
+        """torchcomms' gloo: all-reduce the flat input in place, then copy this rank's chunk."""
+
         def launch(deadline: timedelta) -> tuple[Any, _Finisher]:
             flat_input = make_input()
             _premultiply(flat_input, op)
-            opts = c10d.ReduceScatterOptions()
+            opts = c10d.AllreduceOptions()
             opts.reduceOp, opts.timeout = _C10D_REDUCE[op.type], deadline
-            pg_work = self._pg._reduce_scatter_base(output.view(-1), flat_input, opts)
-            return pg_work, lambda: _average(output, op, self._size)
+            pg_work = self._pg.allreduce([flat_input], opts)
+            n = output.numel()
+
+            def finish() -> None:
+                _average(flat_input, op, self._size)
+                output.view(-1).copy_(flat_input[self._rank * n : (self._rank + 1) * n])
+
+            return pg_work, finish
 
         return self._run(op_id, launch, async_op, timeout)
 
@@ -967,9 +1022,9 @@ class TorchComm:
         _check_tensor("output", output)
         inputs = _check_tensor_list("input_list", input_list)
         _check_op(op)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(
             OpName.reduce_scatter, ReduceScatterPreHookArgs(inputs, output, async_op)
         )
@@ -995,9 +1050,9 @@ class TorchComm:
         _check_tensor("output", output)
         _check_tensor("input", input)
         _check_op(op)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(
             OpName.reduce_scatter_single, ReduceScatterSinglePreHookArgs(input, output, async_op)
         )
@@ -1007,12 +1062,11 @@ class TorchComm:
                 "reduce_scatter_single: input must hold output.numel() * comm_size elements"
             )
 
-        # The caller's input is never modified (premul scales a copy).
-        def make_input() -> torch.Tensor:
-            flat = input.reshape(-1)
-            return flat.clone() if op.type is RedOpType.PREMUL_SUM else flat
-
-        return self._reduce_scatter_flat(op_id, output, make_input, op, async_op, timeout)
+        # As with torchcomms' gloo, the caller's input ends up holding the full reduction
+        # (scaled for PREMUL_SUM, divided for AVG); reduce_scatter's list is copied first.
+        return self._reduce_scatter_flat(
+            op_id, output, lambda: input.view(-1), op, async_op, timeout
+        )
 
     def reduce_scatter_v(
         self,
@@ -1035,9 +1089,9 @@ class TorchComm:
     ) -> TorchWork:
         _check_tensor("output", output)
         _check_tensor("input", input)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(
             OpName.all_to_all_single, AllToAllSinglePreHookArgs(input, output, async_op)
         )
@@ -1069,9 +1123,9 @@ class TorchComm:
         _check_tensor("input", input)
         out_splits = _check_int_list("output_split_sizes", output_split_sizes, non_negative=True)
         in_splits = _check_int_list("input_split_sizes", input_split_sizes, non_negative=True)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(
             OpName.all_to_all_v_single,
             AllToAllVSinglePreHookArgs(input, output, in_splits, out_splits, async_op),
@@ -1107,9 +1161,9 @@ class TorchComm:
     ) -> TorchWork:
         outputs = _check_tensor_list("output_tensor_list", output_tensor_list)
         inputs = _check_tensor_list("input_tensor_list", input_tensor_list)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(OpName.all_to_all, AllToAllPreHookArgs(inputs, outputs, async_op))
         if len(outputs) != self._size or len(inputs) != self._size:
             raise RuntimeError("Tensor list sizes must equal comm_size for all_to_all")
@@ -1139,9 +1193,9 @@ class TorchComm:
         hints: dict[str, str] | None = None,
         timeout: timedelta | None = None,
     ) -> TorchWork:
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         op_id = self._begin(OpName.barrier, BarrierPreHookArgs(async_op))
 
         def launch(deadline: timedelta) -> tuple[Any, _Finisher]:
@@ -1164,9 +1218,9 @@ class TorchComm:
         _check_tensor("output_tensor", output_tensor)
         inputs = _check_tensor_list("input_tensor_list", input_tensor_list)
         _check_int("root", root)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("root", root)
         op_id = self._begin(
             OpName.scatter, ScatterPreHookArgs(output_tensor, inputs, root, async_op)
@@ -1227,9 +1281,9 @@ class TorchComm:
         outputs = _check_tensor_list("output_tensor_list", output_tensor_list)
         _check_tensor("input_tensor", input_tensor)
         _check_int("root", root)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("root", root)
         op_id = self._begin(OpName.gather, GatherPreHookArgs(input_tensor, outputs, root, async_op))
         return self._gather_into(op_id, outputs, input_tensor, root, async_op, timeout)
@@ -1247,9 +1301,9 @@ class TorchComm:
         _check_tensor("output", output)
         _check_tensor("input", input)
         _check_int("root", root)
-        _check_async_op(async_op)
+        async_op = _check_bool("async_op", async_op)
         _check_hints(hints)
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         self._validate_rank("root", root)
         op_id = self._begin(
             OpName.gather_single, GatherSinglePreHookArgs(input, output, root, async_op)
@@ -1266,21 +1320,26 @@ class TorchComm:
         hints: dict[str, str] | None = None,
         timeout: timedelta | None = None,
     ) -> TorchComm | None:
-        """Make a sub-communicator. Collective over the whole parent: every parent rank calls it.
+        """Make a sub-communicator of ``ranks``, as torchcomms' gloo does: only members meet.
 
         A member passes the group's parent ranks (its new rank is its position in the list);
-        a rank outside every group passes ``[]`` and gets None. A non-empty list that does not
-        hold the caller's rank raises RuntimeError, as in torchcomms. Several disjoint groups
-        may be split off in one call; members of a group must pass the same list and name.
-        The new communicator is named ``f"{name}_{min(ranks)}"``; its timeout is ``timeout``
-        or the environment default (it is NOT inherited from the parent).
+        the members rendezvous under ``f"{split_id}/{name}_{min(ranks)}"``, where ``split_id``
+        counts this rank's non-empty splits of this parent. ``[]`` returns None at once,
+        before that counter moves: after a split that left a rank out, that rank's next
+        split rendezvouses under other keys than the members' and waits out its timeout (a
+        non-member that calls ``split([own_rank])`` instead keeps the counters in step).
+        Lists that differ between ranks are not detected: each rank meets whoever used its
+        keys (a rank alone gets a 1-rank communicator, a rank waiting for absent members
+        times out). A non-empty list without the caller raises. The child is named
+        ``f"{name}_{min(ranks)}"``; its timeout is ``timeout`` or the environment default
+        (not the parent's). Works after ``finalize()``, as in torchcomms.
         """
         group = _check_int_list("ranks", ranks)
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {_type_name(name)}")
         hint_map = _check_hints(hints)
-        _check_timeout(timeout)
-        op_id = self._begin(OpName.split, SplitPreHookArgs(list(group), name))
+        timeout = _check_timeout(timeout)
+        op_id = self._begin(OpName.split, SplitPreHookArgs(list(group), name), initialized=False)
         for r in group:
             if not 0 <= r < self._size:
                 raise RuntimeError(
@@ -1288,16 +1347,15 @@ class TorchComm:
                 )
         if len(set(group)) != len(group):
             raise RuntimeError("Duplicate ranks found in ranks list")
-        if group and self._rank not in group:
+        if not group:
+            return None
+        if self._rank not in group:
             raise RuntimeError(
                 f"Current rank {self._rank} is not included in the provided ranks list"
             )
-        self._agree_on_split(group, name, self._deadline(timeout))
+        color = min(group)
         split_id = self._split_count
         self._split_count += 1
-        if not group:
-            return None
-        color = min(group)
         hint_map["persistent_store"] = "true"
         options = CommOptions(
             abort_process_on_timeout_or_error=self._options.abort_process_on_timeout_or_error,
@@ -1306,45 +1364,13 @@ class TorchComm:
         )
         store = PrefixStore(f"{split_id}/{name}_{color}", self._store)
         child = TorchComm._create(
-            f"{name}_{color}", group.index(self._rank), len(group), self._device, store, options
+            f"{name}_{color}",
+            group.index(self._rank),
+            [self._global_ranks[r] for r in group],
+            self._device,
+            store,
+            options,
+            self._stream_ordered,
         )
         self._call_post_hooks(op_id, SplitPostHookArgs())
         return child
-
-    def _agree_on_split(self, group: list[int], name: str, deadline: timedelta) -> None:
-        """All-gather every rank's request over the parent and check they fit together."""
-        request = torch.full((self._size + 2,), -1, dtype=torch.int64)
-        request[0] = len(group)
-        request[1] = zlib.crc32(name.encode())
-        request[2 : 2 + len(group)] = torch.tensor(group, dtype=torch.int64)
-        everyone = torch.empty(self._size * (self._size + 2), dtype=torch.int64)
-
-        def launch(deadline: timedelta) -> tuple[Any, _Finisher]:
-            opts = c10d.AllgatherOptions()
-            opts.timeout = deadline
-            return self._pg._allgather_base(everyone, request, opts), None
-
-        try:
-            pg_work, _ = self._launch(launch, deadline)
-            pg_work.wait()
-        except Exception as exc:
-            error = self._translate_error(exc)
-            if error is exc:
-                raise
-            raise error from exc
-        rows = everyone.view(self._size, self._size + 2).tolist()
-        wanted = {r: (row[1], row[2 : 2 + row[0]]) for r, row in enumerate(rows)}
-        for r, (name_hash, members) in wanted.items():
-            for m in members:
-                if wanted[m] != (name_hash, members):
-                    _fail_split(r, members, m, wanted[m][1])
-
-
-def _fail_split(
-    rank: int, members: Sequence[int], other: int, other_members: Sequence[int]
-) -> NoReturn:
-    raise RuntimeError(
-        f"torchcomms stand-in: inconsistent split: rank {rank} asked for group {list(members)} "
-        f"but rank {other} asked for {list(other_members)} (or another name); every member "
-        "of a group must pass the same ranks and name, and ranks outside all groups pass []"
-    )

@@ -7,7 +7,6 @@ see ../README.md for what is and is not emulated.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,18 +46,83 @@ __all__ = [
 ]
 
 
-class RedOpType(enum.Enum):
+class _PybindEnum:
+    """A value of a pybind11 ``enum_``, as torchcomms' enums are.
+
+    Unlike ``enum.Enum``: every value that crosses the binding (a hook's ``op_name``,
+    ``ReduceOp.type``) is a new object, so only ``==`` compares (``is`` is False); equality
+    needs the same enum type; the class is not iterable (``__members__`` maps names to values).
+    """
+
+    __slots__ = ("_value",)
+    _NAMES: ClassVar[tuple[str, ...]]
+    __members__: ClassVar[dict[str, Any]]
+
+    def __init__(self, value: int) -> None:
+        if type(value) is not int or not 0 <= value < len(self._NAMES):
+            raise ValueError(f"{type(self).__name__}({value!r}): not a value of this enum")
+        self._value = value
+
+    @property
+    def name(self) -> str:
+        return self._NAMES[self._value]
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def _copy(self) -> Any:
+        """What Python receives when the binding hands this value out: a new object."""
+        return type(self)(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._value == self._value  # type: ignore
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __int__(self) -> int:
+        return self._value
+
+    def __index__(self) -> int:
+        return self._value
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return type(self), (self._value,)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}.{self.name}: {self._value}>"
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+def _enum_values(cls: type[_PybindEnum], names: str) -> None:
+    """Give ``cls`` its values 0, 1, ... as class attributes and in ``__members__``."""
+    cls._NAMES = tuple(names.split())
+    cls.__members__ = {name: cls(value) for value, name in enumerate(cls._NAMES)}
+    for name, member in cls.__members__.items():
+        setattr(cls, name, member)
+
+
+class RedOpType(_PybindEnum):
     """Kind of a reduction, as ``torchcomms.RedOpType``."""
 
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BAND = 4
-    BOR = 5
-    BXOR = 6
-    PREMUL_SUM = 7
-    AVG = 8
+    SUM: ClassVar[RedOpType]
+    PRODUCT: ClassVar[RedOpType]
+    MIN: ClassVar[RedOpType]
+    MAX: ClassVar[RedOpType]
+    BAND: ClassVar[RedOpType]
+    BOR: ClassVar[RedOpType]
+    BXOR: ClassVar[RedOpType]
+    PREMUL_SUM: ClassVar[RedOpType]
+    AVG: ClassVar[RedOpType]
+
+
+_enum_values(RedOpType, "SUM PRODUCT MIN MAX BAND BOR BXOR PREMUL_SUM AVG")
 
 
 PremulFactor = float | torch.Tensor
@@ -90,7 +154,7 @@ class ReduceOp:
             raise TypeError(
                 f"ReduceOp(opType) takes a torchcomms.RedOpType, got {type(opType).__name__}"
             )
-        if opType is RedOpType.PREMUL_SUM:
+        if opType == RedOpType.PREMUL_SUM:
             raise TypeError("construct a premul-sum op with ReduceOp.PREMUL_SUM(factor)")
         self._type = opType
         self._factor = None
@@ -110,7 +174,7 @@ class ReduceOp:
 
     @property
     def type(self) -> RedOpType:
-        return self._type
+        return self._type._copy()
 
     def __copy__(self) -> ReduceOp:
         return self
@@ -119,51 +183,35 @@ class ReduceOp:
         return self
 
     def __repr__(self) -> str:
-        if self._type is RedOpType.PREMUL_SUM:
+        if self._type == RedOpType.PREMUL_SUM:
             return f"ReduceOp.PREMUL_SUM({self._factor!r})"
         return f"ReduceOp.{self._type.name}"
 
 
-for _kind in RedOpType:
-    if _kind is not RedOpType.PREMUL_SUM:
+for _kind in RedOpType.__members__.values():
+    if _kind != RedOpType.PREMUL_SUM:
         setattr(ReduceOp, _kind.name, ReduceOp(_kind))
 del _kind
 
 
-class OpName(enum.Enum):
+class OpName(_PybindEnum):
     """Name passed as the first argument of a pre-hook, as ``torchcomms.OpName``."""
 
-    send = 0
-    recv = 1
-    broadcast = 2
-    all_reduce = 3
-    reduce = 4
-    all_gather = 5
-    all_gather_v = 6
-    all_gather_single = 7
-    reduce_scatter = 8
-    reduce_scatter_v = 9
-    reduce_scatter_single = 10
-    all_to_all_single = 11
-    all_to_all_v_single = 12
-    all_to_all = 13
-    barrier = 14
-    scatter = 15
-    gather = 16
-    gather_single = 17
-    split = 18
-    new_window = 19
-    finalize = 20
+
+_enum_values(
+    OpName,
+    "send recv broadcast all_reduce reduce all_gather all_gather_v all_gather_single "
+    "reduce_scatter reduce_scatter_v reduce_scatter_single all_to_all_single "
+    "all_to_all_v_single all_to_all barrier scatter gather gather_single split new_window "
+    "finalize",
+)
 
 
-class WorkStatus(enum.Enum):
+class WorkStatus(_PybindEnum):
     """Life cycle of a ``TorchWork``, as ``torchcomms.WorkStatus``."""
 
-    NOT_STARTED = 0
-    INPROGRESS = 1
-    COMPLETED = 2
-    TIMEDOUT = 3
-    ERROR = 4
+
+_enum_values(WorkStatus, "NOT_STARTED INPROGRESS COMPLETED TIMEDOUT ERROR")
 
 
 @dataclass

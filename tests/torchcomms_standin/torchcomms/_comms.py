@@ -1,12 +1,14 @@
-"""``torchcomms._backend_wrapper._BackendWrapper``: a TorchComm as torch.distributed sees it.
+"""``torchcomms._comms._BackendWrapper``: a TorchComm as torch.distributed sees it.
 
 TEST-ONLY: part of the torchcomms stand-in under tests/; it must never ship with commlib.
 
-torch 2.13's ``torch.distributed`` probes for this module while torch itself is imported and,
-with ``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``, builds every process group's backend as
-``_BackendWrapper(new_comm(...))``. The module exists only when a test opts in with
-``TORCHCOMMS_STANDIN_BACKEND_WRAPPER=1``; otherwise importing it raises ImportError, torch's
-probe fails and c10d never sees the stand-in.
+In torchcomms, ``_comms`` is the binding module, and ``_BackendWrapper`` is one of its classes.
+Here the rest of the binding's names live in ``torchcomms`` itself (``_comm``, ``_types``) and
+this module holds only the wrapper. torch 2.13's ``torch.distributed`` imports it while torch
+itself is imported and, with ``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``, builds every process
+group's backend as ``_BackendWrapper(new_comm(...))``. The module exists only when a test
+opts in with ``TORCHCOMMS_STANDIN_BACKEND_WRAPPER=1``; otherwise importing it raises
+ImportError, torch's probe fails and c10d never sees the stand-in.
 
 torchcomms' wrapper (``BackendWrapper.cpp``) is a C++ ``c10d::Backend`` registered on a C++
 ProcessGroup. Python cannot subclass ``c10d.Backend`` (it has no constructor), so this one is a
@@ -36,7 +38,7 @@ OPT_IN_ENV = "TORCHCOMMS_STANDIN_BACKEND_WRAPPER"
 
 if os.environ.get(OPT_IN_ENV) != "1":
     raise ImportError(
-        f"torchcomms._backend_wrapper (test stand-in) is only importable with {OPT_IN_ENV}=1"
+        f"torchcomms._comms (test stand-in) is only importable with {OPT_IN_ENV}=1"
     )
 
 __all__ = ["_BackendWrapper", "WorkWrapper"]
