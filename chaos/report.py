@@ -4,7 +4,7 @@
 - ``report.json`` (`Report.to_dict`): ``passed``, ``checks`` (name -> bool, only the
   checks that ran), ``bitwise_verified`` and, when false, ``bitwise_reason``, ``faults``
   (one entry per firing: ``type``, ``rank``, ``injected_at``, ``detected_after_s``,
-  ``first_step_after_s``, ``diagnosis`` and more), the doctor's findings per attempt, the
+  ``first_step_after_s``, ``recovery`` ("in_job" or "restart"), ``diagnosis`` and more), the doctor's findings per attempt, the
   job, the plan, and the step timeline;
 - ``report.png``: loss per step of the reference and of the faulted run (every execution,
   re-executed steps included, coloured by attempt), and the faulted run's progress on a
@@ -43,6 +43,15 @@ class FaultResult:
     released_after_s: float | None = None  # hang: when the stopped rank was let go
     checkpoint_step: int | None = None  # kill_during_checkpoint: the checkpoint it tore
     diagnosis: dict[str, Any] | None = None  # the doctor's finding for the attempt it broke
+    # How the job recovered: "in_job" (same processes, new communicators under the same
+    # groups, rolled back to an in-memory snapshot) or "restart" (torchrun restarted the
+    # job, DCP resume); None when it did not recover. For "in_job", `resumed_from` is the
+    # step rolled back to and `restart_after_s` stays None.
+    recovery: str | None = None
+    epoch: int | None = None  # in_job: the recovery epoch the job went on in
+    in_job_recovery_s: float | None = None  # in_job: last rank entering recovery to last rank rolled back
+    detection_to_step_s: float | None = None  # detection to the first completed step after the fault
+    fallback_reason: str | None = None  # restart after an in-job recovery failed: why it failed
 
 
 @dataclass
@@ -126,9 +135,15 @@ def _describe(f: FaultResult) -> str:
     extra = f", released after {s(f.released_after_s)}" if f.released_after_s is not None else ""
     if f.checkpoint_step is not None:
         extra += f", tore checkpoint {f.checkpoint_step}"
+    if f.recovery == "in_job":
+        how = f"recovered in-job (epoch {f.epoch}, {s(f.in_job_recovery_s)}), rolled back to step {f.resumed_from}"
+    else:
+        how = f"restart {s(f.restart_after_s)}, resumed from {f.resumed_from}"
+        if f.fallback_reason:
+            how += f" (in-job recovery failed: {f.fallback_reason})"
     return (f"{f.type} rank {f.rank}{where} (attempt {f.attempt}, t={f.injected_at:.1f} s): detected {detected}, "
-            f"restart {s(f.restart_after_s)}, first step after {s(f.first_step_after_s)}, resumed from "
-            f"{f.resumed_from}, {f.steps_reexecuted} step(s) re-executed{extra}")
+            f"{how}, first step after {s(f.first_step_after_s)} (detection to step {s(f.detection_to_step_s)}), "
+            f"{f.steps_reexecuted} step(s) re-executed{extra}")
 
 
 def plot(report: Report, path: Path) -> None:

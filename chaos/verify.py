@@ -16,8 +16,10 @@
   corrupted rank itself only finds out through the finite check -- or to the torchrun
   agent acting on the failed worker, whichever comes first), restart (fault to the first
   line of a process started after it), first completed step after the fault, the
-  checkpoint step resumed from, and the steps executed again; and attaches the doctor's
-  diagnosis of the attempt the fault broke.
+  checkpoint step resumed from, and the steps executed again; how the job recovered
+  (``recovery``: "restart" when processes started after the fault, "in_job" when the same
+  processes logged ``recovery.in_job``, so one attempt may hold several faults); and
+  attaches the doctor's diagnosis of the attempt the fault broke.
 """
 
 from __future__ import annotations
@@ -265,6 +267,10 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[
     lowest = min((int(e["rank"]) for e in steps), default=0)
     lead = [e for e in steps if e.get("rank") == lowest]
     releases = {(n["index"], n["pid"]): n for n in journal(run_dir) if n.get("event") == "chaos.release"}
+    in_job = [e for e in events if e.get("event") == "recovery.in_job"]
+    rollbacks = [e for e in events if e.get("event") == "train.rolled_back"]
+    recovery_starts = [e for e in events if e.get("event") == "recovery.start"]
+    fallbacks = [e for e in events if e.get("event") == "train.recovery_fallback"]
     start = outcome.start_ns
     agents = agent_detections(run_dir, datetime.datetime.fromtimestamp(start / 1e9).year)
 
@@ -298,22 +304,41 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[
         elif agent is not None:
             r.detected_after_s = (agent[0] - f.ts_ns) / 1e9
             r.detected_by = {"node": agent[1], "event": "torchrun.agent", "line": agent[2]}
+        recovered = next((e for e in in_job if f.ts_ns <= e["ts_ns"] < until and e["pid"] in old), None)
+        fallback = next((e for e in fallbacks if f.ts_ns <= e["ts_ns"] < until), None)
         if new:
+            r.recovery = "restart"
             r.restart_after_s = (min(procs[p].first_ns for p in new) - f.ts_ns) / 1e9
             after = [e for e in lead if e["pid"] in new]
             resume = next((e for e in events if e["pid"] in new and e.get("event") == "ckpt.resume"), None)
             r.resumed_from = int(resume["step"]) if resume is not None else (0 if after else None)
+            r.fallback_reason = fallback.get("reason") if fallback is not None else None
+            again = {int(e["step"]) for e in lead if e["pid"] in new}
         else:
             after = [e for e in lead if e["ts_ns"] > end_ns]
+            if recovered is not None:
+                r.recovery, r.epoch = "in_job", int(recovered["epoch"])
+                backs = [e for e in rollbacks if e.get("epoch") == r.epoch and e["pid"] in old
+                         and f.ts_ns <= e["ts_ns"] < until]
+                starts = [e for e in recovery_starts if e.get("epoch") == r.epoch and e["pid"] in old
+                          and f.ts_ns <= e["ts_ns"] < until]
+                if backs:
+                    # From the last rank entering recovery (once every rank knows) to the last one rolled back.
+                    if starts:
+                        r.in_job_recovery_s = (max(e["ts_ns"] for e in backs) - max(e["ts_ns"] for e in starts)) / 1e9
+                    r.resumed_from = int(backs[0]["restored_step"])
+            again = {int(e["step"]) for e in lead if f.ts_ns < e["ts_ns"] < until}
         if after:
             r.first_step_after_s = (after[0]["ts_ns"] - f.ts_ns) / 1e9
-        # Steps the broken attempt had completed that its successor ran again.
-        done = {int(e["step"]) for e in lead if e["pid"] in old}
-        r.steps_reexecuted = len({int(e["step"]) for e in lead if e["pid"] in new} & done)
+            if r.detected_after_s is not None:
+                r.detection_to_step_s = r.first_step_after_s - r.detected_after_s
+        # Steps completed before the fault that ran again after it (successor attempt or rollback).
+        done = {int(e["step"]) for e in lead if e["pid"] in old and e["ts_ns"] < f.ts_ns}
+        r.steps_reexecuted = len(again & done)
         results.append(r)
 
     timeline = [{"t": (e["ts_ns"] - start) / 1e9, "step": int(e["step"]), "loss": e.get("loss"),
-                 "attempt": int(e.get("attempt", 0))} for e in lead]
+                 "attempt": int(e.get("attempt", 0)), "epoch": int(e.get("epoch", 0))} for e in lead]
     return results, timeline
 
 

@@ -112,10 +112,40 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     world_rank = opts.group_rank if is_default else dist.get_rank()
     timeout_s = seconds(opts.timeout)
     assert timeout_s is not None
-    comms = {device.type: _communicator(options, device, comm_name, opts.store, opts.group_rank,
-                                        opts.group_size, timeout_s, world_rank)
-             for device, comm_name in _devices(options, name)}
-    return CommlibProcessGroup(comms, opts.group_rank, opts.group_size)
+    recipe = _Recipe(options, tuple(_devices(options, name)), opts.store, opts.group_rank, opts.group_size,
+                     timeout_s, world_rank)
+    group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
+    group._recipe = recipe
+    return group
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How a group's communicators were built, so in-job recovery can build them again."""
+
+    options: EngineOptions
+    devices: tuple[tuple[torch.device, str], ...]  # (device, communicator name), main one first
+    store: dist.Store  # the group's own store, as c10d handed it to `create`
+    rank: int
+    size: int
+    timeout_s: float
+    world_rank: int
+
+    def build(self, store: dist.Store) -> dict[str, Communicator]:
+        return {device.type: _communicator(self.options, device, comm_name, store, self.rank, self.size,
+                                           self.timeout_s, self.world_rank)
+                for device, comm_name in self.devices}
+
+
+def commlib_groups() -> list["CommlibProcessGroup"]:
+    """Every commlib process group of this process that torch.distributed knows, default group first.
+
+    Read from torch.distributed's own group registry (in creation order, which every rank
+    shares because group creation is collective); commlib keeps no list of its own.
+    """
+    registry = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(registry.pg_map) if registry is not None else []
+    return [g for g in groups if isinstance(g, CommlibProcessGroup)]
 
 
 def _engine(options: EngineOptions) -> str:
@@ -235,6 +265,29 @@ class CommlibProcessGroup(dist.ProcessGroup):
                              f"found {list(comms)}")
         self._comms = dict(comms)
         self._register_engines()
+
+    def rebuild_communicators(self, epoch: int) -> None:
+        """New engine communicators under this group for recovery epoch `epoch` (collective over the group).
+
+        They rendezvous under `epoch{N}/` of the group's store, so no key of an earlier
+        incarnation is read; the old communicators are aborted first (idempotent).
+        """
+        recipe: _Recipe | None = getattr(self, "_recipe", None)
+        if recipe is None:
+            raise RuntimeError(f"commlib process group rank {self.rank()}: expected a group made by the commlib "
+                               f"backend's creator (it keeps how to rebuild it); found none to rebuild from")
+        if not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"commlib process group rank {self.rank()}: expected epoch >= 1; found {epoch!r}")
+        self.abort_quietly()
+        self.replace_communicators(recipe.build(dist.PrefixStore(f"epoch{epoch}/", recipe.store)))
+
+    def abort_quietly(self) -> None:
+        """Abort every communicator under this group; one that fails to abort does not stop the others."""
+        for comm in self._comms.values():
+            try:
+                comm.abort()
+            except Exception as exc:  # an engine already torn down: it is unusable either way
+                _log.get_logger().warning("comm.abort_failed", comm=comm.name, error=f"{type(exc).__name__}: {exc}")
 
     def _register_engines(self) -> None:
         # torch asks a group for its backend per device (FSDP2's allocation, device

@@ -186,6 +186,69 @@ class TrainState:
     history: list[dict[str, int]] = field(default_factory=list)  # {"step", "attempt"} per step applied
 
 
+@dataclass
+class Snapshot:
+    """The last good state in memory, for in-job recovery: model, optimizer, RNG and `TrainState`.
+
+    Local tensors only (this rank's FSDP2 shards), cloned; `restore` copies them back in place,
+    so the parameters FSDP2 and the optimizer hold stay the same objects and get the same bits.
+    The data position is `state.step` (batches are a function of the step).
+    """
+
+    state: TrainState
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    optim: list[dict[str, Any]]  # per parameter in the optimizer's order; {} before its first step
+    rng: dict[str, torch.Tensor]
+
+    @classmethod
+    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> "Snapshot":
+        optim = []
+        for p in _optimizer_params(optimizer):
+            optim.append({k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in optimizer.state.get(p, {}).items()})
+        return cls(state=TrainState(step=state.step, losses=list(state.losses),
+                                    history=[dict(h) for h in state.history]),
+                   params=[_local(p).detach().clone() for p in model.parameters()],
+                   buffers=[_local(b).detach().clone() for b in model.buffers()],
+                   optim=optim, rng={k: v.clone() for k, v in _rng_state().items()})
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+        """Put this snapshot back into `model` and `optimizer` (in place) and the RNG; returns its state."""
+        params, buffers = list(model.parameters()), list(model.buffers())
+        if len(params) != len(self.params) or len(buffers) != len(self.buffers):
+            raise RuntimeError(f"snapshot restore: expected {len(self.params)} parameters and {len(self.buffers)} "
+                               f"buffers as when it was taken; found {len(params)} and {len(buffers)}")
+        with torch.no_grad():
+            for live, saved in zip([*params, *buffers], [*self.params, *self.buffers], strict=True):
+                _local(live).copy_(saved)
+            for i, (p, saved_state) in enumerate(zip(_optimizer_params(optimizer), self.optim, strict=True)):
+                if not saved_state:
+                    optimizer.state.pop(p, None)
+                    continue
+                live_state = optimizer.state.get(p)
+                if not live_state or live_state.keys() != saved_state.keys():
+                    raise RuntimeError(f"snapshot restore: expected optimizer state {sorted(saved_state)} for "
+                                       f"parameter {i}; found {sorted(live_state or {})}")
+                for k, v in saved_state.items():
+                    if isinstance(v, torch.Tensor):
+                        _local(live_state[k]).copy_(v)
+                    else:
+                        live_state[k] = v
+        _set_rng_state(self.rng)
+        return TrainState(step=self.state.step, losses=list(self.state.losses),
+                          history=[dict(h) for h in self.state.history])
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class CheckpointMismatch(ValueError):
     """The checkpoint to resume from was written by a run with a different config."""
 
@@ -261,6 +324,13 @@ class Checkpointer:
                 log.info("ckpt.pruned", step=old)
         self.comm.barrier()  # the commit is visible before any rank moves on
         log.info("ckpt.end", step=state.step, path=str(final), duration_s=time.perf_counter() - start)
+
+    def discard_staging(self) -> None:
+        """After an in-job recovery: rank 0 removes staging left by the failed save; every rank waits for it."""
+        if self.comm.rank == 0:
+            for name in clean_staging(self.directory):
+                commlib.get_logger().info("ckpt.staging_removed", path=str(self.directory / name))
+        self.comm.barrier()
 
     def _choose(self) -> int:
         """Rank 0: clean staging and pick the newest complete step (-1: none)."""

@@ -14,6 +14,18 @@ On CPU, training is bitwise deterministic: the same config gives bitwise-equal l
 final state, and so does a run resumed from any of its checkpoints. That is the property
 the chaos harness verifies.
 
+In-job recovery (default; `--no-in-job-recovery` turns it off): when a step or a
+checkpoint raises (a commlib `CommError`, `NonFiniteError`, an exception in the step) and
+every process is still alive, the trainer calls `commlib.Recovery.recover` (abort the
+engine communicators of every commlib group, join a new epoch through the job's store,
+rebuild the engines under the same group objects), resets FSDP2's per-iteration state,
+restores the in-memory `Snapshot` of the last good state (model, optimizer, RNG, step:
+taken after every `--snapshot-every` steps and after every checkpoint) and goes on in the
+same process. Where recovery fails (a rank gone or not joining within
+`--recovery-join-timeout`, more than `--max-in-job-recoveries`), it logs
+`train.recovery_fallback` and exits with the original error's code below, and torchrun
+restarts the job (DCP resume). Each step's `train.step` event carries the recovery `epoch`.
+
 Exit codes (torchrun restarts the job on any non-zero one):
     0  finished
     1  any other exception (including `CheckpointMismatch`)
@@ -40,7 +52,7 @@ import fsdp_overlap
 from commlib.initialize import BACKENDS
 from chaos.inject import install_from_env
 from chaos.results import write_results
-from chaos.workload.checkpoint import Checkpointer, TrainState
+from chaos.workload.checkpoint import CheckpointMismatch, Checkpointer, Snapshot, TrainState
 from chaos.workload.data import DataConfig, batch_for
 from chaos.workload.model import (MASKS, ModelConfig, Transformer, build_block_mask, require_supported_torch,
                                   set_deterministic, warm_up_attention)
@@ -89,9 +101,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fsdp-mode", choices=[m.value for m in fsdp_overlap.Mode], default=fsdp_overlap.Mode.PLAIN.value,
                    help="plain: fully_shard as is, its collectives on the commlib process group (default)")
     p.add_argument("--prefetch", type=int, default=1, help="blocks all-gathered ahead")
+    p.add_argument("--no-in-job-recovery", dest="in_job_recovery", action="store_false",
+                   help="on any failure exit and let torchrun restart the job (no in-job recovery)")
+    p.add_argument("--max-in-job-recoveries", type=int, default=3,
+                   help="in-job recoveries per process before falling back to a restart")
+    p.add_argument("--recovery-join-timeout", type=float, default=None,
+                   help="seconds every rank has to join a new epoch; default 2 x --timeout + 5")
+    p.add_argument("--snapshot-every", type=int, default=1,
+                   help="in-memory snapshot for in-job recovery every N steps (and at every checkpoint)")
     args = p.parse_args(argv)
     if args.steps < 0 or args.ckpt_every < 0:
         p.error(f"expected --steps >= 0 and --ckpt-every >= 0; found {args.steps} and {args.ckpt_every}")
+    if args.snapshot_every < 1 or args.max_in_job_recoveries < 0:
+        p.error(f"expected --snapshot-every >= 1 and --max-in-job-recoveries >= 0; found {args.snapshot_every} "
+                f"and {args.max_in_job_recoveries}")
     return args
 
 
@@ -109,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _device(args.device)
     comm = commlib.init(backend=args.backend, timeout=args.timeout, log_dir=args.log_dir, device=device)
     try:
-        train(args, comm, device)
+        comm = train(args, comm, device)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         comm_error = commlib.find_comm_error(exc)
         code = _exit_code(exc, comm_error)
@@ -131,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
-def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.device) -> None:
+def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.device) -> commlib.Communicator:
+    """Train to `--steps`; returns the world communicator in use at the end (a new one after a recovery)."""
     log = commlib.get_logger()
     attempt = _attempt()
     model_cfg, data_cfg = configs(args)
@@ -166,24 +190,99 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
                          f"found --steps {args.steps}, checkpoint at step {state.step}")
 
     tokens = args.batch_size * args.seq_len * comm.size
-    for step in range(state.step + 1, args.steps + 1):
-        with commlib.context(step=step):
-            if injector is not None:
-                injector.on_step_start(step)
-            start = time.perf_counter()
-            loss = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device)
-            state.step = step
-            state.losses.append(loss)
-            state.history.append({"step": step, "attempt": attempt})
-            log.info("train.step", step=step, loss=loss, tokens=tokens, step_time_s=time.perf_counter() - start)
-            if checkpointer is not None and args.ckpt_every and step % args.ckpt_every == 0:
-                with commlib.context(phase="checkpoint"):
-                    checkpointer.save(model, optimizer, state)
+    recovery = _recovery(args, model)
+    snapshot = Snapshot.take(model, optimizer, state) if recovery is not None else None
+    while state.step < args.steps:
+        step = state.step + 1
+        try:
+            with commlib.context(step=step):
+                if injector is not None:
+                    injector.on_step_start(step)
+                start = time.perf_counter()
+                loss = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device)
+                state.step = step
+                state.losses.append(loss)
+                state.history.append({"step": step, "attempt": attempt})
+                log.info("train.step", step=step, loss=loss, tokens=tokens, step_time_s=time.perf_counter() - start,
+                         epoch=recovery.epoch if recovery is not None else 0)
+                saved = checkpointer is not None and args.ckpt_every and step % args.ckpt_every == 0
+                if saved:
+                    with commlib.context(phase="checkpoint"):
+                        checkpointer.save(model, optimizer, state)
+                if recovery is not None and (saved or step % args.snapshot_every == 0):
+                    snapshot = Snapshot.take(model, optimizer, state)
+        except (Exception, CheckpointException) as exc:
+            if recovery is None or snapshot is None or isinstance(exc, CheckpointMismatch):
+                raise
+            comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
 
     if args.results is not None:
         write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
                       extra={"history": state.history, "config": {**config, **vars(args)}})
     log.info("train.done", steps=args.steps)
+    return comm
+
+
+def _recovery(args: argparse.Namespace, model: torch.nn.Module) -> commlib.Recovery | None:
+    """The in-job recovery of this run, or None (logged as `recovery.disabled` with why)."""
+    why = None
+    if not args.in_job_recovery:
+        why = "--no-in-job-recovery"
+    elif args.fsdp_mode != fsdp_overlap.Mode.PLAIN.value:
+        # Those modes hold communicators outside any process group (splits, custom comms).
+        why = f"--fsdp-mode {args.fsdp_mode}: only 'plain' keeps every collective on a process group"
+    elif not hasattr(model, "reset_iter_state"):
+        why = f"torch {torch.__version__} has no FSDPModule.reset_iter_state"
+    if why is not None:
+        commlib.get_logger().info("recovery.disabled", reason=why)
+        return None
+    join = args.recovery_join_timeout if args.recovery_join_timeout is not None else 2 * args.timeout + 5
+    return commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=join, max_recoveries=args.max_in_job_recoveries))
+
+
+def _recover_in_job(exc: BaseException, recovery: commlib.Recovery, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, snapshot: Snapshot, checkpointer: Checkpointer | None,
+                    step: int) -> tuple[commlib.Communicator, TrainState]:
+    """Every rank: new communicators under the same groups, the snapshot back in place; or the fallback."""
+    log = commlib.get_logger()
+    start = time.perf_counter()
+    log.warning("train.failed_in_step", step=step, error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                error_type=type(commlib.find_comm_error(exc) or exc).__name__)
+    failed: commlib.RecoveryFailed | None = None
+    try:
+        done = recovery.recover(exc)
+    except commlib.RecoveryFailed as error:
+        failed = error
+    if failed is not None:
+        log.error("train.recovery_fallback", reason=failed.reason, missing_ranks=failed.missing_ranks,
+                  epoch=failed.epoch, why=str(failed),
+                  action="exit with the original error's code; torchrun restarts the job (DCP resume)")
+        raise exc  # outside the handler: the exit code stays the original error's
+    comm = commlib.current()
+    reset_fsdp(model)
+    optimizer.zero_grad(set_to_none=True)
+    state = snapshot.restore(model, optimizer)
+    if checkpointer is not None:
+        checkpointer.comm = comm
+        with commlib.context(phase="recovery"):
+            checkpointer.discard_staging()
+    log.warning("train.rolled_back", epoch=done.epoch, failed_step=step, restored_step=state.step,
+                recovery_s=done.total_s, rollback_s=time.perf_counter() - start - done.total_s,
+                total_s=time.perf_counter() - start)
+    return comm, state
+
+
+def reset_fsdp(model: torch.nn.Module) -> None:
+    """FSDP2's per-iteration state after a step that raised: resharded, trackers cleared.
+
+    An all-gather left in flight belongs to an aborted communicator: its result is dropped
+    before `reset_iter_state`, which would otherwise wait on it.
+    """
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            group._all_gather_result = None
+    model.reset_iter_state()  # type: ignore[operator]
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: commlib.Communicator,

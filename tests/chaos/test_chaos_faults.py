@@ -1,5 +1,5 @@
-"""Every fault type end to end on the reference trainer, verified bitwise against the
-fault-free reference: on 2 ranks, grouped by how the job finds out (a process dies; a
+"""Every fault type end to end on the reference trainer through torchrun restarts
+(`--no-in-job-recovery`), verified bitwise against the fault-free reference: on 2 ranks, grouped by how the job finds out (a process dies; a
 collective times out; the rank itself errs), kill plus hang on 4 ranks, and a kill on
 the second of two torchrun nodes on this machine.
 
@@ -14,8 +14,11 @@ from commlib.observe.log import read_events
 
 
 def _run(tmp_path, faults, tiny_args, reference_dir, leftovers, **kwargs):
+    # The restart path on purpose: in-job recovery (the trainer's default for faults that leave
+    # every process alive) has its own tests in test_in_job_recovery.py.
     run_dir = tmp_path / "run"
-    report = chaos.run(faults, run_dir, tiny_args, reference_dir=reference_dir, **kwargs)
+    report = chaos.run(faults, run_dir, (*tiny_args, "--no-in-job-recovery"), reference_dir=reference_dir,
+                       **kwargs)
     assert report.passed, report.summary()
     assert report.bitwise_verified
     assert {"job_completed", "faults_injected", "recovered", "losses_bitwise", "history_exact",

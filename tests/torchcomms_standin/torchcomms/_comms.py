@@ -41,12 +41,18 @@ if os.environ.get(OPT_IN_ENV) != "1":
         f"torchcomms._comms (test stand-in) is only importable with {OPT_IN_ENV}=1"
     )
 
-__all__ = ["_BackendWrapper", "WorkWrapper"]
+__all__ = ["_BackendWrapper", "WorkWrapper", "_is_backend_registered"]
 
 _log = logging.getLogger("torchcomms")
 
 _NO_TIMEOUT = timedelta(0)  # c10d's kNoTimeout; kUnsetTimeout is negative
 _DEFAULT_TIMEOUT = timedelta(seconds=600)  # BackendWrapper::Options::timeout (kDefaultTimeout)
+
+
+def _is_backend_registered(backend: str) -> bool:
+    """Whether a Python backend was added with `torchcomms.register_backend` (torch 2.14+ asks,
+    beside `is_backend_built`, and imports it from here). The stand-in registers none."""
+    return False
 
 
 class WorkWrapper(c10d.Work):
