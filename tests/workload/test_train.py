@@ -122,12 +122,13 @@ def test_nan_is_caught_before_the_optimizer_and_the_restart_recovers(reference: 
     """A `corrupt` fault writes NaN into rank 1's input of step 3's first collective (a forward
     all-gather, so both ranks' losses turn NaN): every rank stops with exit code 4 before the
     optimizer step, torchrun restarts the job, it resumes from step 2, and the result is
-    bitwise the uninterrupted run's."""
+    bitwise the uninterrupted run's. The restart path on purpose (`--no-in-job-recovery`): the
+    in-job one has tests/chaos/test_in_job_recovery.py."""
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"faults": [{"type": "corrupt", "rank": 1, "step": 3}]}))
     logs = tmp_path / "logs"
     torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
-                   "--results", tmp_path / "results.json", "--log-dir", logs,
+                   "--results", tmp_path / "results.json", "--log-dir", logs, "--no-in-job-recovery",
                    torchrun_args=("--max-restarts", "1"), extra_env={"CHAOS_PLAN": str(plan)})
     resumed = read_results(tmp_path / "results.json")
     _same_training(resumed, read_results(reference / "results.json"))
