@@ -47,7 +47,7 @@ import psutil
 
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.plan import Fault, FaultType, Ledger, Plan, Release, TriggerKind
-from commlib.observe.log import LOG_DIR_ENV, LogTail, read_events
+from commlib.observe.log import LOG_DIR_ENV, LineWriter, LogTail, read_events, render_json_line
 
 REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the
@@ -161,11 +161,12 @@ class _Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._writer = LineWriter(self._fd)  # commlib's: one event, one line, one write(2)
 
     def write(self, event: str, **fields: Any) -> None:
         record = {"event": event, "ts_ns": time.time_ns(), "mono_ns": time.monotonic_ns(), "pid": os.getpid(),
                   **fields}
-        os.write(self._fd, (json.dumps(record, default=str) + "\n").encode())
+        self._writer.msg(render_json_line(None, event, record))
 
     def close(self) -> None:
         os.close(self._fd)

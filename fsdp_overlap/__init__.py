@@ -3,7 +3,7 @@
     sharded = fsdp_overlap.shard(model, comm, mode="dual", prefetch=1)
     ...train `model` as usual...
     python -m fsdp_overlap.timeline LOGDIR          # overlap and exposed comm per step
-    torchrun --nproc-per-node 2 -m fsdp_overlap.bench   # single vs dual vs native
+    torchrun --nproc-per-node 2 -m chaos.workload.bench_overlap   # single vs dual vs native
 
 `shard` (shard.py) applies fully_shard and routes FSDP2's collectives through commlib
 (comms.py); `timeline` reads commlib's logs; `bench` is the A/B tool. See README.md.

@@ -188,14 +188,16 @@ def _summary(exc: BaseException) -> str:
 
 
 @dataclass
-class Diagnosis:
+class TimeoutExplanation:
+    """What the board says about one expired deadline: the message, and whom it names."""
+
     message: str
     missing_ranks: list[int]
     stale_ranks: list[int]
 
 
 def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
-                    entries: dict[int, BoardEntry | None], now_ns: int) -> Diagnosis:
+                    entries: dict[int, BoardEntry | None], now_ns: int) -> TimeoutExplanation:
     """Say who never started collective `seq`, and where each of them last was."""
     missing: list[int] = []
     stale: list[int] = []
@@ -227,4 +229,4 @@ def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
     if not notes:
         notes.append("every rank started it; the backend did not complete it")
     message = f"{op} #{seq} on {comm!r} timed out after {elapsed:.1f} s on rank {rank}: " + "; ".join(notes)
-    return Diagnosis(message, missing, stale)
+    return TimeoutExplanation(message, missing, stale)

@@ -1,6 +1,6 @@
 """A/B benchmark of the sharding modes on the reference model and data.
 
-    torchrun --standalone --nproc-per-node 2 -m fsdp_overlap.bench [--modes single,dual,native] [--steps 20]
+    torchrun --standalone --nproc-per-node 2 -m chaos.workload.bench_overlap [--modes single,dual,native] [--steps 20]
 
 Each mode's sharded model (same seed) and AdamW are built once, warmed up, and then the
 modes take turns, one step each, in an order rotated every round (A B C, B C A, ...), so
@@ -45,7 +45,7 @@ class Run:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m fsdp_overlap.bench",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m chaos.workload.bench_overlap",
                                 description="A/B step time, overlap and memory of fsdp_overlap's modes")
     p.add_argument("--modes", default="single,dual,native", help="comma-separated, the first is the baseline")
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode")
@@ -59,7 +59,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=2, help="per rank")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
-    p.add_argument("--log-dir", default=None, help="default: runs/fsdp_overlap_bench/<torchrun run id>")
+    p.add_argument("--log-dir", default=None, help="default: runs/bench_overlap/<torchrun run id>")
     args = p.parse_args(argv)
     args.modes = [Mode(m) for m in args.modes.split(",")]
     if len(set(args.modes)) != len(args.modes) or args.steps < 1 or args.warmup < 1:
@@ -72,9 +72,9 @@ def _log_dir(arg: str | None) -> Path:
         return Path(arg)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or run_id == "none":
-        raise SystemExit("fsdp_overlap.bench: expected --log-dir, or torchrun's TORCHELASTIC_RUN_ID (e.g. with "
-                         "--standalone) to name one; found neither")
-    return Path("runs/fsdp_overlap_bench") / run_id
+        raise SystemExit("chaos.workload.bench_overlap: expected --log-dir, or torchrun's TORCHELASTIC_RUN_ID "
+                         "(e.g. with --standalone) to name one; found neither")
+    return Path("runs/bench_overlap") / run_id
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,7 +148,7 @@ def _report(args: argparse.Namespace, cfg: ModelConfig, comm: commlib.Communicat
     summaries = {s.label: s for s in timeline.summarize(timeline.analyze(log_dir))}
     medians = [statistics.median(times[i].tolist()) for i in range(len(runs))]
     lines = [
-        f"fsdp_overlap.bench: {comm.size} ranks ({comm.backend}), {torch.get_num_threads()} threads/rank, "
+        f"chaos.workload.bench_overlap: {comm.size} ranks ({comm.backend}), {torch.get_num_threads()} threads/rank, "
         f"{args.steps} measured + {args.warmup} warm-up steps per mode, prefetch={args.prefetch}, "
         f"async_prefetch={args.async_prefetch}",
         f"model: {cfg}",
