@@ -32,7 +32,9 @@ def _run(tmp_path, reference_dir, capsys, resume_bug):
         {"job_completed": True, "faults_injected": True, "recovered": True}, out
     [fault] = report["faults"]
     assert (fault["type"], fault["rank"], fault["step"], fault["resumed_from"]) == ("kill", 1, 3, 2), fault
-    assert report["restarts"] == 1
+    # At least the one the kill caused: on 2 loaded cores a restart can itself fail (a slow rank
+    # misses the rendezvous) and cost one more, which the plan's restart margin allows for.
+    assert report["restarts"] >= 1
     return code, out, report, run_dir
 
 
