@@ -38,7 +38,6 @@ _EXPORTS = {
     "Recovery": "commlib.recovery",
     "RecoveryFailed": "commlib.recovery",
     "RecoveryPolicy": "commlib.recovery",
-    "recover": "commlib.recovery",
     "context": "commlib.observe.log",
     "get_logger": "commlib.observe.log",
     "Collective": "commlib.ops",

@@ -45,9 +45,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -79,7 +78,8 @@ class RecoveryFailed(CommError):
 
     `reason` is one of "limit" (max_recoveries spent), "join_timeout" (ranks in
     `missing_ranks` did not join the epoch in time), "store" (the job's store could not be
-    reached), "rebuild" (a group's new communicators could not be built), "barrier".
+    reached), "rebuild" (a group's new communicators could not be built), "barrier", or
+    "unsupported" (the default group is not a commlib group).
     """
 
     def __init__(self, message: str, *, reason: str, epoch: int, missing_ranks: list[int] | None = None,
@@ -101,7 +101,6 @@ class Recovered:
     rebuild_s: float
     barrier_s: float
     groups: int
-    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -226,19 +225,3 @@ def _describe(error: BaseException | None) -> str:
         return "requested"
     return f"{type(error).__name__}: {str(error)[:300]}"
 
-
-# The one registry this module owns: the process's default Recovery, for `recover`.
-_DEFAULT: list[Recovery] = []
-
-
-def recover(error: BaseException | None = None, policy: RecoveryPolicy | None = None) -> Recovered:
-    """`Recovery.recover` on this process's default `Recovery` (made with `policy` on first use)."""
-    if not _DEFAULT:
-        _DEFAULT.append(Recovery(policy))
-    return _DEFAULT[0].recover(error)
-
-
-def describe_state() -> dict[str, Any]:
-    """The default Recovery's epoch and count (for logs); zeros when none was used."""
-    r = _DEFAULT[0] if _DEFAULT else None
-    return {"epoch": r.epoch if r else 0, "recoveries": r.recoveries if r else 0}
