@@ -8,6 +8,8 @@ calls `fn(comm, *args)` with `comm = commlib.init(backend, ...)` on that store, 
 environment). It returns each rank's result in rank order, re-raises the first failing
 rank's exception as `RankError` with that rank and its traceback, and never outlives its
 timeout: ranks still running then are killed and `RankTimeout` says which.
+
+`outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """{"error": None} when `fn()` returns, else the commlib error's type name and fields."""
+    from commlib.errors import CommError
+
+    try:
+        fn()
+        return {"error": None}
+    except CommError as exc:
+        return {"error": type(exc).__name__, **exc.fields()}
 
 
 class RankError(RuntimeError):

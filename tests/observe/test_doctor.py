@@ -29,18 +29,10 @@ from commlib.doctor import main, render
 from commlib.observe import log
 from commlib.observe.doctor import FROZEN_GRACE_S, Kind, diagnose, load
 from commlib.observe.trace import build_trace
-from commlib.testing import run
+from commlib.testing import outcome, run
 
 DEADLINE = 1.5
 CLEAN_STEPS = 50  # 4 collectives a step
-
-
-def _outcome(fn: Any) -> dict[str, Any]:
-    try:
-        fn()
-        return {"error": None}
-    except commlib.CommError as exc:
-        return {"error": type(exc).__name__, **exc.fields()}
 
 
 def _sleep_until_logged(path: Path, event: str) -> None:
@@ -92,7 +84,7 @@ def _scenarios(world: commlib.Communicator, root: str) -> dict[str, Any]:
     if rank == 0:
         # What an operator does to a hung rank: SIGUSR1 dumps its flight recorder.
         threading.Timer(DEADLINE / 3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-        results["skip"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        results["skip"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
     else:
         with commlib.context(step=3, phase="data"):
             commlib.get_logger().info("train.step", step=3, loss=1.0)  # other events share the log
@@ -101,22 +93,22 @@ def _scenarios(world: commlib.Communicator, root: str) -> dict[str, Any]:
     if rank == 1:
         sub.register_pre_hook(lambda call: _sleep_until_logged(Path(root) / "prehook" / "rank0.jsonl",
                                                                "collective.timeout"))
-    results["prehook"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+    results["prehook"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
 
     [sub] = enter("mismatch")  # different ops at one seq, no consistency check
     sub.all_reduce(t, timeout=DEADLINE)
-    results["mismatch"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE) if rank == 0
+    results["mismatch"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE) if rank == 0
                                    else sub.broadcast(t, 0, timeout=DEADLINE))
 
     [sub] = enter("stop")  # rank 1 is stopped inside the collective (SIGSTOP), past its own deadline
     if rank == 1:
         # Stop once the progress board (published every 50 ms) shows it started, well before its deadline.
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
-        results["stop"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        results["stop"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
     else:
         peer = int(pids[1])
         _wait_stopped(peer)
-        results["stop"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        results["stop"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
         # Resume it only once its own deadline (and the doctor's grace) is long past, as a
         # chaos harness releases a hung rank after the survivors reported it.
         started = _logged_ns(Path(root) / "stop" / "rank1.jsonl", "collective.start")
@@ -130,7 +122,7 @@ def _scenarios(world: commlib.Communicator, root: str) -> dict[str, Any]:
         sub.all_reduce(t, timeout=30.0)
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        results["kill"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        results["kill"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
     return results
 
 
@@ -285,7 +277,7 @@ def _check_truncated_last_line_and_unfinished_trace(root: Path, tmp_path: Path) 
 def _mismatch_checked(world: commlib.Communicator) -> dict[str, Any]:
     t = torch.ones(4)
     world.all_reduce(t)
-    return _outcome(lambda: world.broadcast(t, 0) if world.rank == 2 else world.all_reduce(t))
+    return outcome(lambda: world.broadcast(t, 0) if world.rank == 2 else world.all_reduce(t))
 
 
 def test_mismatch_caught_by_consistency_check(tmp_path: Path) -> None:

@@ -32,19 +32,11 @@ from commlib.doctor import render
 from commlib.observe import log
 from commlib.observe.doctor import Kind, diagnose, load
 from commlib.observe.trace import build_trace
-from commlib.testing import run
+from commlib.testing import outcome, run
 
 DEADLINE = 1.5
 PIPE_ORDER = [2, 0, 1]  # global ranks in the order of their rank in "pipe"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _outcome(fn: Any) -> dict[str, Any]:
-    try:
-        fn()
-        return {"error": None}
-    except commlib.CommError as exc:
-        return {"error": type(exc).__name__, **exc.fields()}
 
 
 def _program(world: commlib.Communicator, root: str) -> dict[str, Any]:
@@ -69,7 +61,7 @@ def _program(world: commlib.Communicator, root: str) -> dict[str, Any]:
     if rank == 2:
         commlib.get_logger().info("train.step", step=5)  # and on to the next scenario
     else:
-        results["skip"] = _outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        results["skip"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
 
     # Communicator ranks differ from global ranks here (global 0 is rank 1 of "pipe"): every
     # rank the doctor and the trace name is global.
@@ -79,7 +71,7 @@ def _program(world: commlib.Communicator, root: str) -> dict[str, Any]:
     elif rank == 1:
         # What an operator does to a hung rank: SIGUSR1 dumps its flight recorder.
         threading.Timer(DEADLINE / 3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-        results["pipe"] = _outcome(lambda: sub.recv(t, to(0), timeout=DEADLINE))
+        results["pipe"] = outcome(lambda: sub.recv(t, to(0), timeout=DEADLINE))
     else:
         sub.recv(t, to(0))
     world.barrier()
