@@ -16,10 +16,16 @@ main thread blocks in a `store.wait` (the consistency check), and peers would ca
 rank dead. A failed publication is retried at the next interval and logged (rate-limited);
 the board stops publishing only once the store has failed `GIVE_UP_FAILURES` times in a
 row over at least `GIVE_UP_S` (the job is ending, or the store's host is gone).
+
+The thread ends when the last board closes, and at interpreter exit (`atexit`) before
+Python finalizes: a daemon thread that comes back from a store call (which releases the
+GIL) into a finalizing interpreter is ended by `pthread_exit`, whose forced unwinding
+through pybind11's frames aborts the process (SIGABRT) after a clean run.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -122,17 +128,19 @@ class ProgressBoard:
 
 
 class _Publisher:
-    """The process's one publishing thread (started with the first board)."""
+    """The process's one publishing thread: runs while any board is open (see the module docstring)."""
 
     _boards: "weakref.WeakSet[ProgressBoard]" = weakref.WeakSet()
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
+    _stop = threading.Event()
+    EXIT_JOIN_S = 5.0  # a store call in flight at exit is bounded by the store's own timeout
 
     @classmethod
     def register(cls, board: ProgressBoard) -> None:
         with cls._lock:
             cls._boards.add(board)
-            if cls._thread is None:
+            if cls._thread is None and not cls._stop.is_set():
                 cls._thread = threading.Thread(target=cls._run, name="commlib-board", daemon=True)
                 cls._thread.start()
 
@@ -142,17 +150,28 @@ class _Publisher:
             cls._boards.discard(board)
 
     @classmethod
-    def _run(cls) -> None:
-        while True:
-            time.sleep(PUBLISH_INTERVAL_S)
-            cls._publish_all(time.time_ns())
+    def stop_at_exit(cls) -> None:
+        cls._stop.set()
+        thread = cls._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(cls.EXIT_JOIN_S)
 
     @classmethod
-    def _publish_all(cls, now: int) -> None:
+    def _run(cls) -> None:
+        while not cls._stop.wait(PUBLISH_INTERVAL_S):
+            if not cls._publish_all(time.time_ns()):
+                return
+
+    @classmethod
+    def _publish_all(cls, now: int) -> bool:
+        """Publish every open board; False (and the thread's slot freed) once none is open."""
         # A function of its own so that its list of boards dies with each pass: held across
         # the sleep, it would keep closed boards (and their store clients) alive for good.
         with cls._lock:  # a board registered meanwhile would break the iteration
             boards = list(cls._boards)
+            if not boards:
+                cls._thread = None
+                return False
         for board in boards:
             try:
                 board.publish_if_due(now)
@@ -165,6 +184,10 @@ class _Publisher:
             else:
                 if board._failures:
                     board.publish_succeeded()
+        return True
+
+
+atexit.register(_Publisher.stop_at_exit)
 
 
 def _own_client(store: dist.Store, rank: int) -> dist.Store:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -121,3 +124,41 @@ def test_publisher_survives_a_store_hiccup_and_stops_only_when_the_store_is_gone
     assert _events(path, "board.publish_recovered")[0]["failures"] >= 3
     assert out["closed_when_gone"]
     assert [e for e in warned if e["gave_up"]], f"expected a warning that the board gave up; found {warned}"
+
+
+def _board_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "commlib-board" and t.is_alive()]
+
+
+def test_publisher_thread_ends_with_the_last_board() -> None:
+    board = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())
+    assert _board_threads() == ["commlib-board"]
+    board.close()
+    until = time.monotonic() + 10
+    while _board_threads() and time.monotonic() < until:
+        time.sleep(0.02)
+    assert _board_threads() == [], "expected the publisher thread to end once no board is open"
+    reopened = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())  # and to start again with the next one
+    assert _board_threads() == ["commlib-board"]
+    reopened.close()
+
+
+# Registered before commlib is imported, so it runs after commlib's own exit handler (atexit is LIFO).
+_EXIT_PROBE = """
+import atexit, threading
+atexit.register(lambda: print("alive at exit:", [t.name for t in threading.enumerate() if t.is_alive()]))
+import os, torch.distributed as dist
+from commlib.observe.board import ProgressBoard
+board = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())  # left open, as a trainer that just returns does
+print("alive before exit:", [t.name for t in threading.enumerate()])
+"""
+
+
+def test_publisher_thread_is_stopped_before_the_interpreter_finalizes() -> None:
+    # A daemon thread that returns from a store call into a finalizing interpreter is ended by
+    # pthread_exit, and its forced unwinding through pybind11's frames aborts a clean run (SIGABRT).
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, at_exit = done.stdout.splitlines()[-2:]
+    assert "commlib-board" in before, done.stdout
+    assert "commlib-board" not in at_exit, f"expected the publisher stopped and joined at exit; found {at_exit}"
