@@ -60,9 +60,10 @@ POLL_S = 0.02
 SCAN_S = 0.5  # how often the worker processes are listed (to count restarts)
 TERM_GRACE_S = 5.0
 HANG_MAX_HOLD_S = 300.0  # a hang with no duration is released at the latest after this
-# A survivor's event that says the failure was detected.
+# A survivor's event that says the failure was detected (`train.failed_in_step`: the trainer
+# caught it in a step and is recovering in-job, e.g. a NonFiniteError, which is no CommError).
 TYPED_ERRORS = frozenset({"collective.timeout", "peer.failure", "collective.error", "collective.mismatch",
-                          "train.error"})
+                          "train.error", "train.failed_in_step"})
 
 
 @dataclass(frozen=True)

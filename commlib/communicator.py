@@ -9,6 +9,17 @@ Failures on that path become typed errors here and only here: a deadline that ex
 `CollectiveTimeout` naming the ranks that never arrived, a peer's death a `PeerFailure`,
 and either leaves the communicator dead, so every later call raises `CommAborted` at once
 instead of blocking. Backends only launch.
+
+A rank that breaks or aborts its communicator says so in the communicator's store
+(`ABORT_KEY`: its rank and why; the first one stays). A peer blocked in a collective of the
+same communicator reads that key between slices of its wait and fails with a `PeerFailure`
+naming the rank within a fraction of a second, instead of waiting out its deadline for a
+rank that will never come (an exception in that rank's step, a rank that timed out on
+another collective, a rank recovering in-job). Slices start at `ABORT_POLL_S` and grow with
+the time already waited (a tenth of it), so a long wait costs the store one read per ~10%
+of its length; an op that completes within its first slice costs no store read at all.
+Engines whose timed-out wait breaks the op (c10d's NCCL aborts the communicator) wait in
+one piece, as before (`Backend.resumable_wait`).
 """
 
 from __future__ import annotations
@@ -32,6 +43,13 @@ from commlib.ops import Collective, OpName, Reduction, ReduceOp
 from commlib.validation import check_call, seconds
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
+ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
+ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of ABORT_KEY
+
+# Works given up on while their op still ran, with their backend: dropping one would block
+# the caller until the op ends (gloo and torchcomms join the op's thread), so they are kept
+# here until it has, and pruned at the next give-up.
+_ABANDONED: list[tuple[BackendWork, Backend]] = []
 
 
 class Work:
@@ -201,10 +219,15 @@ class Communicator:
             return None
         return Communicator(backend, store, name, self.timeout, self.check_consistency, self.world_rank)
 
-    def abort(self) -> None:
-        """Tear down at once, without waiting for peers; later calls raise CommAborted."""
+    def abort(self, reason: str = "aborted") -> None:
+        """Tear down at once, without waiting for peers; later calls raise CommAborted.
+
+        Peers blocked in one of this communicator's collectives learn of it (see the module
+        docstring) and fail with a PeerFailure naming this rank and `reason`.
+        """
         if self._dead is None:
-            self._dead = "aborted"
+            self._dead = reason
+            self._announce_abort(reason)
         self._log.warning("comm.abort", reason=self._dead)
         self._dump("abort")
         self.board.close()
@@ -283,10 +306,13 @@ class Communicator:
         if timeout is None:
             timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
-            finished = work._backend_work.wait(timedelta(seconds=max(timeout, 1e-3)))
+            finished = self._wait(call, entry, work._backend_work, max(timeout, 1e-3))
+        except CommError:
+            raise  # a peer's abort, already recorded by _wait
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
         if not finished:
+            _abandon(work._backend_work, self._backend)
             raise self._timed_out(call, entry, None)
         work.done = True
         FlightRecorder.end(entry, "completed")
@@ -299,6 +325,47 @@ class Communicator:
             self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes, peer=call.peer,
                            duration_s=duration, status="ok", **wait)
         run_hooks(self.hooks, "post", call, duration)
+
+    def _wait(self, call: Collective, entry: FlightEntry, backend_work: BackendWork, budget_s: float) -> bool:
+        """Wait up to `budget_s` for the op; in slices, reading ABORT_KEY between them (module docstring)."""
+        if not self._backend.resumable_wait:
+            return backend_work.wait(timedelta(seconds=budget_s))
+        until = time.monotonic() + budget_s
+        slice_s = min(budget_s, ABORT_POLL_S)
+        while not backend_work.wait(timedelta(seconds=max(slice_s, 1e-3))):
+            now = time.monotonic()
+            if now >= until:
+                return False
+            aborted_by = self._peer_abort()
+            if aborted_by is not None:
+                _abandon(backend_work, self._backend)
+                raise self._peer_left(call, entry, *aborted_by)
+            waited_s = now - entry.start_mono_ns / 1e9
+            slice_s = min(until - now, max(ABORT_POLL_S, waited_s / 10))
+        return True
+
+    def _announce_abort(self, reason: str) -> None:
+        try:
+            self._store.compare_set(ABORT_KEY, "", json.dumps({"rank": self.rank, "reason": reason}))
+        except Exception as exc:  # the store is gone too: peers fall back on their deadlines
+            _report_side_failure(self._log, "abort announcement", exc)
+
+    def _peer_abort(self) -> tuple[int, str] | None:
+        """(rank, reason) of the peer that aborted this communicator, if one did."""
+        try:
+            if not self._store.check([ABORT_KEY]):
+                return None
+            announced = json.loads(self._store.get(ABORT_KEY))
+        except Exception:  # an unreachable store tells nothing: the deadline still holds
+            return None
+        return (announced["rank"], announced["reason"]) if announced["rank"] != self.rank else None
+
+    def _peer_left(self, call: Collective, entry: FlightEntry, peer: int, reason: str) -> CommError:
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank} after {elapsed:.1f} s: "
+                            f"expected every peer to complete it; found rank {peer} had aborted the communicator "
+                            f"({reason})", failed_ranks=[peer], **self._where(call))
+        return self._die(call, entry, error, "peer.failure", "failed")
 
     def _ensure_usable(self, what: str) -> None:
         if self._dead is not None:
@@ -357,6 +424,7 @@ class Communicator:
         """
         FlightRecorder.end(entry, state)
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
+        self._announce_abort(self._dead)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
@@ -430,6 +498,12 @@ def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
                f"{call.rank}: expected rank {peer} to post the matching "
                f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it (rank {peer} {where})")
     return message, [peer], stale
+
+
+def _abandon(backend_work: BackendWork, backend: Backend) -> None:
+    _ABANDONED[:] = [kept for kept in _ABANDONED if not kept[0].is_completed()]
+    if not backend_work.is_completed():
+        _ABANDONED.append((backend_work, backend))
 
 
 def _error_fields(error: CommError) -> dict[str, Any]:

@@ -97,7 +97,14 @@ class CollectiveTimeout(CommError):
 
 
 class PeerFailure(CommError):
-    """A peer of the collective died or closed its connection (process killed, crashed)."""
+    """A peer of the collective died, closed its connection (process killed, crashed), or
+    aborted the communicator. `failed_ranks` names the peers known to have failed (the one
+    that announced its abort); None when the engine only said that some peer is gone.
+    """
+
+    def __init__(self, message: str, *, failed_ranks: list[int] | None = None, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.failed_ranks = failed_ranks
 
 
 class CollectiveMismatch(CommError):

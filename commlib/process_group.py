@@ -281,11 +281,11 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self.abort_quietly()
         self.replace_communicators(recipe.build(dist.PrefixStore(f"epoch{epoch}/", recipe.store)))
 
-    def abort_quietly(self) -> None:
+    def abort_quietly(self, reason: str = "aborted") -> None:
         """Abort every communicator under this group; one that fails to abort does not stop the others."""
         for comm in self._comms.values():
             try:
-                comm.abort()
+                comm.abort(reason)
             except Exception as exc:  # an engine already torn down: it is unusable either way
                 _log.get_logger().warning("comm.abort_failed", comm=comm.name, error=f"{type(exc).__name__}: {exc}")
 

@@ -14,7 +14,9 @@
 
 1. aborts the engine communicators of every commlib process group of the process
    (`commlib.process_group.commlib_groups`, read from torch.distributed's own group
-   registry), so a peer still blocked in an old collective fails fast instead of waiting;
+   registry); each abort is announced in the communicator's store, so a peer still blocked
+   in an old collective fails within a fraction of a second (a `PeerFailure` naming this
+   rank) instead of waiting out its deadline;
 2. joins recovery epoch N+1 through the job's store (the default group's store, under
    ``commlib-recovery/``): each rank writes ``epoch{N}/joined/{rank}`` and waits for every
    rank's key until the join deadline; a rank that is gone or does not join in time makes
@@ -147,7 +149,7 @@ class Recovery:
         t0 = time.monotonic()
         groups = commlib_groups()
         for group in groups:
-            group.abort_quietly()
+            group.abort_quietly(f"in-job recovery to epoch {epoch} after {trigger}")
         t1 = time.monotonic()
 
         store = dist.PrefixStore(f"{STORE_PREFIX}epoch{epoch}/", _world_store(world))

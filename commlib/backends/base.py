@@ -20,7 +20,11 @@ from commlib.ops import Collective, Reduction
 
 class BackendWork(Protocol):
     def wait(self, timeout: timedelta) -> bool:
-        """Block until done; False if `timeout` passed first. Raises the engine's error."""
+        """Block until done; False if `timeout` passed first. Raises the engine's error.
+
+        Where the backend's `resumable_wait` is True, a wait that returned False leaves the
+        op running, and may be called again.
+        """
 
     def is_completed(self) -> bool: ...
 
@@ -30,6 +34,7 @@ class Backend(Protocol):
     rank: int
     size: int
     device: torch.device
+    resumable_wait: bool  # see BackendWork.wait: the Communicator may then wait in slices
 
     def launch(self, call: Collective, timeout: timedelta) -> BackendWork:
         """Start `call` without blocking on its completion."""

@@ -123,6 +123,9 @@ class C10dBackend:
         self._splits = 0
         self._native_avg = self.name == "nccl"
         self._routed = _routed_through_torchcomms(engine, device)
+        # gloo's Work.wait(timeout) only stops waiting; NCCL's aborts the communicator, and a
+        # torchcomms-routed group's takes no finite timeout at all.
+        self.resumable_wait = self.name == "gloo" and not self._routed
         # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
         # method names, Backend objects to the old ones: look each up once.
         self._all_gather_single = compat.method(self.engine, "all_gather_single")

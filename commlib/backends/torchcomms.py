@@ -88,7 +88,6 @@ _POLL_INTERVAL_S = 0.0005
 class TorchcommsWork:
     work: Any  # torchcomms.TorchWork
     deadline_mono: float  # torchcomms times the op out (its per-op timeout) no earlier than this
-    abandoned: list[Any]  # the backend's: works whose op still ran when a wait gave up
 
     def wait(self, timeout: timedelta) -> bool:
         # TorchWork is not thread-safe: everything here runs on the caller's thread.
@@ -96,7 +95,7 @@ class TorchcommsWork:
         # TorchWork.wait() takes no timeout (on gloo it blocks up to the op's own one): a
         # caller's shorter wait is honoured by polling up to that point.
         if until < self.deadline_mono - _POLL_MARGIN_S and not self._poll(until):
-            return self._give_up()
+            return False
         try:
             self.work.wait()
         except RuntimeError as exc:
@@ -106,7 +105,7 @@ class TorchcommsWork:
         # On CUDA wait() only makes the current stream wait for the op and returns at once;
         # the CPU waits here, under the same deadline (wait_blocking is not implemented by
         # torchcomms' NCCL nor for gloo's async works).
-        return self._poll(until) or self._give_up()
+        return self._poll(until)
 
     def _poll(self, until: float) -> bool:
         while not self.work.is_completed():
@@ -114,12 +113,6 @@ class TorchcommsWork:
                 return False
             time.sleep(_POLL_INTERVAL_S)
         return True
-
-    def _give_up(self) -> bool:
-        # Dropping a TorchWork whose op still runs blocks until the op ends (gloo joins its
-        # thread): the backend keeps it, so the caller's timeout error comes on time.
-        self.abandoned.append(self.work)
-        return False
 
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
@@ -137,7 +130,10 @@ class TorchcommsBackend:
         self.name = f"torchcomms:{comm.get_backend()}"
         # gloo overwrites reduce_scatter_single's input with the full reduction.
         self._copy_reduce_scatter_input = comm.get_backend() == "gloo"
-        self._abandoned: list[Any] = []
+        # A TorchWork's is_completed() stays False after its op failed, so only a blocking
+        # wait() sees a dead peer at once: waiting in slices (to read a peer's abort
+        # announcement) would make a killed peer wait out the whole deadline.
+        self.resumable_wait = False
         # The one torchcomms hook used: an abort torchcomms decides on its own (the NCCL
         # family's watchdog aborting on an op nobody waits for) is invisible to commlib's path;
         # remember it so the next launch fails fast instead of blocking on a dead communicator.
@@ -196,7 +192,7 @@ class TorchcommsBackend:
             w = c.barrier(True, **kw)
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return TorchcommsWork(w, deadline_mono, self._abandoned)
+        return TorchcommsWork(w, deadline_mono)
 
     def _op(self, op: Reduction | None) -> Any:
         ops = self._tc.ReduceOp

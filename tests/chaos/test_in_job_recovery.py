@@ -2,7 +2,8 @@
 fault-free reference, in one grouped run of 2 ranks under torchrun:
 
 - ``raise`` in a step (rank 1, step 3) and ``delay`` past the deadline (rank 0, step 5)
-  leave every process alive: the job recovers in-job (new communicators under the same
+  leave every process alive (the raising rank's abort reaches its blocked peer through the
+  store, well before the peer's deadline): the job recovers in-job (new communicators under the same
   groups, rolled back to the in-memory snapshot of the step before), in the same processes;
 - ``kill`` (rank 1, step 7) leaves a process gone: the job recovers through torchrun's
   restart and the DCP resume.
@@ -41,6 +42,9 @@ def test_in_job_for_live_ranks_restart_for_a_dead_one_all_bitwise(tmp_path, tiny
     # the delayed rank itself sleeps DELAY_MARGIN_S past the deadline before it can join
     assert delayed.detection_to_step_s < 5.0
     assert raised.detection_to_step_s < 5.0
+    # The raising rank announced its abort: its peer, blocked in a collective, learned of it
+    # from the store instead of waiting out its deadline.
+    assert raised.detected_by["event"] == "peer.failure" and raised.detected_after_s < deadline_s, raised
 
     # Restart: a new attempt, resumed from the checkpoint at step 6.
     assert (killed.attempt, killed.resumed_from) == (0, 6) and killed.restart_after_s is not None

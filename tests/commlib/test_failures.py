@@ -67,6 +67,44 @@ def test_killed_peer_gives_peer_failure_within_a_second(backend: str) -> None:
     assert "closed by peer" in r0["cause"] or "reset by peer" in r0["cause"]
 
 
+def _rank1_leaves(comm: commlib.Communicator, how: str) -> dict[str, object]:
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == 1:
+        time.sleep(0.5)  # rank 0 is blocked in all_reduce #2 by now
+        if how == "abort":
+            comm.abort("in-job recovery after ValueError: bad batch")
+        else:  # a failure inside this rank's collective (here: its pre-hook raises)
+            def refuse(call: object) -> None:
+                raise ValueError("injected in the pre-hook")
+            comm.register_pre_hook(refuse)
+            try:
+                comm.all_reduce(t)
+            except ValueError:
+                pass
+        time.sleep(5)  # alive, keeping its engine open: only the announcement can end rank 0's wait
+        return {}
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t, timeout=30)
+    except commlib.PeerFailure as exc:
+        return {"elapsed": time.monotonic() - start, "message": str(exc), "failed": exc.failed_ranks}
+    return {"elapsed": time.monotonic() - start, "message": "no error"}
+
+
+@pytest.mark.parametrize("how", ["abort", "broken"])
+def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str) -> None:
+    # gloo only: the torchcomms engine waits in one piece (TorchcommsBackend.resumable_wait).
+    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how,))
+    # Its deadline is 30 s; the announcement is read between slices of the wait.
+    assert r0["elapsed"] < 0.5 + 1.5, r0
+    assert r0["failed"] == [1], r0
+    reason = ("in-job recovery after ValueError: bad batch" if how == "abort"
+              else "broken by ValueError in all_reduce #2")
+    assert ("all_reduce #2 on 'world' failed on rank 0" in r0["message"]
+            and f"found rank 1 had aborted the communicator ({reason})" in r0["message"]), r0
+
+
 def _mismatch(comm: commlib.Communicator) -> str:
     try:
         if comm.rank == 0:
