@@ -12,16 +12,17 @@ trainer measures, on the same run:
   rebuild, rollback; restart: torchrun restart, re-import, compile, checkpoint load) plus
   one step;
 - fault to the first completed step after it, and cold start (launch to the first step);
-- how it recovered (`recovery` of the chaos report: "in_job" or "restart") and whether the
-  PIDs stayed the same.
+- how it recovered (`recovery` of the chaos report: "in_job" or "restart"), whether the
+  PIDs stayed the same, and whether the run is bitwise equal to the fault-free reference
+  (losses, model and optimizer state; the reference is computed once under `<out>/reference`).
 
 Faults that leave every process alive (``delay``, ``raise``, ``corrupt``, ``hang``) run
 twice in the same invocation: with the trainer's default in-job recovery and with
 ``--no-in-job-recovery`` (the restart path), so the two are measured side by side on the
 same machine and load. ``kill`` has only the restart path.
 
-Targets: in-job rows recovered in-job in every run, PIDs unchanged, detection to next step
-at most 1.0 s; kill detected under 1 s; hang detected within the deadline + 0.5 s. It prints
+Targets: in-job rows recovered in-job in every run, PIDs unchanged, bitwise, detection to
+next step at most 1.0 s; kill detected under 1 s; hang detected within the deadline + 0.5 s. It prints
 medians as a markdown table and writes every run's figures to `<out>/bench_recovery.json`.
 """
 
@@ -44,13 +45,14 @@ def measure(kind: str, path: str, run: int, out: Path, deadline: float) -> dict[
     args = ["--steps", "8", "--ckpt-every", "5", "--timeout", str(deadline)]
     if path == "restart" and kind != "kill":
         args.append("--no-in-job-recovery")
-    report = chaos.run([f"{kind}:rank=1,step=6"], out / f"{kind}-{path}-{run}", args, verify=False, png=False,
-                       timeout_s=900)
+    report = chaos.run([f"{kind}:rank=1,step=6"], out / f"{kind}-{path}-{run}", args, png=False,
+                       reference_dir=out / "reference", timeout_s=900)
     if not report.passed or len(report.faults) != 1:
         print(f"{kind} ({path}) run {run} did not recover:\n{report.summary()}", file=sys.stderr)
         return None
     [fault] = report.faults
     return {"recovery": fault.recovery, "pids_unchanged": fault.restart_after_s is None and report.restarts == 0,
+            "bitwise": report.bitwise_verified,
             "detected_after_s": fault.detected_after_s, "detected_by": (fault.detected_by or {}).get("event"),
             "detection_to_step_s": fault.detection_to_step_s, "in_job_recovery_s": fault.in_job_recovery_s,
             "first_step_after_s": fault.first_step_after_s, "cold_start_s": report.cold_start_s,
@@ -76,14 +78,14 @@ def main() -> int:
     (out / "bench_recovery.json").write_text(json.dumps(results, indent=2) + "\n")
 
     print(f"{args.runs} runs each, 2 ranks, deadline {args.deadline:g} s; medians over the runs that recovered\n")
-    print("| fault | asked | recovered | recovered as | PIDs unchanged | detection | detected by | "
+    print("| fault | asked | recovered | recovered as | PIDs unchanged | bitwise | detection | detected by | "
           "detection -> next step | fault -> first step | cold start | targets |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ok = True
     for (kind, path), all_runs in zip(cases, results.values()):
         runs = [r for r in all_runs if r is not None]
         if not runs:
-            print(f"| {kind} | {path} | 0/{len(all_runs)} | | | | | | | | MISSED |")
+            print(f"| {kind} | {path} | 0/{len(all_runs)} | | | | | | | | | MISSED |")
             ok = False
             continue
 
@@ -93,12 +95,14 @@ def main() -> int:
 
         as_ = "/".join(sorted({str(r["recovery"]) for r in runs}))
         same = sum(bool(r["pids_unchanged"]) for r in runs)
+        bitwise = sum(bool(r["bitwise"]) for r in runs)
+        ok &= bitwise == len(all_runs)
         by = "/".join(sorted({str(r["detected_by"]) for r in runs}))
         detect, to_step = med("detected_after_s"), med("detection_to_step_s")
         targets = []
         if path == "in_job":
             in_job = sum(r["recovery"] == "in_job" for r in runs)
-            met = in_job == len(all_runs) and same == len(all_runs) and to_step <= 1.0
+            met = in_job == len(all_runs) and same == len(all_runs) and bitwise == len(all_runs) and to_step <= 1.0
             targets.append(f"in-job {in_job}/{len(all_runs)}, detection -> step <= 1.0 s: "
                            f"{'met' if met else 'MISSED'}")
             ok &= met
@@ -107,7 +111,8 @@ def main() -> int:
             met = detect < limit and len(runs) == len(all_runs)
             targets.append(f"detection < {limit:g} s: {'met' if met else 'MISSED'}")
             ok &= met
-        print(f"| {kind} | {path} | {len(runs)}/{len(all_runs)} | {as_} | {same}/{len(runs)} | {detect:.2f} s | {by} | "
+        print(f"| {kind} | {path} | {len(runs)}/{len(all_runs)} | {as_} | {same}/{len(runs)} | {bitwise}/{len(runs)} | "
+              f"{detect:.2f} s | {by} | "
               f"{to_step:.2f} s | {med('first_step_after_s'):.2f} s | {med('cold_start_s'):.2f} s | "
               f"{'; '.join(targets) or '-'} |")
     return 0 if ok else 1
