@@ -2,9 +2,9 @@
 
 A trainer installs it at start with ``install_from_env(comm)``; that returns None unless
 the harness set ``CHAOS_PLAN`` (so it costs nothing outside chaos runs). The trainer then
-calls ``on_step_start(step)`` at the start of every step and
+calls ``on_step_start(step)`` at the start of every step,
 ``on_checkpoint_staged(step)`` once this rank's checkpoint shard is written but before the
-checkpoint is committed. Everything else happens in a process-wide commlib pre-hook, so it
+checkpoint is committed, and ``on_checkpoint_committed(step, directory)`` once it is. Everything else happens in a process-wide commlib pre-hook, so it
 covers every communicator of the rank, including ones split later.
 
 Faults acted here (the harness does ``kill`` and ``hang`` from outside, with signals):
@@ -20,6 +20,11 @@ Faults acted here (the harness does ``kill`` and ``hang`` from outside, with sig
               shard is on disk, the checkpoint not committed -- exactly the torn moment.
               Acting from inside the rank is what makes that deterministic: a signal
               from the harness would have to hit a window of a few milliseconds.
+``straggler`` the pre-hook sleeps ``ms`` before every collective of the rank, from its
+              trigger on and in every later attempt (a slow node stays slow);
+``corrupt_checkpoint``  from `on_checkpoint_committed`: flips bytes in the largest file of
+              the checkpoint just committed, then SIGKILL to this process, so the restarted
+              job must refuse it (its hash) and load the one before.
 
 Step-level triggers (step, after_s, p) arm a fault at the start of a step; the fault then
 acts at the first collective from there on that passes its op/comm/phase filters (so ``exit``
@@ -38,6 +43,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +56,7 @@ from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKi
 # (at most half the collective deadline: peers wait for it in the step's first collective).
 EXTERNAL_WAIT_S = 5.0
 SIGNAL_GRACE_S = 0.5  # from the harness's claim of a firing to its signal arriving
+CORRUPT_BYTES = 16  # flipped by corrupt_checkpoint
 PLAN_ENV = "CHAOS_PLAN"  # path of the resolved plan (JSON), written by the harness
 STATE_ENV = "CHAOS_STATE_DIR"  # the ledger's directory
 START_ENV = "CHAOS_START_NS"  # wall clock (ns) when the harness launched the job
@@ -73,6 +80,8 @@ class Injector:
                           if f.rank == rank and f.type.external and f.trigger.kind is not TriggerKind.AFTER_S]
         self.external_wait_s = external_wait_s
         self._armed: set[int] = set()
+        # Stragglers slow from an earlier attempt on stay slow in this one.
+        self._slow = {i for i, f in self._faults if f.type is FaultType.STRAGGLER and ledger.fired(i)}
         self.step: int | None = None
         self._handle = commlib.register_pre_hook(self._pre_hook)
 
@@ -119,20 +128,35 @@ class Injector:
                 if self._fire(i, f, step, checkpoint_step=step):
                     os.kill(os.getpid(), signal.SIGKILL)
 
+    def on_checkpoint_committed(self, step: int, directory: str | os.PathLike[str]) -> None:
+        for i, f in self._faults:
+            if f.type is FaultType.CORRUPT_CHECKPOINT and i in self._armed:
+                victim = max((p for p in Path(directory).rglob("*") if p.is_file() and p.name != "COMPLETE.json"),
+                             key=lambda p: p.stat().st_size)
+                offset = victim.stat().st_size // 2
+                if self._fire(i, f, step, checkpoint_step=step, file=str(victim), offset=offset):
+                    _flip_bytes(victim, offset, CORRUPT_BYTES)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
     # -- the hook ----------------------------------------------------------------------
     def _pre_hook(self, call: Collective) -> None:
         for i, f in self._faults:
             if not f.type.in_collective:
                 continue
-            if f.trigger.kind is not TriggerKind.SEQ and i not in self._armed:
+            if f.trigger.kind is not TriggerKind.SEQ and i not in self._armed and i not in self._slow:
                 continue
             if not f.trigger.matches_call(call.op.value, call.seq, call.comm, call.context.get("phase")):
+                continue
+            if i in self._slow:
+                _act(f, call, self.rank, self.step)
                 continue
             if f.type is FaultType.CORRUPT and _floating_input(call) is None:
                 continue  # nothing to corrupt in this one; the next floating collective gets it
             step = self.step if self.step is not None else call.context.get("step")
             if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm,
                           phase=call.context.get("phase")):
+                if f.type is FaultType.STRAGGLER:
+                    self._slow.add(i)
                 _act(f, call, self.rank, step)
 
     def _fire(self, index: int, fault: Fault, step: Any, **where: Any) -> bool:
@@ -166,6 +190,20 @@ def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
         os._exit(fault.code)
     elif fault.type is FaultType.SEGFAULT:
         ctypes.string_at(0)  # reads address 0: the kernel sends SIGSEGV
+    elif fault.type is FaultType.STRAGGLER:
+        assert fault.ms is not None
+        time.sleep(fault.ms / 1000)
+
+
+def _flip_bytes(path: Path, offset: int, n: int) -> None:
+    """Invert `n` bytes of `path` at `offset`, in place and durably (what bit rot or a bad disk does)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def install_from_env(comm: commlib.Communicator | None = None) -> Injector | None:
@@ -182,4 +220,10 @@ def install_from_env(comm: commlib.Communicator | None = None) -> Injector | Non
     start_ns = int(os.environ.get(START_ENV, time.time_ns()))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
+    if comm is not None:
+        for i, f in enumerate(plan.faults):
+            if f.type is FaultType.STRAGGLER and f.rank == rank and f.ms is not None and f.ms / 1000 >= comm.timeout:
+                raise ValueError(f"chaos plan faults[{i}] on rank {rank}: expected a straggler's ms under the "
+                                 f"collective deadline ({comm.timeout * 1000:g} ms), so that it slows the job "
+                                 f"without failing it; found ms={f.ms:g} (use delay to go past the deadline)")
     return Injector(plan, rank, Ledger(state), start_ns, attempt, external_wait_s=wait_s)

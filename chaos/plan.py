@@ -33,7 +33,14 @@ run, i.e. the trigger defaults to ``after_s: 0``.
 Type-specific fields: ``duration_s`` (delay: how long the collective is held, default
 its deadline plus ``DELAY_MARGIN_S``; hang: how long the rank stays stopped, default until
 a survivor reports the failure), ``release`` (hang: ``kill`` or ``cont``), ``code``
-(exit: the exit status, default 1).
+(exit: the exit status, default 1), ``ms`` (straggler: milliseconds added before each of
+the rank's collectives, required; it must stay under the deadline).
+
+``straggler`` is slow from its trigger on (no trigger: from the first step), in every
+attempt, so its count is 1 (the ledger records when it started). ``corrupt_checkpoint``
+targets rank 0 unless told otherwise: at the first checkpoint committed from its step on,
+it flips bytes in one of that checkpoint's files and then SIGKILLs its rank, so that the
+job has to load a checkpoint from disk (an in-job rollback would never read it).
 
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
@@ -80,6 +87,8 @@ class FaultType(enum.StrEnum):
     RAISE = "raise"
     CORRUPT = "corrupt"
     KILL_DURING_CHECKPOINT = "kill_during_checkpoint"
+    STRAGGLER = "straggler"
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
 
     @property
     def external(self) -> bool:
@@ -89,7 +98,18 @@ class FaultType(enum.StrEnum):
     @property
     def in_collective(self) -> bool:
         """Acts inside a collective's pre-hook, so `seq`, `op` and `comm` apply to it."""
-        return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT)
+        return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT,
+                        FaultType.STRAGGLER)
+
+    @property
+    def default_rank(self) -> int | None:
+        """The rank when the plan names none: a checkpoint's files are committed by rank 0."""
+        return 0 if self is FaultType.CORRUPT_CHECKPOINT else None
+
+    @property
+    def default_from_start(self) -> bool:
+        """Without a trigger the fault acts from the first step (a straggler is slow from the start)."""
+        return self is FaultType.STRAGGLER
 
 
 class TriggerKind(enum.StrEnum):
@@ -152,6 +172,7 @@ class Fault:
     duration_s: float | None = None
     release: Release = Release.KILL
     code: int = 1
+    ms: float | None = None  # straggler: added before each of the rank's collectives
 
     def describe(self) -> str:
         where = "".join(f" {name}={v}" for name, v in self.trigger.filters())
@@ -172,6 +193,8 @@ class Fault:
             out["release"] = self.release.value
         if self.type is FaultType.EXIT:
             out["code"] = self.code
+        if self.ms is not None:
+            out["ms"] = self.ms
         return out
 
 
@@ -269,6 +292,7 @@ _TYPE_FIELDS = {
     FaultType.DELAY: {"duration_s"},
     FaultType.HANG: {"duration_s", "release"},
     FaultType.EXIT: {"code"},
+    FaultType.STRAGGLER: {"ms"},
 }
 
 
@@ -292,9 +316,9 @@ def parse_fault(item: Any, where: str) -> Fault:
     if unknown:
         raise PlanError(f"{where}.{unknown[0]}", f"unknown field for a {ftype} fault; expected some of "
                                                  f"{sorted(allowed)}")
-    if "rank" not in item:
+    if "rank" not in item and ftype.default_rank is None:
         raise PlanError(f"{where}.rank", "missing; expected a rank (an int >= 0) or 'random'")
-    rank = item["rank"]
+    rank = item.get("rank", ftype.default_rank)
     if rank != "random":
         _int(f"{where}.rank", rank, minimum=0)
     trigger = _trigger(ftype, item, where)
@@ -310,13 +334,20 @@ def parse_fault(item: Any, where: str) -> Fault:
     code = _int(f"{where}.code", item.get("code", 1), minimum=0)
     if code > 255:
         raise PlanError(f"{where}.code", f"expected an exit status in [0, 255]; found {code}")
+    ms = None
+    if ftype is FaultType.STRAGGLER:
+        if "ms" not in item:
+            raise PlanError(f"{where}.ms", "missing; expected the milliseconds added before each collective")
+        ms = _number(f"{where}.ms", item["ms"], positive=True)
+        if count != 1:
+            raise PlanError(f"{where}.count", f"a straggler stays slow once it starts; expected count 1, found {count}")
     return Fault(ftype, rank, trigger, count, seed, float(duration) if duration is not None else None,
-                 release, code)
+                 release, code, ms)
 
 
 def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
     given = [k for k in TriggerKind if k.value in item]
-    if not given and ftype.in_collective and any(name in item for name in _FILTERS):
+    if not given and (ftype.default_from_start or ftype.in_collective and any(name in item for name in _FILTERS)):
         item = {**item, TriggerKind.AFTER_S.value: 0}  # a filter alone: from the first step on
         given = [TriggerKind.AFTER_S]
     if len(given) != 1:

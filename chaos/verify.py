@@ -285,7 +285,7 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[
         r = FaultResult(type=f.type, index=f.index, firing=f.n, rank=f.rank, step=f.step, attempt=f.attempt,
                         pid=pid, node=f.detail.get("node"), injected_at=(f.ts_ns - start) / 1e9,
                         injected_ts_ns=f.ts_ns)
-        if f.type == FaultType.KILL_DURING_CHECKPOINT.value:
+        if f.type in (FaultType.KILL_DURING_CHECKPOINT.value, FaultType.CORRUPT_CHECKPOINT.value):
             r.checkpoint_step = f.detail.get("checkpoint_step")
         release = releases.get((f.index, pid))
         end_ns = f.ts_ns
@@ -360,6 +360,12 @@ def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:
     return bool(finding) and rank in (finding.get("culprits") or [])
 
 
+def names_straggler(finding: dict[str, Any] | None, rank: int) -> bool:
+    """Whether a doctor finding has a straggler problem that names `rank`."""
+    return bool(finding) and any(p.get("kind") == "straggler" and rank in (p.get("ranks") or [])
+                                 for p in finding.get("problems", []))
+
+
 def load_results(directory: Path) -> dict[str, Any] | None:
     path = directory / RESULTS
     return read_results(path) if path.is_file() else None
@@ -398,15 +404,26 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
         if stuck:
             problems.append("recovered: expected a completed step after every fault; none after "
                             + ", ".join(f"{f.type} rank {f.rank} at t={f.injected_at:.1f} s" for f in stuck))
-    torn = [f for f in faults if f.type == FaultType.KILL_DURING_CHECKPOINT.value]
-    if torn:
-        loaded = [f for f in torn if f.checkpoint_step is None or f.resumed_from is None
+    for kind, check, what in ((FaultType.KILL_DURING_CHECKPOINT, "torn_checkpoint_not_loaded", "torn"),
+                              (FaultType.CORRUPT_CHECKPOINT, "corrupt_checkpoint_not_loaded", "corrupted")):
+        bad = [f for f in faults if f.type == kind.value]
+        if not bad:
+            continue
+        loaded = [f for f in bad if f.checkpoint_step is None or f.resumed_from is None
                   or f.resumed_from >= f.checkpoint_step]
-        checks["torn_checkpoint_not_loaded"] = not loaded
+        checks[check] = not loaded
         if loaded:
-            problems.append("torn_checkpoint_not_loaded: expected each restart to resume from a checkpoint before "
-                            "the torn one; found " + ", ".join(f"torn {f.checkpoint_step}, resumed {f.resumed_from}"
-                                                               for f in loaded))
+            problems.append(f"{check}: expected each restart to resume from a checkpoint before the {what} one; "
+                            "found " + ", ".join(f"{what} {f.checkpoint_step}, resumed {f.resumed_from}"
+                                                 for f in loaded))
+    slow = [f for f in faults if f.type == FaultType.STRAGGLER.value]
+    if slow:
+        unnamed = [f for f in slow if not names_straggler(f.diagnosis, f.rank)]
+        checks["straggler_named"] = not unnamed
+        if unnamed:
+            problems.append("straggler_named: expected the doctor to name the straggler rank of "
+                            + ", ".join(f"straggler rank {f.rank} (attempt {f.attempt})" for f in unnamed)
+                            + (f"; {diagnosis_error}" if diagnosis_error else ""))
     blamed = [f for f in faults if f.type in (FaultType.HANG.value, FaultType.DELAY.value)]
     if blamed:
         unnamed = [f for f in blamed if not names_rank(f.diagnosis, f.rank)]

@@ -14,7 +14,8 @@ Saving (`Checkpointer.save`, collective): every rank writes into the staging dir
 the `on_staged` callback runs (the chaos injector's `on_checkpoint_staged`), every rank
 meets at a barrier, then rank 0 hashes every file into the marker and renames staging to
 `stepNNNNNN` (the commit), and a second barrier makes the commit visible to all ranks
-before they go on. A checkpoint is therefore complete on every rank or not a checkpoint.
+before they go on; then the `on_committed` callback runs (the injector's
+`on_checkpoint_committed`). A checkpoint is therefore complete on every rank or not a checkpoint.
 
 Loading (`Checkpointer.resume`, collective): rank 0 removes stale staging directories,
 walks `stepNNNNNN` directories newest first and takes the first whose marker is valid and
@@ -262,7 +263,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], comm: commlib.Communicator, *, attempt: int,
-                 lineage: dict[str, Any], keep: int = 2, on_staged: Callable[[int], None] | None = None) -> None:
+                 lineage: dict[str, Any], keep: int = 2, on_staged: Callable[[int], None] | None = None,
+                 on_committed: Callable[[int, Path], None] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"Checkpointer: expected keep >= 1; found {keep} on rank {comm.rank}")
         if not dist.is_initialized():
@@ -274,6 +276,7 @@ class Checkpointer:
         self.lineage = json.loads(json.dumps(lineage))  # compared with its JSON round trip on resume
         self.keep = keep
         self.on_staged = on_staged
+        self.on_committed = on_committed
         self._committed: list[int] = []
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
@@ -324,6 +327,8 @@ class Checkpointer:
                 log.info("ckpt.pruned", step=old)
         self.comm.barrier()  # the commit is visible before any rank moves on
         log.info("ckpt.end", step=state.step, path=str(final), duration_s=time.perf_counter() - start)
+        if self.on_committed is not None:
+            self.on_committed(state.step, final)
 
     def discard_staging(self) -> None:
         """After an in-job recovery: rank 0 removes staging left by the failed save; every rank waits for it."""

@@ -182,7 +182,8 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
     state = TrainState()
     if args.ckpt_dir is not None:
         checkpointer = Checkpointer(args.ckpt_dir, comm, attempt=attempt, lineage=config,
-                                    on_staged=injector.on_checkpoint_staged if injector else None)
+                                    on_staged=injector.on_checkpoint_staged if injector else None,
+                                    on_committed=injector.on_checkpoint_committed if injector else None)
         with commlib.context(phase="checkpoint"):
             state = checkpointer.resume(model, optimizer)
     if state.step > args.steps:
@@ -357,9 +358,10 @@ if __name__ == "__main__":
     sys.stderr.flush()
     # Leave without interpreter teardown, whatever the outcome. After a failure a process
     # group may still hold connections to dead peers, and teardown can block on them. After
-    # a success, torch's C++ teardown now and then aborts the process ("terminate called
-    # without an active exception", SIGABRT: seen on one rank of a finished 4-rank run, after
-    # its results, checkpoint and `comm.finalize` were all done), which torchrun would count
-    # as a failed job. Everything this process owes is on disk by now: logs are written line by
-    # line with os.write, results and checkpoints atomically.
+    # a success, teardown used to abort the process now and then ("terminate called without
+    # an active exception", SIGABRT, after results, checkpoint and `comm.finalize` were done):
+    # the progress board's thread returning from a store call into the finalizing
+    # interpreter, now stopped at exit (commlib/observe/board.py); other threads of torch's
+    # may do the same. Everything this process owes is on disk by now: logs are written line
+    # by line with os.write, results and checkpoints atomically.
     os._exit(code)

@@ -23,7 +23,9 @@ plus ranks that started it only after); for a peer failure, the members that sto
 logging before it without logging a failure of their own; for a mismatch, the minority
 (every differing rank when there is no majority); for a hang (no deadline expired yet),
 the ranks that never started the oldest unfinished collective; for a send/recv that timed
-out or hangs, the peer that never posted the matching op.
+out or hangs, the peer that never posted the matching op; for a straggler (a finding, not a
+failure), the rank that arrived last at most of an attempt's collectives with a median lag
+of at least `STRAGGLER_MIN_LAG_S`.
 
 Nothing here imports torch (`python -m commlib.doctor` runs where only the logs are).
 """
@@ -37,7 +39,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,10 @@ BANDWIDTH: dict[str, tuple[bool, Callable[[int], float]]] = {
 # A rank inside a collective that fails elsewhere logs its own outcome by its own deadline;
 # one that has not, this long after, was stopped or dead (SIGSTOP, a kill mid-collective).
 FROZEN_GRACE_S = 1.0
+# A straggler: last to arrive at this share of an attempt's collectives, with this median lag
+# (gloo on loopback: ranks of a healthy job start a collective well under a millisecond apart).
+STRAGGLER_LAST_SHARE = 0.6
+STRAGGLER_MIN_LAG_S = 0.02
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 
 
@@ -89,6 +95,7 @@ class Kind(enum.StrEnum):
     DEAD_RANK = "dead_rank"
     PEER_FAILURE = "peer_failure"
     ERROR = "error"
+    STRAGGLER = "straggler"  # not a failure: the attempt may still be ok
 
 
 # ---------------------------------------------------------------------------------------
@@ -607,12 +614,15 @@ def _analyze_attempt(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Att
     problems += _app_errors(att)  # before dead ranks: a backend failure outside commlib is evidence too
     problems += _dead_ranks(att, problems)
     problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
+    slow = _straggler(att)
     if all(p.kind is Kind.HANG for p in problems):
         # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
         # torchrun followed with another) a rank that died between collectives.
         status = "incomplete" if problems or not final else "ok"
     else:
         status = "failed"
+    if slow is not None:
+        problems.append(slow)  # after the failures: they, when any, name the culprits
     culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
     return AttemptFinding(
         attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
@@ -1096,9 +1106,28 @@ def stragglers(run: RunLogs) -> list[StragglerStat]:
     wall clocks (`ts_ns`) of different processes, so across hosts the figures include the
     hosts' clock offset.
     """
+    return _straggler_stats(run.attempts.values())
+
+
+def _straggler(att: AttemptLog) -> Problem | None:
+    """The attempt's straggler finding (see STRAGGLER_LAST_SHARE), or None."""
+    stats = _straggler_stats([att])
+    top = max(stats, key=lambda s: s.waited_total_s, default=None)
+    if top is None or top.collectives < 2:
+        return None
+    if top.last_count < STRAGGLER_LAST_SHARE * top.collectives or top.waited_p50_s < STRAGGLER_MIN_LAG_S:
+        return None
+    return Problem(Kind.STRAGGLER, [top.rank], None, None, None,
+                   f"rank {top.rank} is a straggler: it arrived last at {top.last_count} of {top.collectives} "
+                   f"collectives; the others waited p50 {top.waited_p50_s * 1e3:.0f} ms, p99 "
+                   f"{top.waited_p99_s * 1e3:.0f} ms for it ({top.waited_total_s:.1f} s in all)",
+                   details=asdict(top))
+
+
+def _straggler_stats(attempts: Iterable[AttemptLog]) -> list[StragglerStat]:
     waits: dict[int, list[float]] = defaultdict(list)
     last_count: dict[int, int] = defaultdict(int)
-    for att in run.attempts.values():
+    for att in attempts:
         for comm in att.comms.values():
             members = comm.member_ranks()
             if len(members) < 2:

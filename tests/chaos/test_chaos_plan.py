@@ -40,6 +40,16 @@ def test_a_phase_filter_alone_acts_from_the_first_step_on():
     assert not t.matches_call("all_gather", 7, "world", None)  # outside any commlib.context
 
 
+def test_the_cli_forms_of_the_new_kinds_parse_as_written():
+    slow = parse_shorthand("straggler:rank=1,ms=300")
+    assert (slow.rank, slow.ms, slow.trigger.kind, slow.trigger.value) == (1, 300.0, TriggerKind.AFTER_S, 0.0)
+    later = parse_shorthand("straggler:rank=1,ms=300,step=4")
+    assert (later.trigger.kind, later.trigger.value) == (TriggerKind.STEP, 4.0)
+    corrupt = parse_shorthand("corrupt_checkpoint:step=10")
+    assert (corrupt.type, corrupt.rank, corrupt.trigger.value) == (FaultType.CORRUPT_CHECKPOINT, 0, 10.0)
+    assert Plan.from_dict(Plan((slow, later, corrupt)).to_dict()).faults == (slow, later, corrupt)
+
+
 @pytest.mark.parametrize("text, field, words", [
     ("boom:rank=1,step=1", ".type", "unknown fault 'boom'"),
     ("kill:rank=1,step=-1", ".step", "expected an int >= 0; found -1"),
@@ -58,6 +68,10 @@ def test_a_phase_filter_alone_acts_from_the_first_step_on():
     ("corrupt:rank=0,seq=0", ".seq", "expected an int >= 1"),
     ("kill:rank=one,step=1", ".rank", "expected an int >= 0; found 'one'"),
     ("kill:rank=1,step", "", "expected key=value pairs"),
+    ("straggler:rank=1", ".ms", "missing; expected the milliseconds"),
+    ("straggler:rank=1,ms=-5", ".ms", "expected a positive number"),
+    ("straggler:rank=1,ms=50,count=2", ".count", "stays slow once it starts"),
+    ("corrupt_checkpoint:step=4,ms=3", ".ms", "unknown field for a corrupt_checkpoint fault"),
 ])
 def test_bad_faults_are_rejected_naming_the_field(text, field, words):
     with pytest.raises(PlanError) as info:
