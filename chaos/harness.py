@@ -8,8 +8,8 @@ and then watches it until every agent exits or the harness's own deadline passes
 - it tails the ranks' commlib logs (``{run_dir}/logs/rank{R}.jsonl``) for progress:
   ``chaos.step`` (a rank starting a step; written by the in-rank injector) and
   ``train.step`` (a step completed), and typed errors;
-- it applies the plan's external faults, ``kill`` (SIGKILL) and ``hang`` (SIGSTOP, then
-  SIGKILL or SIGCONT), to worker processes of this job only: children of its own torchrun
+- it applies the plan's external faults, ``kill`` (SIGKILL), ``hang`` (SIGSTOP, then
+  SIGKILL or SIGCONT) and ``sigterm`` (SIGTERM: a scheduler's preemption notice), to worker processes of this job only: children of its own torchrun
   agents, matched to ranks by their environment (``RANK``,
   ``TORCHELASTIC_RESTART_COUNT``), never by name. ``step`` and ``p`` triggers are
   evaluated when the target rank's log shows it starting a step, ``after_s`` once that
@@ -60,10 +60,12 @@ POLL_S = 0.02
 SCAN_S = 0.5  # how often the worker processes are listed (to count restarts)
 TERM_GRACE_S = 5.0
 HANG_MAX_HOLD_S = 300.0  # a hang with no duration is released at the latest after this
-# A survivor's event that says the failure was detected (`train.failed_in_step`: the trainer
-# caught it in a step and is recovering in-job, e.g. a NonFiniteError, which is no CommError).
+# A survivor's event that says the fault was noticed (`train.failed_in_step`: the trainer
+# caught it in a step and is recovering in-job, e.g. a NonFiniteError, which is no CommError;
+# `train.preempted`: every rank agreed to stop after a SIGTERM).
 TYPED_ERRORS = frozenset({"collective.timeout", "peer.failure", "collective.error", "collective.mismatch",
-                          "train.error", "train.failed_in_step"})
+                          "train.error", "train.failed_in_step", "train.preempted"})
+_FAULT_SIGNALS = {FaultType.KILL: signal.SIGKILL, FaultType.HANG: signal.SIGSTOP, FaultType.SIGTERM: signal.SIGTERM}
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,7 @@ class _Watch:
         firing = self.ledger.claim(fault, index, attempt, step, pid=proc.pid, node=node)
         if firing is None:
             return
-        sig = signal.SIGKILL if fault.type is FaultType.KILL else signal.SIGSTOP
+        sig = _FAULT_SIGNALS[fault.type]
         error = _signal(proc, sig)
         self.notes.write("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
                          target_rank=int(fault.rank), pid=proc.pid, node=node, fault_step=step, attempt=attempt,

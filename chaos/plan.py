@@ -89,11 +89,12 @@ class FaultType(enum.StrEnum):
     KILL_DURING_CHECKPOINT = "kill_during_checkpoint"
     STRAGGLER = "straggler"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
+    SIGTERM = "sigterm"
 
     @property
     def external(self) -> bool:
         """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return self in (FaultType.KILL, FaultType.HANG)
+        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM)
 
     @property
     def in_collective(self) -> bool:

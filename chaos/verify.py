@@ -416,6 +416,17 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
             problems.append(f"{check}: expected each restart to resume from a checkpoint before the {what} one; "
                             "found " + ", ".join(f"{what} {f.checkpoint_step}, resumed {f.resumed_from}"
                                                  for f in loaded))
+    preempted = [f for f in faults if f.type == FaultType.SIGTERM.value]
+    if preempted:
+        # Stopped after a checkpoint of its last step, resumed from it: no step lost or run twice.
+        unclean = [f for f in preempted if f.resumed_from is None or f.step is None or f.resumed_from < f.step
+                   or f.steps_reexecuted != 0]
+        checks["preempted_cleanly"] = not unclean
+        if unclean:
+            problems.append("preempted_cleanly: expected each SIGTERM'd job to resume from the step it stopped "
+                            "after, re-executing none; found " + ", ".join(
+                                f"sigterm at step {f.step}: resumed from {f.resumed_from}, "
+                                f"{f.steps_reexecuted} step(s) re-executed" for f in unclean))
     slow = [f for f in faults if f.type == FaultType.STRAGGLER.value]
     if slow:
         unnamed = [f for f in slow if not names_straggler(f.diagnosis, f.rank)]

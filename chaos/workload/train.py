@@ -26,6 +26,13 @@ same process. Where recovery fails (a rank gone or not joining within
 `train.recovery_fallback` and exits with the original error's code below, and torchrun
 restarts the job (DCP resume). Each step's `train.step` event carries the recovery `epoch`.
 
+Preemption: SIGTERM (what a scheduler sends before it takes the node back) is noted by a
+handler and acted on at the end of the step in progress, by every rank together: the
+step's finite check (one all_gather) also carries each rank's "stop" flag, so no extra
+collective runs and every rank stops after the same step. They checkpoint that step (unless
+it was just checkpointed), log `train.preempted` and exit with code 5; torchrun restarts
+the job, which resumes from that very step: no step lost, none run twice.
+
 Exit codes (torchrun restarts the job on any non-zero one):
     0  finished
     1  any other exception (including `CheckpointMismatch`)
@@ -33,6 +40,7 @@ Exit codes (torchrun restarts the job on any non-zero one):
     3  a commlib `CommError`: timeout, peer failure, mismatch, aborted communicator (also
        when DCP re-raised it inside its `CheckpointException`)
     4  `NonFiniteError`: a non-finite loss or gradient, caught before the optimizer step
+    5  preempted (SIGTERM): stopped cleanly after a checkpoint of the last step
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +70,30 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_COMM_ERROR = 3
 EXIT_NON_FINITE = 4
+EXIT_PREEMPTED = 5
+
+
+class Preemption:
+    """SIGTERM noted by its handler; acted on at the next step boundary (module docstring)."""
+
+    def __init__(self) -> None:
+        self.requested_ns: int | None = None
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self.requested_ns is None:
+            self.requested_ns = time.time_ns()
+            commlib.get_logger().warning("train.sigterm", action="stop after this step, with a checkpoint")
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_ns is not None
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float  # averaged over ranks
+    stopping_ranks: list[int]  # ranks that asked the job to stop (SIGTERM) before this step ended
 
 
 class NonFiniteError(RuntimeError):
@@ -132,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _device(args.device)
     comm = commlib.init(backend=args.backend, timeout=args.timeout, log_dir=args.log_dir, device=device)
     try:
-        comm = train(args, comm, device)
+        comm, preempted = train(args, comm, device)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         comm_error = commlib.find_comm_error(exc)
         code = _exit_code(exc, comm_error)
@@ -151,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                                    exit_code=code, **fields)
         return code
     comm.finalize()
-    return EXIT_OK
+    return EXIT_PREEMPTED if preempted else EXIT_OK
 
 
-def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.device) -> commlib.Communicator:
-    """Train to `--steps`; returns the world communicator in use at the end (a new one after a recovery)."""
+def train(args: argparse.Namespace, comm: commlib.Communicator,
+          device: torch.device) -> tuple[commlib.Communicator, bool]:
+    """Train to `--steps`, or until preempted; returns the world communicator in use at the end
+    (a new one after a recovery) and whether the run stopped on a SIGTERM."""
     log = commlib.get_logger()
+    preemption = Preemption()
     attempt = _attempt()
     model_cfg, data_cfg = configs(args)
     config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg), "lr": args.lr,
@@ -200,7 +236,8 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
                 if injector is not None:
                     injector.on_step_start(step)
                 start = time.perf_counter()
-                loss = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device)
+                result = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device, preemption.requested)
+                loss = result.loss
                 state.step = step
                 state.losses.append(loss)
                 state.history.append({"step": step, "attempt": attempt})
@@ -210,6 +247,14 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
                 if saved:
                     with commlib.context(phase="checkpoint"):
                         checkpointer.save(model, optimizer, state)
+                if result.stopping_ranks:
+                    if checkpointer is not None and not saved:
+                        with commlib.context(phase="checkpoint"):
+                            checkpointer.save(model, optimizer, state)
+                    since = preemption.requested_ns
+                    log.warning("train.preempted", step=step, ranks=result.stopping_ranks, checkpointed=checkpointer
+                                is not None, since_sigterm_s=(time.time_ns() - since) / 1e9 if since else None)
+                    return comm, True
                 if recovery is not None and (saved or step % args.snapshot_every == 0):
                     snapshot = Snapshot.take(model, optimizer, state)
         except (Exception, CheckpointException) as exc:
@@ -221,7 +266,7 @@ def train(args: argparse.Namespace, comm: commlib.Communicator, device: torch.de
         write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
                       extra={"history": state.history, "config": {**config, **vars(args)}})
     log.info("train.done", steps=args.steps)
-    return comm
+    return comm, False
 
 
 def _recovery(args: argparse.Namespace, model: torch.nn.Module) -> commlib.Recovery | None:
@@ -287,8 +332,9 @@ def reset_fsdp(model: torch.nn.Module) -> None:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: commlib.Communicator,
-               model_cfg: ModelConfig, data_cfg: DataConfig, step: int, device: torch.device) -> float:
-    """One step on this rank's batch; returns the loss averaged over ranks."""
+               model_cfg: ModelConfig, data_cfg: DataConfig, step: int, device: torch.device,
+               stop: bool = False) -> StepResult:
+    """One step on this rank's batch; `stop`: this rank asks the job to stop after it."""
     batch = batch_for(data_cfg, step, comm.rank).to(device)
     block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
     with commlib.context(phase="forward"):
@@ -296,35 +342,37 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: c
     with commlib.context(phase="backward"):
         loss.backward()
     with commlib.context(phase="optimizer"):
-        global_loss = check_finite_and_average(comm, step, loss, model)
+        result = check_finite_and_average(comm, step, loss, model, stop)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return global_loss
+    return result
 
 
 def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.Tensor,
-                             model: torch.nn.Module) -> float:
-    """The mean loss over ranks; raises NonFiniteError on every rank if any rank's loss or grads are not finite.
+                             model: torch.nn.Module, stop: bool = False) -> StepResult:
+    """The mean loss over ranks, and the ranks asking to stop; raises NonFiniteError on every
+    rank if any rank's loss or grads are not finite.
 
-    One all_gather of (loss, grads finite) per rank: every rank learns the same mean
-    (summed in rank order, so it is bitwise the same everywhere) and which ranks are bad.
-    A NaN written into this very collective shows up as a non-finite row, so it is caught
-    as well.
+    One all_gather of (loss, grads finite, stop) per rank: every rank learns the same mean
+    (summed in rank order, so it is bitwise the same everywhere), which ranks are bad and
+    which want the job to stop. A NaN written into this very collective shows up as a
+    non-finite row, so it is caught as well.
     """
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
-    mine = torch.tensor([loss.detach().item(), 0.0 if grads_finite else 1.0], dtype=torch.float32,
-                        device=loss.device)
-    gathered = torch.empty(comm.size * 2, dtype=torch.float32, device=loss.device)
+    mine = torch.tensor([loss.detach().item(), 0.0 if grads_finite else 1.0, 1.0 if stop else 0.0],
+                        dtype=torch.float32, device=loss.device)
+    gathered = torch.empty(comm.size * 3, dtype=torch.float32, device=loss.device)
     comm.all_gather_single(gathered, mine)
-    rows = gathered.view(comm.size, 2).cpu()
+    rows = gathered.view(comm.size, 3).cpu()
     bad = [r for r in range(comm.size) if not (torch.isfinite(rows[r]).all() and rows[r, 1] == 0)]
     if bad:
         raise NonFiniteError(
             f"step {step}, rank {comm.rank}: expected a finite loss and finite gradients on every rank; found "
             f"non-finite values on ranks {bad} (loss per rank: {rows[:, 0].tolist()}, "
             f"non-finite-gradient flags: {rows[:, 1].tolist()})", step=step, ranks=bad)
-    return float(sum(rows[r, 0].item() for r in range(comm.size)) / comm.size)
+    return StepResult(loss=float(sum(rows[r, 0].item() for r in range(comm.size)) / comm.size),
+                      stopping_ranks=[r for r in range(comm.size) if rows[r, 2] != 0])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

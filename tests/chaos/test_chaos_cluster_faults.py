@@ -1,0 +1,53 @@
+"""Faults large jobs see that no collective deadline catches, on the reference trainer
+(2 ranks, in-job recovery on):
+
+- ``straggler``: rank 1 sleeps before every collective from step 2 on. The job finishes,
+  bitwise equal to the fault-free run, and the doctor names rank 1 with the lag it caused;
+- ``corrupt_checkpoint``: rank 0 flips bytes in the checkpoint of step 4 just after its
+  commit, then dies. The restarted job refuses that checkpoint (its hash) and loads step 2;
+- ``sigterm``: rank 0 gets a preemption notice at step 6. Every rank stops after that step
+  with a checkpoint of it and exits 5; the restarted job resumes from it, re-running nothing.
+
+One run holds all three (a straggler stays slow across restarts); the final bitwise
+comparison holds only if the older checkpoint was the one loaded and no step was lost.
+"""
+
+import chaos
+from chaos.plan import Ledger
+from commlib.observe.log import read_events
+
+STRAGGLER_MS = 40
+
+
+def test_straggler_corrupted_checkpoint_and_preemption(tmp_path, tiny_args, reference_dir, leftovers):
+    run_dir = tmp_path / "run"
+    report = chaos.run([f"straggler:rank=1,ms={STRAGGLER_MS},step=2", "corrupt_checkpoint:step=4",
+                        "sigterm:rank=0,step=6"], run_dir, tiny_args, reference_dir=reference_dir, png=False)
+    assert report.passed, report.summary()
+    assert report.bitwise_verified
+    assert {"straggler_named", "corrupt_checkpoint_not_loaded", "preempted_cleanly", "losses_bitwise",
+            "history_exact", "state_bitwise"} <= set(report.checks)
+    assert leftovers(run_dir) == []
+    slow, corrupted, preempted = report.faults
+    assert report.restarts == 2
+
+    # The straggler: no failure, named by the doctor with the lag it caused.
+    [finding] = [p for p in slow.diagnosis["problems"] if p["kind"] == "straggler"]
+    assert finding["ranks"] == [1]
+    assert finding["details"]["waited_p50_s"] >= 0.8 * STRAGGLER_MS / 1000, finding
+    assert "rank 1 is a straggler" in finding["message"]
+
+    # The corrupted checkpoint: refused by its hash on resume; the one before it loaded.
+    assert (corrupted.rank, corrupted.checkpoint_step, corrupted.resumed_from) == (0, 4, 2)
+    assert corrupted.recovery == "restart"
+    [firing] = [f for f in Ledger(run_dir / "chaos_state").firings() if f.type == "corrupt_checkpoint"]
+    events = list(read_events(run_dir / "logs" / "rank0.jsonl"))
+    [skipped] = [e for e in events if e["event"] == "ckpt.skipped"]
+    assert skipped["step"] == 4 and "expected sha256" in skipped["reason"], skipped
+    assert "step000004" in firing.detail["file"], firing.detail
+
+    # The preemption: every rank stopped after step 6 (checkpointed), the job resumed from it.
+    assert (preempted.recovery, preempted.resumed_from, preempted.steps_reexecuted) == ("restart", 6, 0)
+    for rank in (0, 1):
+        stops = [e for e in read_events(run_dir / "logs" / f"rank{rank}.jsonl") if e["event"] == "train.preempted"]
+        assert [(e["step"], e["ranks"], e["checkpointed"]) for e in stops] == [(6, [0], True)], stops
