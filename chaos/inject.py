@@ -20,6 +20,10 @@ Faults acted here (the harness does ``kill`` and ``hang`` from outside, with sig
               shard is on disk, the checkpoint not committed -- exactly the torn moment.
               Acting from inside the rank is what makes that deterministic: a signal
               from the harness would have to hit a window of a few milliseconds.
+``gil``       the pre-hook sleeps in C *holding the GIL* (libc ``sleep`` through
+              ``ctypes.PyDLL``, which keeps the GIL) past the deadline: no Python thread of
+              the rank runs, so its heartbeat stops and only faulthandler (C-level, on the
+              SIGUSR1 a timed-out peer sends) can say where it is;
 ``straggler`` the pre-hook sleeps ``ms`` before every collective of the rank, from its
               trigger on and in every later attempt (a slow node stays slow);
 ``corrupt_checkpoint``  from `on_checkpoint_committed`: flips bytes in the largest file of
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import time
@@ -179,6 +184,8 @@ def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
     what = f"{call.op} #{call.seq} on {call.comm!r}, rank {rank}, step {step}"
     if fault.type is FaultType.DELAY:
         time.sleep(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
+    elif fault.type is FaultType.GIL:
+        _hold_gil(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
     elif fault.type is FaultType.RAISE:
         raise InjectedFault(f"chaos: injected fault 'raise' in {what}")
     elif fault.type is FaultType.CORRUPT:
@@ -193,6 +200,18 @@ def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
     elif fault.type is FaultType.STRAGGLER:
         assert fault.ms is not None
         time.sleep(fault.ms / 1000)
+
+
+def _hold_gil(seconds: float) -> None:
+    """Sleep in C without releasing the GIL (PyDLL calls keep it, CDLL calls drop it).
+
+    libc's sleep(3) takes whole seconds and returns early when a signal arrives (SIGUSR1
+    from a peer asking for stacks): it is called again for the rest, each call holding the GIL.
+    """
+    libc = ctypes.PyDLL(None)
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        libc.sleep(ctypes.c_uint(max(1, math.ceil(left))))
 
 
 def _flip_bytes(path: Path, offset: int, n: int) -> None:

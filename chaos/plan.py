@@ -30,7 +30,7 @@ trigger the fault acts at the first matching collective from that step on; alone
 (``delay:rank=1,phase=checkpoint``) a filter acts at the first matching collective of the
 run, i.e. the trigger defaults to ``after_s: 0``.
 
-Type-specific fields: ``duration_s`` (delay: how long the collective is held, default
+Type-specific fields: ``duration_s`` (delay, gil: how long the collective is held, default
 its deadline plus ``DELAY_MARGIN_S``; hang: how long the rank stays stopped, default until
 a survivor reports the failure), ``release`` (hang: ``kill`` or ``cont``), ``code``
 (exit: the exit status, default 1), ``ms`` (straggler: milliseconds added before each of
@@ -90,6 +90,7 @@ class FaultType(enum.StrEnum):
     STRAGGLER = "straggler"
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
     SIGTERM = "sigterm"
+    GIL = "gil"
 
     @property
     def external(self) -> bool:
@@ -100,7 +101,7 @@ class FaultType(enum.StrEnum):
     def in_collective(self) -> bool:
         """Acts inside a collective's pre-hook, so `seq`, `op` and `comm` apply to it."""
         return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT,
-                        FaultType.STRAGGLER)
+                        FaultType.STRAGGLER, FaultType.GIL)
 
     @property
     def default_rank(self) -> int | None:
@@ -291,6 +292,7 @@ _FILTERS = ("op", "comm", "phase")  # what narrows an in-collective fault to one
 _COMMON_FIELDS = {"type", "rank", "count", "seed"} | {k.value for k in TriggerKind}
 _TYPE_FIELDS = {
     FaultType.DELAY: {"duration_s"},
+    FaultType.GIL: {"duration_s"},
     FaultType.HANG: {"duration_s", "release"},
     FaultType.EXIT: {"code"},
     FaultType.STRAGGLER: {"ms"},

@@ -435,7 +435,7 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
             problems.append("straggler_named: expected the doctor to name the straggler rank of "
                             + ", ".join(f"straggler rank {f.rank} (attempt {f.attempt})" for f in unnamed)
                             + (f"; {diagnosis_error}" if diagnosis_error else ""))
-    blamed = [f for f in faults if f.type in (FaultType.HANG.value, FaultType.DELAY.value)]
+    blamed = [f for f in faults if f.type in (FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value)]
     if blamed:
         unnamed = [f for f in blamed if not names_rank(f.diagnosis, f.rank)]
         checks["diagnosis_names_faulted_rank"] = not unnamed

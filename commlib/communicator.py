@@ -37,7 +37,7 @@ from commlib.backends.base import Backend, BackendWork, Failure
 from commlib.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
 from commlib.observe import log as _log
-from commlib.observe.board import STALE_AFTER_S, BoardEntry, ProgressBoard, explain_timeout
+from commlib.observe.board import STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks, explain_timeout
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, Reduction, ReduceOp
 from commlib.validation import check_call, seconds
@@ -386,6 +386,10 @@ class Communicator:
                 diagnosis = explain_timeout(call.op.value, call.seq, self.name, self.rank, elapsed,
                                             board, time.time_ns())
                 message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
+            # Where the ranks it waited for are stuck: their stacks, for the doctor.
+            asked = ask_for_stacks(board, sorted(set(missing) | set(stale)))
+            if asked:
+                self._log.info("comm.asked_for_stacks", op=call.op.value, seq=call.seq, ranks=asked)
         except Exception as exc:  # the store itself may be gone with a dead rank 0
             message = (f"{call.op} #{call.seq} on {self.name!r} timed out after {elapsed:.1f} s on rank "
                        f"{self.rank}; the progress board could not be read ({exc})")

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import signal
+import socket
 import threading
 import time
 import weakref
@@ -36,6 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from commlib.observe import log as _log
+from commlib.observe.flight import install_sigusr1
 
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
@@ -43,6 +47,7 @@ STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead
 GIVE_UP_FAILURES = 20  # consecutive failed publications ...
 GIVE_UP_S = 10.0  # ... spanning at least this long: the store is gone, stop publishing
 WARN_EVERY_S = 5.0  # at most one warning per board this often while publications fail
+HOST = socket.gethostname()
 
 
 @dataclass
@@ -55,6 +60,8 @@ class BoardEntry:
     phase: Any = None
     heartbeat_ns: int = 0  # wall clock of the last publication
     pid: int = 0
+    host: str = ""
+    dumps_on_sigusr1: bool = False  # SIGUSR1 makes it dump stacks and flight recorder (else it kills)
 
 
 class ProgressBoard:
@@ -63,7 +70,7 @@ class ProgressBoard:
         self._publish_store = _own_client(store, rank)
         self.rank = rank
         self.size = size
-        self.entry = BoardEntry(pid=pid)
+        self.entry = BoardEntry(pid=pid, host=HOST, dumps_on_sigusr1=bool(getattr(install_sigusr1, "installed", False)))
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
@@ -217,6 +224,26 @@ class TimeoutExplanation:
     message: str
     missing_ranks: list[int]
     stale_ranks: list[int]
+
+
+def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> list[int]:
+    """SIGUSR1 to those of `ranks` that run on this host and dump on it; returns whom it reached.
+
+    Their stacks land in the log dir (`commlib.observe.flight`), written even by a rank
+    wedged in C code with the GIL held; the doctor shows them. Ranks on other hosts cannot
+    be signalled from here: an operator sends them SIGUSR1 (the doctor prints their pids).
+    """
+    reached = []
+    for r in ranks:
+        e = entries.get(r)
+        if e is None or not e.dumps_on_sigusr1 or e.host != HOST or e.pid in (0, os.getpid()):
+            continue
+        try:
+            os.kill(e.pid, signal.SIGUSR1)
+        except OSError:  # gone meanwhile (a dead rank's pid may even be reused: never retried)
+            continue
+        reached.append(r)
+    return reached
 
 
 def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,

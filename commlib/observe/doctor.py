@@ -1,7 +1,9 @@
 """The doctor's analyzer: what went wrong in a run, read from every rank's log and flight dumps.
 
 Pure functions over files that already exist: `load(logdir)` reads `rank*.jsonl` (through
-`log.read_events`, which skips a truncated last line) and `flight_rank*.json` into a `RunLogs`
+`log.read_events`, which skips a truncated last line), `flight_rank*.json` and the
+faulthandler stacks of `stacks_{pid}.txt` (each rank's position shows its main thread's
+innermost frame when no flight-recorder stack says where it was) into a `RunLogs`
 model, `analyze(run)` turns it into a `Diagnosis`, and `diagnose(logdir)` does both. Nothing
 here talks to a process group or a store.
 
@@ -24,8 +26,8 @@ logging before it without logging a failure of their own; for a mismatch, the mi
 (every differing rank when there is no majority); for a hang (no deadline expired yet),
 the ranks that never started the oldest unfinished collective; for a send/recv that timed
 out or hangs, the peer that never posted the matching op; for a straggler (a finding, not a
-failure), the rank that arrived last at most of an attempt's collectives with a median lag
-of at least `STRAGGLER_MIN_LAG_S`.
+failure), the rank that arrived last at most of an attempt's collectives (at least
+`STRAGGLER_MIN_COLLECTIVES` of them) with a median lag of at least `STRAGGLER_MIN_LAG_S`.
 
 Nothing here imports torch (`python -m commlib.doctor` runs where only the logs are).
 """
@@ -46,6 +48,7 @@ from typing import Any
 
 from commlib.failures import Failure, classify
 from commlib.observe.log import read_events
+from commlib.observe.stacks import read_main_stacks
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
 MISMATCH_EVENT = "collective.mismatch"
@@ -81,6 +84,7 @@ FROZEN_GRACE_S = 1.0
 # (gloo on loopback: ranks of a healthy job start a collective well under a millisecond apart).
 STRAGGLER_LAST_SHARE = 0.6
 STRAGGLER_MIN_LAG_S = 0.02
+STRAGGLER_MIN_COLLECTIVES = 10  # fewer: one late arrival (a rank that hung, then timed out) is no pattern
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 
 
@@ -137,6 +141,8 @@ class RankLog:
     rank: int
     host: str | None = None
     pid: int | None = None
+    # The main thread's stack from its last SIGUSR1 (faulthandler; traceback lines, outermost first).
+    signal_stack: list[str] | None = None
     events: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)  # in start order
     failures: list[dict[str, Any]] = field(default_factory=list)  # failure and mismatch events
@@ -246,6 +252,11 @@ def load(logdir: str | os.PathLike[str]) -> RunLogs:
         for event in read_events(path):
             builder.add(event, file_rank)
     dumps = [builder.add_dump(p) for p in sorted(directory.glob("flight_rank*.json"))]
+    stacks = read_main_stacks(directory)
+    for att in builder.attempts.values():
+        for rl in att.ranks.values():
+            if rl.pid in stacks:
+                rl.signal_stack = [f.traceback_line() for f in reversed(stacks[rl.pid])]
     return RunLogs(str(directory), dict(sorted(builder.attempts.items())), [d for d in dumps if d],
                    [str(p) for p in files])
 
@@ -703,7 +714,8 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
     return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last[1] if last else None,
                         last_event_ns=last[0] if last else None, step=step, phase=phase,
                         last_started=ref(last_started), last_finished=ref(last_finished),
-                        log_ends_ns=rl.last_ns, stack=last_started.stack if last_started else None)
+                        log_ends_ns=rl.last_ns,
+                        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack)
 
 
 def _ops_text(calls: dict[int, Call]) -> str:
@@ -1113,7 +1125,7 @@ def _straggler(att: AttemptLog) -> Problem | None:
     """The attempt's straggler finding (see STRAGGLER_LAST_SHARE), or None."""
     stats = _straggler_stats([att])
     top = max(stats, key=lambda s: s.waited_total_s, default=None)
-    if top is None or top.collectives < 2:
+    if top is None or top.collectives < STRAGGLER_MIN_COLLECTIVES:
         return None
     if top.last_count < STRAGGLER_LAST_SHARE * top.collectives or top.waited_p50_s < STRAGGLER_MIN_LAG_S:
         return None

@@ -8,10 +8,18 @@ a collective (see `install_sigusr1`).
 
 The dump runs on another thread than the one appending, so it works on a copy of the ring
 (`FlightRecorder.entries`), never on the live deque.
+
+SIGUSR1 also makes `faulthandler` write the Python stack of every thread of the process to
+``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level handler needs no
+GIL, so it answers even for a rank wedged in C code that holds the GIL, where the
+flight-recorder dump (Python) has to wait. Each SIGUSR1 appends one dump; the doctor reads
+the last one (`commlib.observe.stacks`). A rank whose collective timed out sends SIGUSR1 to
+the peers it names that run on its own host (see `Communicator._timed_out`).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import itertools
 import json
@@ -212,8 +220,23 @@ def install_sigusr1(directory_fn: Any) -> bool:
                 _dump_failed(exc, None)
 
     threading.Thread(target=watch, name="commlib-sigusr1", daemon=True).start()
+    _register_stack_dump(directory_fn())
     install_sigusr1.installed = True  # type: ignore[attr-defined]
     return True
+
+
+STACKS_FILE = "stacks_{pid}.txt"
+_STACK_FILES: list[Any] = []  # faulthandler writes to the fd: its file must stay open
+
+
+def _register_stack_dump(directory: Path | None) -> None:
+    """faulthandler's C handler on SIGUSR1 first (no GIL needed), then the handler before it."""
+    if directory is None:
+        out: Any = sys.stderr
+    else:
+        out = open(Path(directory) / STACKS_FILE.format(pid=os.getpid()), "a")
+        _STACK_FILES.append(out)
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=True)
 
 
 def _dump_failed(exc: Exception, comm: str | None) -> None:

@@ -10,6 +10,10 @@
 
 One run holds all three (a straggler stays slow across restarts); the final bitwise
 comparison holds only if the older checkpoint was the one loaded and no step was lost.
+
+- ``gil``: rank 1 sleeps in C holding the GIL past the deadline. Rank 0 times out naming it
+  with a stale heartbeat, sends it SIGUSR1, and its faulthandler (no GIL needed) writes its
+  stack, which the doctor shows; then the job recovers in-job, bitwise.
 """
 
 import chaos
@@ -51,3 +55,26 @@ def test_straggler_corrupted_checkpoint_and_preemption(tmp_path, tiny_args, refe
     for rank in (0, 1):
         stops = [e for e in read_events(run_dir / "logs" / f"rank{rank}.jsonl") if e["event"] == "train.preempted"]
         assert [(e["step"], e["ranks"], e["checkpointed"]) for e in stops] == [(6, [0], True)], stops
+
+
+def test_a_rank_stuck_holding_the_gil_is_named_with_its_stack(tmp_path, tiny_args, deadline_s, reference_dir,
+                                                              leftovers):
+    run_dir = tmp_path / "run"
+    report = chaos.run(["gil:rank=1,step=3"], run_dir, tiny_args, reference_dir=reference_dir, png=False)
+    assert report.passed, report.summary()
+    assert report.bitwise_verified and report.checks["diagnosis_names_faulted_rank"]
+    assert leftovers(run_dir) == []
+    [stuck] = report.faults
+    assert (stuck.recovery, stuck.detected_by["event"], stuck.detected_by["rank"]) == ("in_job", "collective.timeout", 0)
+    assert deadline_s - 0.5 < stuck.detected_after_s < deadline_s + 5.0
+    [timeout] = [p for p in stuck.diagnosis["problems"] if p["kind"] == "timeout"]
+    assert timeout["ranks"] == [1], timeout
+    # Alive but stuck: its heartbeat (a Python thread) stopped with the GIL held.
+    rank0 = list(read_events(run_dir / "logs" / "rank0.jsonl"))
+    [error] = [e for e in rank0 if e["event"] == "collective.timeout"]
+    assert error["stale_ranks"] == [1] and "no heartbeat" in error["error"], error
+    assert [e["ranks"] for e in rank0 if e["event"] == "comm.asked_for_stacks"] == [[1]]
+    # Where: the innermost frame faulthandler wrote, shown by the doctor.
+    [where] = [p for p in stuck.diagnosis["positions"] if p["rank"] == 1]
+    assert where["stack"] and "in _hold_gil" in where["stack"][-1], where
+    assert "called from File" in timeout["message"] and "_hold_gil" in timeout["message"]

@@ -29,6 +29,7 @@ from commlib.doctor import main, render
 from commlib.observe import log
 from commlib.observe.doctor import FROZEN_GRACE_S, Kind, diagnose, load
 from commlib.observe.trace import build_trace
+from doctor_logs import live_copy
 from commlib.testing import outcome, run
 
 DEADLINE = 1.5
@@ -137,17 +138,6 @@ def test_every_scenario_of_one_run(tmp_path: Path) -> None:
     _check_truncated_last_line_and_unfinished_trace(root, tmp_path)
 
 
-def _live_copy(skip: Path, dest: Path) -> Path:
-    """The logs of `skip` as they were while still hung: before any deadline expired."""
-    dest.mkdir()
-    for src in skip.glob("rank*.jsonl"):
-        lines = [ln for ln in src.read_text().splitlines(keepends=True) if '"collective.timeout"' not in ln]
-        (dest / src.name).write_text("".join(lines))
-    for dump in skip.glob("flight_*_sigusr1.json"):
-        shutil.copy(dump, dest)
-    return dest
-
-
 def _doctor(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "commlib.doctor", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -202,7 +192,7 @@ def _check_timeouts_and_deaths(root: Path, results: dict[str, Any], tmp_path: Pa
     assert d.final.status == "failed" and d.exit_code == 1
 
     # A job still hung, no deadline expired yet: the skip logs as they were before rank 0 timed out.
-    d = diagnose(_live_copy(root / "skip", tmp_path / "live"))
+    d = diagnose(live_copy(root / "skip", tmp_path / "live"))
     [hang] = d.final.problems
     assert (hang.kind, hang.ranks, hang.op, hang.seq, hang.reporters) == (Kind.HANG, [1], "all_reduce", 2, [0])
     assert d.final.status == "incomplete" and d.exit_code == 1

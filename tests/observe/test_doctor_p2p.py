@@ -32,6 +32,7 @@ from commlib.doctor import render
 from commlib.observe import log
 from commlib.observe.doctor import Kind, diagnose, load
 from commlib.observe.trace import build_trace
+from doctor_logs import live_copy
 from commlib.testing import outcome, run
 
 DEADLINE = 1.5
@@ -85,18 +86,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     return root, results
 
 
-def _live_copy(src: Path, dest: Path) -> Path:
-    """The logs of `src` as they were while still hung: before any deadline expired."""
-    dest.mkdir()
-    for log_file in src.glob("rank*.jsonl"):
-        lines = log_file.read_text().splitlines(keepends=True)
-        (dest / log_file.name).write_text("".join(ln for ln in lines if '"collective.timeout"' not in ln
-                                                  and '"comm.abort"' not in ln))
-    for dump in src.glob("flight_*_sigusr1.json"):
-        shutil.copy(dump, dest)
-    return dest
-
-
 def test_rank_skipping_a_collective_after_send_recv_is_named(logs: tuple[Path, list[dict[str, Any]]],
                                                              tmp_path: Path) -> None:
     root, results = logs
@@ -116,7 +105,7 @@ def test_rank_skipping_a_collective_after_send_recv_is_named(logs: tuple[Path, l
     assert [p.kind for p in final.problems] == [Kind.TIMEOUT]
 
     # While still hung (no deadline expired yet), the hang analysis sees past the send/recv.
-    live = diagnose(_live_copy(root / "skip", tmp_path / "live"))
+    live = diagnose(live_copy(root / "skip", tmp_path / "live"))
     assert [(p.kind, p.ranks, p.op, p.seq, p.reporters) for p in live.final.problems] == [
         (Kind.HANG, [2], "all_reduce", 2, [0, 1])], render(live)
     assert live.final.status == "incomplete" and live.final.culprits == [2]
@@ -147,7 +136,7 @@ def test_recv_that_times_out_names_the_rank_that_never_sent(logs: tuple[Path, li
 
 def test_recv_hung_before_any_deadline(logs: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     root, _ = logs
-    d = diagnose(_live_copy(root / "pipe", tmp_path / "live"))  # while rank 1 still waited
+    d = diagnose(live_copy(root / "pipe", tmp_path / "live"))  # while rank 1 still waited
     [hang] = d.final.problems
     assert (hang.kind, hang.ranks, hang.op, hang.seq, hang.reporters) == (Kind.HANG, [0], "recv", 2, [1])
     assert hang.message.startswith("recv #2 from rank 0 on 'pipe' never finished and no deadline expired")

@@ -1,0 +1,75 @@
+"""The stacks a rank's `faulthandler` wrote on SIGUSR1 (``stacks_{pid}.txt``), read back.
+
+`commlib.observe.flight` registers faulthandler on SIGUSR1, which writes, without needing
+the GIL, one block per thread::
+
+    Thread 0x00007f... (most recent call first):
+      File "/path/threading.py", line 320 in wait
+      ...
+
+    Current thread 0x00007f... (most recent call first):
+      File "/path/train.py", line 88 in step
+      File "/path/train.py", line 120 in <module>
+
+Each SIGUSR1 appends such a dump, with no marker between dumps: a new one starts where a
+thread id already seen in the current one comes again. The main thread is the one that
+runs a module's top level (a ``<module>`` frame; under ``python -m``, runpy's frames are
+outside it). Torch-free (the doctor reads it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE_PATTERN = re.compile(r"stacks_(\d+)\.txt$")
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    def traceback_line(self) -> str:
+        """In `traceback.format_stack`'s form, as the flight recorder's stacks are."""
+        return f'  File "{self.file}", line {self.line}, in {self.func}\n'
+
+
+def last_dump(text: str) -> dict[str, list[Frame]]:
+    """The last dump in `text`: thread id -> frames, most recent first."""
+    dumps: list[dict[str, list[Frame]]] = []
+    frames: list[Frame] | None = None
+    for line in text.splitlines():
+        thread = _THREAD.match(line)
+        if thread is not None:
+            tid = thread.group(1)
+            if not dumps or tid in dumps[-1]:
+                dumps.append({})
+            frames = dumps[-1].setdefault(tid, [])
+            continue
+        frame = _FRAME.match(line)
+        if frame is not None and frames is not None:
+            frames.append(Frame(frame.group(1), int(frame.group(2)), frame.group(3)))
+    return dumps[-1] if dumps else {}
+
+
+def main_thread(dump: dict[str, list[Frame]]) -> list[Frame] | None:
+    """The main thread's frames (most recent first), or None when no thread runs a module's top level."""
+    return next((frames for frames in dump.values() if any(f.func == "<module>" for f in frames)), None)
+
+
+def read_main_stacks(directory: Path) -> dict[int, list[Frame]]:
+    """pid -> the main thread's frames of the last dump, for every stacks file of `directory`."""
+    out: dict[int, list[Frame]] = {}
+    for path in sorted(directory.glob("stacks_*.txt")):
+        match = FILE_PATTERN.search(path.name)
+        if match is None:
+            continue
+        frames = main_thread(last_dump(path.read_text(errors="replace")))
+        if frames:
+            out[int(match.group(1))] = frames
+    return out

@@ -1,0 +1,28 @@
+"""Shared by the doctor's tests (imported from their directory): a run's logs as they were while it still hung."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from commlib.observe.log import read_events
+
+
+def live_copy(src: Path, dest: Path) -> Path:
+    """The logs of `src` as they were before its first deadline expired: every event from
+    the first `collective.timeout` on is left out (the timeout, the aborts, the SIGUSR1s the
+    timed-out rank sent its peers), and so is every flight dump taken from then on."""
+    dest.mkdir()
+    files = sorted(src.glob("rank*.jsonl"))
+    expired = min((e["ts_ns"] for f in files for e in read_events(f) if e["event"] == "collective.timeout"),
+                  default=None)
+    for log_file in files:
+        lines = log_file.read_text().splitlines(keepends=True)
+        (dest / log_file.name).write_text("".join(
+            ln for ln in lines if expired is None or json.loads(ln).get("ts_ns", 0) < expired))
+    for dump in src.glob("flight_*_sigusr1.json"):
+        if expired is None or json.loads(dump.read_text())["dumped_ns"] < expired:
+            shutil.copy(dump, dest)
+    return dest
+
