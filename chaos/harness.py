@@ -17,6 +17,9 @@ and then watches it until every agent exits or the harness's own deadline passes
   recorded in ``{run_dir}/harness.jsonl`` with its timestamp;
 - a hung rank stays stopped for the fault's ``duration_s``, or by default until a
   survivor logs a typed error (the failure was detected), and is then released;
+- ``disk_full`` mounts a small tmpfs on the checkpoint directory before the launch
+  (`chaos.disk`), fills it at the fault's step, and frees the space the same way a hang is
+  released (any rank's typed error, or ``duration_s``); it is unmounted after the run;
 - it shows a progress line (steps done, faults injected, restarts);
 - on its deadline, on Ctrl-C and on SIGTERM it stops the whole job: SIGCONT, then SIGTERM
   to every process of the job, then SIGKILL to what is left; and after a normal end it
@@ -45,6 +48,7 @@ from typing import Any
 
 import psutil
 
+from chaos.disk import SmallDisk
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.plan import Fault, FaultType, Ledger, Plan, Release, TriggerKind
 from commlib.observe.log import LOG_DIR_ENV, LineWriter, LogTail, read_events, render_json_line
@@ -196,8 +200,10 @@ class _Watch:
     """One run in progress: the agents, what the logs said so far, and the external faults."""
 
     def __init__(self, job: Job, plan: Plan, run_dir: Path, agents: list[subprocess.Popen[bytes]],
-                 start_ns: int, notes: _Journal, progress: Callable[[str], None] | None) -> None:
+                 start_ns: int, notes: _Journal, progress: Callable[[str], None] | None,
+                 disk: SmallDisk | None = None) -> None:
         self.job, self.plan, self.run_dir = job, plan, run_dir
+        self.disk = disk
         self.agents = agents
         self.start_ns = start_ns
         self.notes = notes
@@ -290,6 +296,9 @@ class _Watch:
 
     def _fire(self, index: int, fault: Fault, proc: psutil.Process, node: int, step: int | None,
               attempt: int) -> None:
+        if fault.type is FaultType.DISK_FULL:
+            self._fill_disk(index, fault, proc, node, step, attempt)
+            return
         firing = self.ledger.claim(fault, index, attempt, step, pid=proc.pid, node=node)
         if firing is None:
             return
@@ -301,6 +310,21 @@ class _Watch:
         if fault.type is FaultType.HANG and error is None:
             self.holds.append(_Hold(fault, index, proc, int(fault.rank), firing.ts_ns))
 
+    def _fill_disk(self, index: int, fault: Fault, proc: psutil.Process, node: int, step: int | None,
+                   attempt: int) -> None:
+        # Filled before the claim, unlike the signals: the rank starts its step SIGNAL_GRACE_S
+        # after the claim, and filling takes a while on a loaded machine.
+        assert self.disk is not None  # mounted by run_job for a plan with a disk_full fault
+        filled = self.disk.fill()
+        firing = self.ledger.claim(fault, index, attempt, step, pid=proc.pid, node=node)
+        if firing is None:
+            self.disk.drain()
+            return
+        self.notes.write("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
+                         target_rank=int(fault.rank), pid=proc.pid, node=node, fault_step=step, attempt=attempt,
+                         filled_bytes=filled, free_bytes=self.disk.free_bytes(), fired_ts_ns=firing.ts_ns)
+        self.holds.append(_Hold(fault, index, proc, int(fault.rank), firing.ts_ns))
+
     def release_holds(self, force: bool = False) -> None:
         now = time.time_ns()
         for hold in list(self.holds):
@@ -309,7 +333,8 @@ class _Watch:
                 reason = "harness stopping"
             elif hold.fault.duration_s is not None:
                 reason = "duration" if held_s >= hold.fault.duration_s else ""
-            elif any(ts >= hold.since_ns and pid != hold.proc.pid for ts, pid in self.errors_after):
+            elif any(ts >= hold.since_ns and (pid != hold.proc.pid or hold.fault.type is FaultType.DISK_FULL)
+                     for ts, pid in self.errors_after):
                 reason = "a survivor reported the failure"
             elif not any(a.poll() is None for a in self.agents):
                 reason = "the job ended"
@@ -317,12 +342,19 @@ class _Watch:
                 reason = "maximum hold" if held_s >= HANG_MAX_HOLD_S else ""
             if not reason:
                 continue
+            self.holds.remove(hold)
+            if hold.fault.type is FaultType.DISK_FULL:  # space freed, as an operator would
+                assert self.disk is not None
+                self.disk.drain()
+                self.notes.write("chaos.release", fault=hold.fault.type.value, index=hold.index,
+                                 target_rank=hold.rank, pid=hold.proc.pid, held_s=held_s, reason=reason,
+                                 free_bytes=self.disk.free_bytes())
+                continue
             release = Release.KILL if force else hold.fault.release
             sig = signal.SIGKILL if release is Release.KILL else signal.SIGCONT
             error = _signal(hold.proc, sig)
             self.notes.write("chaos.release", fault=hold.fault.type.value, index=hold.index, target_rank=hold.rank,
                              pid=hold.proc.pid, signal=sig.name, held_s=held_s, reason=reason, error=error)
-            self.holds.remove(hold)
 
     def _worker(self, rank: int, pid: int | None = None) -> tuple[psutil.Process, int] | None:
         """The live worker process of `rank` in this job (the newest, or the one with `pid`), and
@@ -452,6 +484,10 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
         env[PLAN_ENV] = str(run_dir / "plan.json")
     else:
         env.pop(PLAN_ENV, None)
+    disk = None
+    if any(f.type is FaultType.DISK_FULL for f in plan.faults):
+        disk = SmallDisk(run_dir / "ckpt")
+        disk.mount()  # raises DiskFullUnavailable, saying why, before anything starts
     notes = _Journal(run_dir / "harness.jsonl")
     agents: list[subprocess.Popen[bytes]] = []
     outcome = JobOutcome(run_dir, start_ns, start_ns, [])
@@ -464,7 +500,7 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
                                                start_new_session=True))
             notes.write("harness.launch", node=n, agent_pid=agents[-1].pid, cmd=cmd)
         outcome.pgids = [a.pid for a in agents]
-        watch = _Watch(job, plan, run_dir, agents, start_ns, notes, progress)
+        watch = _Watch(job, plan, run_dir, agents, start_ns, notes, progress, disk)
         deadline = time.monotonic() + timeout_s
         while any(a.poll() is None for a in agents):
             if time.monotonic() > deadline:
@@ -490,6 +526,8 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
         outcome.end_ns = time.time_ns()
         notes.write("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out)
         notes.close()
+        if disk is not None:
+            disk.unmount()
         _restore_sigterm(previous)
     return outcome
 

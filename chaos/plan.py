@@ -41,6 +41,9 @@ attempt, so its count is 1 (the ledger records when it started). ``corrupt_check
 targets rank 0 unless told otherwise: at the first checkpoint committed from its step on,
 it flips bytes in one of that checkpoint's files and then SIGKILLs its rank, so that the
 job has to load a checkpoint from disk (an in-job rollback would never read it).
+``disk_full`` (external, rank 0 by default: its step trigger is read from that rank's log)
+fills the checkpoint directory's filesystem at the start of its step; the space comes back
+when a rank reports the failed save, or after ``duration_s``.
 
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
@@ -91,11 +94,12 @@ class FaultType(enum.StrEnum):
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"
     SIGTERM = "sigterm"
     GIL = "gil"
+    DISK_FULL = "disk_full"
 
     @property
     def external(self) -> bool:
         """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM)
+        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL)
 
     @property
     def in_collective(self) -> bool:
@@ -106,7 +110,7 @@ class FaultType(enum.StrEnum):
     @property
     def default_rank(self) -> int | None:
         """The rank when the plan names none: a checkpoint's files are committed by rank 0."""
-        return 0 if self is FaultType.CORRUPT_CHECKPOINT else None
+        return 0 if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL) else None
 
     @property
     def default_from_start(self) -> bool:
@@ -294,6 +298,7 @@ _TYPE_FIELDS = {
     FaultType.DELAY: {"duration_s"},
     FaultType.GIL: {"duration_s"},
     FaultType.HANG: {"duration_s", "release"},
+    FaultType.DISK_FULL: {"duration_s"},
     FaultType.EXIT: {"code"},
     FaultType.STRAGGLER: {"ms"},
 }

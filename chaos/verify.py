@@ -427,6 +427,15 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
                             "after, re-executing none; found " + ", ".join(
                                 f"sigterm at step {f.step}: resumed from {f.resumed_from}, "
                                 f"{f.steps_reexecuted} step(s) re-executed" for f in unclean))
+    full = [f for f in faults if f.type == FaultType.DISK_FULL.value]
+    if full:
+        # The failed save left the older state the one to go on from (snapshot or checkpoint).
+        lost = [f for f in full if f.resumed_from is None or f.step is None or f.resumed_from >= f.step]
+        checks["disk_full_rolled_back"] = not lost
+        if lost:
+            problems.append("disk_full_rolled_back: expected the job to go on from the state before the failed "
+                            "save; found " + ", ".join(f"disk full at step {f.step}: resumed from {f.resumed_from}"
+                                                       for f in lost))
     slow = [f for f in faults if f.type == FaultType.STRAGGLER.value]
     if slow:
         unnamed = [f for f in slow if not names_straggler(f.diagnosis, f.rank)]

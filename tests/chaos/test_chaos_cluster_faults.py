@@ -11,6 +11,9 @@
 One run holds all three (a straggler stays slow across restarts); the final bitwise
 comparison holds only if the older checkpoint was the one loaded and no step was lost.
 
+- ``disk_full``: the checkpoint directory (a small tmpfs the harness mounts: this needs root,
+  and fails here otherwise) fills up at step 4, whose save fails on every rank; the job rolls
+  back in-job, the space comes back, the save is redone, bitwise;
 - ``gil``: rank 1 sleeps in C holding the GIL past the deadline. Rank 0 times out naming it
   with a stale heartbeat, sends it SIGUSR1, and its faulthandler (no GIL needed) writes its
   stack, which the doctor shows; then the job recovers in-job, bitwise.
@@ -78,3 +81,19 @@ def test_a_rank_stuck_holding_the_gil_is_named_with_its_stack(tmp_path, tiny_arg
     [where] = [p for p in stuck.diagnosis["positions"] if p["rank"] == 1]
     assert where["stack"] and "in _hold_gil" in where["stack"][-1], where
     assert "called from File" in timeout["message"] and "_hold_gil" in timeout["message"]
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_the_job_goes_on(tmp_path, tiny_args, reference_dir, leftovers):
+    run_dir = tmp_path / "run"
+    report = chaos.run(["disk_full:step=4"], run_dir, tiny_args, reference_dir=reference_dir, png=False)
+    assert report.passed, report.summary()
+    assert report.bitwise_verified and report.checks["disk_full_rolled_back"]
+    assert leftovers(run_dir) == []
+    [full] = report.faults
+    assert (full.recovery, full.resumed_from) == ("in_job", 3), full
+    events = [e for r in (0, 1) for e in read_events(run_dir / "logs" / f"rank{r}.jsonl")]
+    failed = [e for e in events if e["event"] == "train.failed_in_step" and e["step"] == 4]
+    assert failed and any("No space left on device" in e["error"] or "CheckpointException" in e["error_type"]
+                          for e in failed), failed
+    ends = [e["step"] for e in events if e["event"] == "ckpt.end" and e["rank"] == 0]
+    assert ends.count(4) == 1, ends  # redone once the space came back
