@@ -3,6 +3,7 @@
     python -m chaos run                                   # the main job: see harness.DEFAULT_*
     python -m chaos run --fault kill:rank=1,step=5 --fault hang:rank=0,step=9 -- --steps 12
     python -m chaos run --plan plan.yaml --nproc-per-node 4
+    python -m chaos run --soak 20 --seed 7                # 20 faults drawn from seed 7 (chaos.soak)
     python -m chaos run --trainer my_train.py --fault kill:rank=1,after_s=20 -- --results {run_dir}/results.json
 
 Everything after ``--`` goes to the trainer. Exit status: 0 when every check held, 1 when
@@ -28,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--plan", help="a YAML or JSON fault plan")
     r.add_argument("--fault", action="append", default=[], metavar="TYPE:key=value,...",
                    help="a fault, e.g. kill:rank=1,step=5 (repeatable; added to --plan's)")
+    r.add_argument("--soak", type=_positive, default=None, metavar="N",
+                   help="draw N faults from --seed over one longer run of the reference trainer (chaos.soak)")
+    r.add_argument("--seed", type=int, default=0, help="the seed --soak draws from")
     r.add_argument("--run-dir", help="where logs, checkpoints, plan and report go (default: a new dir under runs/)")
     r.add_argument("--trainer", default=REFERENCE_TRAINER, help="a module (run with -m) or a script path")
     r.add_argument("--nproc-per-node", type=_positive, default=2)
@@ -66,13 +70,21 @@ def _progress(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     import chaos
     from chaos.plan import Plan, PlanError, load_plan, parse_shorthand
+    from chaos.soak import soak_plan, soak_trainer_args
 
     args = _parser().parse_args(argv)
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
     try:
         plan = load_plan(args.plan) if args.plan else Plan()
         shorthand = list(args.fault)
-        if not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
+        if args.soak is not None:
+            if args.trainer != REFERENCE_TRAINER:
+                raise ValueError(f"--soak: expected the reference trainer (its steps and checkpoints are placed "
+                                 f"for the faults); found --trainer {args.trainer}")
+            plan = Plan(soak_plan(args.soak, args.seed, args.nproc_per_node * args.nnodes).faults + plan.faults,
+                        plan.max_restarts)
+            trainer_args = trainer_args or list(soak_trainer_args(args.soak))
+        elif not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
             shorthand = list(DEFAULT_FAULTS)
         plan = Plan(plan.faults + tuple(parse_shorthand(s) for s in shorthand), plan.max_restarts)
         # Fail here, before anything starts.
