@@ -2,8 +2,9 @@
 
 `soak_plan(n, seed, world_size)` draws `n` faults (kind and rank) from `seed` and places
 them one per `SOAK_GAP` steps, each at the step after a checkpoint (`--ckpt-every` is
-`SOAK_GAP`), so that every fault hits a job that has just checkpointed and is done with
-the previous fault. `soak_trainer_args(n)` is the reference trainer's command line that
+`SOAK_CKPT_EVERY`), so that every fault hits a job that has just checkpointed. The gap is
+two checkpoints wide: a checkpoint fault armed at its step acts at the next checkpoint, and
+the job must be done with it (restarted) before the next fault fires. `soak_trainer_args(n)` is the reference trainer's command line that
 fits them: enough steps, small model, a short deadline (the timeout faults cost one each).
 
 Kinds drawn (`SOAK_KINDS`): the process deaths, hangs, timeouts, in-step errors, checkpoint
@@ -22,7 +23,8 @@ from chaos.plan import Fault, FaultType, Plan, Trigger, TriggerKind
 SOAK_KINDS = (FaultType.KILL, FaultType.SEGFAULT, FaultType.EXIT, FaultType.HANG, FaultType.DELAY, FaultType.RAISE,
               FaultType.CORRUPT, FaultType.KILL_DURING_CHECKPOINT, FaultType.CORRUPT_CHECKPOINT, FaultType.SIGTERM,
               FaultType.GIL)
-SOAK_GAP = 2  # steps between faults, and the checkpoint interval
+SOAK_CKPT_EVERY = 2
+SOAK_GAP = 2 * SOAK_CKPT_EVERY  # steps between faults
 SOAK_DEADLINE_S = 5.0
 # A small model: the soak is about recovery, not about the kernels' speed.
 SOAK_MODEL_ARGS = ("--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64",
@@ -51,5 +53,5 @@ def soak_plan(n: int, seed: int, world_size: int) -> Plan:
 
 def soak_trainer_args(n: int) -> tuple[str, ...]:
     steps = fault_steps(n)[-1] + SOAK_GAP
-    return ("--steps", str(steps), "--ckpt-every", str(SOAK_GAP), "--timeout", str(SOAK_DEADLINE_S),
+    return ("--steps", str(steps), "--ckpt-every", str(SOAK_CKPT_EVERY), "--timeout", str(SOAK_DEADLINE_S),
             "--max-in-job-recoveries", str(n), *SOAK_MODEL_ARGS)

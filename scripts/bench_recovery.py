@@ -2,6 +2,7 @@
 
     python scripts/bench_recovery.py --runs 5
     python scripts/bench_recovery.py --runs 1 --faults delay,raise     # a quick look
+    python scripts/bench_recovery.py --soak 20 --seed 0                # one soak run of 20 faults
 
 For each fault of rank 1 at step 6 (checkpoints every 5 steps), each run of the reference
 trainer measures, on the same run:
@@ -59,13 +60,44 @@ def measure(kind: str, path: str, run: int, out: Path, deadline: float) -> dict[
             "restarts": report.restarts}
 
 
+def soak(n: int, seed: int, out: Path) -> int:
+    """One soak run (`chaos.soak`): its verdict, and recovery per fault kind (median and max)."""
+    from chaos.soak import soak_plan, soak_trainer_args
+
+    report = chaos.run(soak_plan(n, seed, 2), out / f"soak{n}-seed{seed}", soak_trainer_args(n),
+                       reference_dir=out / "reference", timeout_s=1800)
+    print(f"soak: {n} faults, seed {seed}, 2 ranks: {'PASSED' if report.passed else 'FAILED'}, bitwise "
+          f"{'verified' if report.bitwise_verified else 'NOT verified'}, {report.restarts} restarts, "
+          f"{report.duration_s:.0f} s in all\n")
+    print("| fault | count | recovered as | detection (median / max) | fault -> next step (median / max) |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    kinds = sorted({f.type for f in report.faults})
+    for kind in kinds:
+        faults = [f for f in report.faults if f.type == kind]
+        detect = sorted(f.detected_after_s for f in faults if f.detected_after_s is not None)
+        after = sorted(f.first_step_after_s for f in faults if f.first_step_after_s is not None)
+
+        def mm(values: list[float]) -> str:
+            return f"{statistics.median(values):.2f} / {max(values):.2f} s" if values else "-"
+
+        paths = "/".join(sorted({str(f.recovery) for f in faults}))
+        print(f"| {kind} | {len(faults)} | {paths} | {mm(detect)} | {mm(after)} |")
+    if not report.passed:
+        print(report.summary(), file=sys.stderr)
+    return 0 if report.passed and report.bitwise_verified else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--deadline", type=float, default=5.0, help="the trainer's collective deadline (--timeout)")
     p.add_argument("--faults", default=",".join(ALL_FAULTS), help=f"comma-separated, of {ALL_FAULTS}")
     p.add_argument("--out", default="runs/bench_recovery")
+    p.add_argument("--soak", type=int, default=None, metavar="N", help="instead: one soak run of N faults")
+    p.add_argument("--seed", type=int, default=0, help="the soak's seed")
     args = p.parse_args()
+    if args.soak is not None:
+        return soak(args.soak, args.seed, Path(args.out))
     kinds = [k for k in args.faults.split(",") if k]
     unknown = [k for k in kinds if k not in ALL_FAULTS]
     if unknown:

@@ -74,16 +74,27 @@ EXIT_PREEMPTED = 5
 
 
 class Preemption:
-    """SIGTERM noted by its handler; acted on at the next step boundary (module docstring)."""
+    """SIGTERM noted by its handler; acted on at the next step boundary (module docstring).
+
+    Only a healthy job defers it. After a failure (`failing`) SIGTERM ends the process at
+    once, and a failure after a SIGTERM is not recovered in-job: that is also how torchrun
+    stops the workers left alive when one of them died, and a worker that lingered in an
+    epoch join would hold up the restart by the whole join deadline.
+    """
 
     def __init__(self) -> None:
         self.requested_ns: int | None = None
+        self.failing = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        log = commlib.get_logger()
+        if self.failing:
+            log.warning("train.sigterm", action="exit now: the job is recovering from a failure")
+            os._exit(128 + signal.SIGTERM)
         if self.requested_ns is None:
             self.requested_ns = time.time_ns()
-            commlib.get_logger().warning("train.sigterm", action="stop after this step, with a checkpoint")
+            log.warning("train.sigterm", action="stop after this step, with a checkpoint")
 
     @property
     def requested(self) -> bool:
@@ -258,9 +269,11 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
                 if recovery is not None and (saved or step % args.snapshot_every == 0):
                     snapshot = Snapshot.take(model, optimizer, state)
         except (Exception, CheckpointException) as exc:
-            if recovery is None or snapshot is None or isinstance(exc, CheckpointMismatch):
+            if recovery is None or snapshot is None or isinstance(exc, CheckpointMismatch) or preemption.requested:
                 raise
+            preemption.failing = True
             comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
+            preemption.failing = False
 
     if args.results is not None:
         write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
