@@ -742,13 +742,17 @@ def _checked_mismatch(comm: CommLog) -> Problem | None:
 
 
 def _seen_mismatch(comm: CommLog) -> Problem | None:
-    """The first seq whose `collective.start` events disagree (the check was off)."""
-    differing = [seq for seq, calls in sorted(comm.calls.items())
-                 if len({c.signature() for c in calls.values()}) > 1]
+    """The first seq whose `collective.start` events disagree (the check was off).
+
+    Only calls whose start was logged count: a call made up from its failure event (a rank
+    whose pre-hook raised, or that failed before its start was written) has no shapes to compare.
+    """
+    started = {seq: {r: c for r, c in calls.items() if c.shapes is not None} for seq, calls in comm.calls.items()}
+    differing = [seq for seq, calls in sorted(started.items()) if len({c.signature() for c in calls.values()}) > 1]
     if not differing:
         return None
     seq = differing[0]
-    calls = comm.calls[seq]
+    calls = started[seq]
     by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for r, c in sorted(calls.items()):
         by_sig[c.signature()].append(r)
@@ -917,6 +921,9 @@ def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[st
     elif gone:
         message = (f"{head}: rank(s) {gone} had already failed and left: a consequence of their failure "
                    f"(see the earlier problem).")
+    elif announced := sorted({comm.global_rank(r) for e in events for r in e.get("failed_ranks") or []}):
+        message = (f"{head}: rank(s) {announced} had aborted the communicator and said so (their own "
+                   f"failure, or an in-job recovery: see the earlier problem).")
     else:
         message = (f"{head}: every other member kept logging after it, so a peer most likely aborted "
                    f"its side after an earlier failure (see the earlier problem).")
