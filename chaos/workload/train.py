@@ -46,12 +46,14 @@ Exit codes (torchrun restarts the job on any non-zero one):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -76,29 +78,33 @@ EXIT_PREEMPTED = 5
 class Preemption:
     """SIGTERM noted by its handler; acted on at the next step boundary (module docstring).
 
-    Only a healthy job defers it. After a failure (`failing`) SIGTERM ends the process at
-    once, and a failure after a SIGTERM is not recovered in-job: that is also how torchrun
-    stops the workers left alive when one of them died, and a worker that lingered in an
-    epoch join would hold up the restart by the whole join deadline.
+    Only a healthy job defers it. While the trainer recovers from a failure (`undeferred`)
+    SIGTERM has its default action and ends the process at once, and a failure after a
+    SIGTERM is not recovered in-job: that is also how torchrun stops the workers left alive
+    when one of them died, and a Python handler would run only once the main thread leaves
+    the C++ call it blocks in (an epoch join waits up to its whole deadline).
     """
 
     def __init__(self) -> None:
         self.requested_ns: int | None = None
-        self.failing = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        log = commlib.get_logger()
-        if self.failing:
-            log.warning("train.sigterm", action="exit now: the job is recovering from a failure")
-            os._exit(128 + signal.SIGTERM)
         if self.requested_ns is None:
             self.requested_ns = time.time_ns()
-            log.warning("train.sigterm", action="stop after this step, with a checkpoint")
+            commlib.get_logger().warning("train.sigterm", action="stop after this step, with a checkpoint")
 
     @property
     def requested(self) -> bool:
         return self.requested_ns is not None
+
+    @contextlib.contextmanager
+    def undeferred(self) -> Iterator[None]:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
 
 @dataclasses.dataclass
@@ -271,9 +277,8 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
         except (Exception, CheckpointException) as exc:
             if recovery is None or snapshot is None or isinstance(exc, CheckpointMismatch) or preemption.requested:
                 raise
-            preemption.failing = True
-            comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
-            preemption.failing = False
+            with preemption.undeferred():
+                comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
 
     if args.results is not None:
         write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
