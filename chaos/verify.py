@@ -371,6 +371,51 @@ def load_results(directory: Path) -> dict[str, Any] | None:
     return read_results(path) if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class _FaultCheck:
+    """A check that holds for every fault of some kinds: `holds(fault)`; `found(fault)` says how it did not."""
+
+    name: str
+    kinds: frozenset[str]
+    holds: Callable[[FaultResult], bool]
+    expected: str
+    found: Callable[[FaultResult], str]
+    doctor: bool = False  # its verdict rests on the doctor's diagnosis
+
+
+def _resumed_before_checkpoint(f: FaultResult) -> bool:
+    return f.checkpoint_step is not None and f.resumed_from is not None and f.resumed_from < f.checkpoint_step
+
+
+_FAULT_CHECKS = (
+    _FaultCheck("torn_checkpoint_not_loaded", frozenset({FaultType.KILL_DURING_CHECKPOINT.value}),
+                _resumed_before_checkpoint, "each restart to resume from a checkpoint before the torn one",
+                lambda f: f"torn {f.checkpoint_step}, resumed {f.resumed_from}"),
+    _FaultCheck("corrupt_checkpoint_not_loaded", frozenset({FaultType.CORRUPT_CHECKPOINT.value}),
+                _resumed_before_checkpoint, "each restart to resume from a checkpoint before the corrupted one",
+                lambda f: f"corrupted {f.checkpoint_step}, resumed {f.resumed_from}"),
+    # Stopped after a checkpoint of its last step, resumed from it: no step lost or run twice.
+    _FaultCheck("preempted_cleanly", frozenset({FaultType.SIGTERM.value}),
+                lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from >= f.step
+                and f.steps_reexecuted == 0,
+                "each SIGTERM'd job to resume from the step it stopped after, re-executing none",
+                lambda f: f"sigterm at step {f.step}: resumed from {f.resumed_from}, "
+                          f"{f.steps_reexecuted} step(s) re-executed"),
+    # The failed save left the older state the one to go on from (snapshot or checkpoint).
+    _FaultCheck("disk_full_rolled_back", frozenset({FaultType.DISK_FULL.value}),
+                lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from < f.step,
+                "the job to go on from the state before the failed save",
+                lambda f: f"disk full at step {f.step}: resumed from {f.resumed_from}"),
+    _FaultCheck("straggler_named", frozenset({FaultType.STRAGGLER.value}),
+                lambda f: names_straggler(f.diagnosis, f.rank), "the doctor to name the straggler rank",
+                lambda f: f"straggler rank {f.rank} (attempt {f.attempt}) unnamed", doctor=True),
+    _FaultCheck("diagnosis_names_faulted_rank",
+                frozenset({FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value}),
+                lambda f: names_rank(f.diagnosis, f.rank), "the doctor to name the faulted rank",
+                lambda f: f"{f.type} rank {f.rank} (attempt {f.attempt}) unnamed", doctor=True),
+)
+
+
 def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | os.PathLike[str] | None,
            timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> Report:
     """Every check of a finished run, as a `Report` (not yet written to disk).
@@ -404,54 +449,16 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
         if stuck:
             problems.append("recovered: expected a completed step after every fault; none after "
                             + ", ".join(f"{f.type} rank {f.rank} at t={f.injected_at:.1f} s" for f in stuck))
-    for kind, check, what in ((FaultType.KILL_DURING_CHECKPOINT, "torn_checkpoint_not_loaded", "torn"),
-                              (FaultType.CORRUPT_CHECKPOINT, "corrupt_checkpoint_not_loaded", "corrupted")):
-        bad = [f for f in faults if f.type == kind.value]
-        if not bad:
+    doctor_note = f"; {diagnosis_error}" if diagnosis_error else ""
+    for check in _FAULT_CHECKS:
+        chosen = [f for f in faults if f.type in check.kinds]
+        if not chosen:
             continue
-        loaded = [f for f in bad if f.checkpoint_step is None or f.resumed_from is None
-                  or f.resumed_from >= f.checkpoint_step]
-        checks[check] = not loaded
-        if loaded:
-            problems.append(f"{check}: expected each restart to resume from a checkpoint before the {what} one; "
-                            "found " + ", ".join(f"{what} {f.checkpoint_step}, resumed {f.resumed_from}"
-                                                 for f in loaded))
-    preempted = [f for f in faults if f.type == FaultType.SIGTERM.value]
-    if preempted:
-        # Stopped after a checkpoint of its last step, resumed from it: no step lost or run twice.
-        unclean = [f for f in preempted if f.resumed_from is None or f.step is None or f.resumed_from < f.step
-                   or f.steps_reexecuted != 0]
-        checks["preempted_cleanly"] = not unclean
-        if unclean:
-            problems.append("preempted_cleanly: expected each SIGTERM'd job to resume from the step it stopped "
-                            "after, re-executing none; found " + ", ".join(
-                                f"sigterm at step {f.step}: resumed from {f.resumed_from}, "
-                                f"{f.steps_reexecuted} step(s) re-executed" for f in unclean))
-    full = [f for f in faults if f.type == FaultType.DISK_FULL.value]
-    if full:
-        # The failed save left the older state the one to go on from (snapshot or checkpoint).
-        lost = [f for f in full if f.resumed_from is None or f.step is None or f.resumed_from >= f.step]
-        checks["disk_full_rolled_back"] = not lost
-        if lost:
-            problems.append("disk_full_rolled_back: expected the job to go on from the state before the failed "
-                            "save; found " + ", ".join(f"disk full at step {f.step}: resumed from {f.resumed_from}"
-                                                       for f in lost))
-    slow = [f for f in faults if f.type == FaultType.STRAGGLER.value]
-    if slow:
-        unnamed = [f for f in slow if not names_straggler(f.diagnosis, f.rank)]
-        checks["straggler_named"] = not unnamed
-        if unnamed:
-            problems.append("straggler_named: expected the doctor to name the straggler rank of "
-                            + ", ".join(f"straggler rank {f.rank} (attempt {f.attempt})" for f in unnamed)
-                            + (f"; {diagnosis_error}" if diagnosis_error else ""))
-    blamed = [f for f in faults if f.type in (FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value)]
-    if blamed:
-        unnamed = [f for f in blamed if not names_rank(f.diagnosis, f.rank)]
-        checks["diagnosis_names_faulted_rank"] = not unnamed
-        if unnamed:
-            problems.append("diagnosis_names_faulted_rank: expected the doctor to name the faulted rank for "
-                            + ", ".join(f"{f.type} rank {f.rank} (attempt {f.attempt})" for f in unnamed)
-                            + (f"; {diagnosis_error}" if diagnosis_error else ""))
+        failing = [f for f in chosen if not check.holds(f)]
+        checks[check.name] = not failing
+        if failing:
+            problems.append(f"{check.name}: expected {check.expected}; found "
+                            + ", ".join(check.found(f) for f in failing) + (doctor_note if check.doctor else ""))
 
     mine = load_results(run_dir)
     reference_dir: Path | None = None

@@ -257,3 +257,25 @@ def test_ensure_reference_recomputes_after_a_library_edit(tmp_path, library_copy
     assert len(runs) == 2 and second != first and (second / RESULTS).read_text() == "run 2\n"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([first.name, second.name])
     assert second.name == reference_key(job, library_copy)
+
+
+def _fault(kind, **fields):
+    from chaos.report import FaultResult
+    base = dict(type=kind, index=0, firing=1, rank=1, step=6, attempt=0, pid=1, node=0, injected_at=1.0,
+                injected_ts_ns=1)
+    return FaultResult(**{**base, **fields})
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("corrupt_checkpoint_not_loaded", {"checkpoint_step": 6, "resumed_from": 4}, {"checkpoint_step": 6, "resumed_from": 6}),
+    ("preempted_cleanly", {"resumed_from": 6, "steps_reexecuted": 0}, {"resumed_from": 6, "steps_reexecuted": 1}),
+    ("disk_full_rolled_back", {"resumed_from": 5}, {"resumed_from": None}),
+    ("straggler_named", {"diagnosis": {"problems": [{"kind": "straggler", "ranks": [1]}]}},
+     {"diagnosis": {"problems": [{"kind": "straggler", "ranks": [0]}]}}),
+])
+def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good, bad):
+    from chaos.verify import _FAULT_CHECKS
+    [check] = [c for c in _FAULT_CHECKS if c.name == name]
+    kind = next(iter(check.kinds))
+    assert check.holds(_fault(kind, **good))
+    assert not check.holds(_fault(kind, **bad)), check.found(_fault(kind, **bad))
