@@ -23,7 +23,7 @@ Faults acted here (the harness does ``kill`` and ``hang`` from outside, with sig
 ``gil``       the pre-hook sleeps in C *holding the GIL* (libc ``sleep`` through
               ``ctypes.PyDLL``, which keeps the GIL) past the deadline: no Python thread of
               the rank runs, so its heartbeat stops and only faulthandler (C-level, on the
-              SIGUSR1 a timed-out peer sends) can say where it is;
+              SIGUSR2 a timed-out peer sends) can say where it is;
 ``straggler`` the pre-hook sleeps ``ms`` before every collective of the rank, from its
               trigger on and in every later attempt (a slow node stays slow);
 ``corrupt_checkpoint``  from `on_checkpoint_committed`: flips bytes in the largest file of
@@ -205,7 +205,7 @@ def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
 def _hold_gil(seconds: float) -> None:
     """Sleep in C without releasing the GIL (PyDLL calls keep it, CDLL calls drop it).
 
-    libc's sleep(3) takes whole seconds and returns early when a signal arrives (SIGUSR1
+    libc's sleep(3) takes whole seconds and returns early when a signal arrives (SIGUSR2
     from a peer asking for stacks): it is called again for the rest, each call holding the GIL.
     """
     libc = ctypes.PyDLL(None)

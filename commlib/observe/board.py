@@ -39,7 +39,7 @@ from typing import Any
 import torch.distributed as dist
 
 from commlib.observe import log as _log
-from commlib.observe.flight import install_sigusr1
+from commlib.observe.flight import STACKS_SIGNAL, install_sigusr1
 
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
@@ -61,7 +61,7 @@ class BoardEntry:
     heartbeat_ns: int = 0  # wall clock of the last publication
     pid: int = 0
     host: str = ""
-    dumps_on_sigusr1: bool = False  # SIGUSR1 makes it dump stacks and flight recorder (else it kills)
+    dumps_stacks: bool = False  # STACKS_SIGNAL makes it write its stacks (else the signal would kill it)
 
 
 class ProgressBoard:
@@ -70,7 +70,7 @@ class ProgressBoard:
         self._publish_store = _own_client(store, rank)
         self.rank = rank
         self.size = size
-        self.entry = BoardEntry(pid=pid, host=HOST, dumps_on_sigusr1=bool(getattr(install_sigusr1, "installed", False)))
+        self.entry = BoardEntry(pid=pid, host=HOST, dumps_stacks=bool(getattr(install_sigusr1, "installed", False)))
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
@@ -227,19 +227,19 @@ class TimeoutExplanation:
 
 
 def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> list[int]:
-    """SIGUSR1 to those of `ranks` that run on this host and dump on it; returns whom it reached.
+    """STACKS_SIGNAL (SIGUSR2) to those of `ranks` that run on this host and dump on it; returns whom it reached.
 
     Their stacks land in the log dir (`commlib.observe.flight`), written even by a rank
     wedged in C code with the GIL held; the doctor shows them. Ranks on other hosts cannot
-    be signalled from here: an operator sends them SIGUSR1 (the doctor prints their pids).
+    be signalled from here: an operator sends them SIGUSR2 (the doctor prints their pids).
     """
     reached = []
     for r in ranks:
         e = entries.get(r)
-        if e is None or not e.dumps_on_sigusr1 or e.host != HOST or e.pid in (0, os.getpid()):
+        if e is None or not e.dumps_stacks or e.host != HOST or e.pid in (0, os.getpid()):
             continue
         try:
-            os.kill(e.pid, signal.SIGUSR1)
+            os.kill(e.pid, STACKS_SIGNAL)
         except OSError:  # gone meanwhile (a dead rank's pid may even be reused: never retried)
             continue
         reached.append(r)

@@ -9,12 +9,15 @@ a collective (see `install_sigusr1`).
 The dump runs on another thread than the one appending, so it works on a copy of the ring
 (`FlightRecorder.entries`), never on the live deque.
 
-SIGUSR1 also makes `faulthandler` write the Python stack of every thread of the process to
-``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level handler needs no
-GIL, so it answers even for a rank wedged in C code that holds the GIL, where the
-flight-recorder dump (Python) has to wait. Each SIGUSR1 appends one dump; the doctor reads
-the last one (`commlib.observe.stacks`). A rank whose collective timed out sends SIGUSR1 to
-the peers it names that run on its own host (see `Communicator._timed_out`).
+SIGUSR2 (`STACKS_SIGNAL`) makes `faulthandler` write the Python stack of every thread of
+the process to ``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level
+handler needs no GIL, so it answers even for a rank wedged in C code that holds the GIL,
+where the flight-recorder dump (Python) has to wait. It has a signal of its own: on SIGUSR1
+beside the flight dump, a burst of signals made faulthandler's all-thread walk crash the
+process now and then (SIGSEGV, seen in the fifty-SIGUSR1 test). Each SIGUSR2 appends one
+dump; the doctor reads the last one (`commlib.observe.stacks`). A rank whose collective
+timed out sends SIGUSR2 to the peers it names that run on its own host
+(`board.ask_for_stacks`).
 """
 
 from __future__ import annotations
@@ -171,7 +174,8 @@ def dump_all(directory: Path | None, reason: str) -> list[Path | None]:
 
 
 def install_sigusr1(directory_fn: Any) -> bool:
-    """Dump every recorder on SIGUSR1, even while the main thread is blocked in C++.
+    """Dump every recorder on SIGUSR1, even while the main thread is blocked in C++ (and
+    register the faulthandler stack dump on SIGUSR2: see the module docstring).
 
     A Python signal handler runs only when the main thread returns to the interpreter, and a
     hung rank sits inside a collective's wait. So the handler is a no-op whose real effect
@@ -229,14 +233,20 @@ STACKS_FILE = "stacks_{pid}.txt"
 _STACK_FILES: list[Any] = []  # faulthandler writes to the fd: its file must stay open
 
 
+STACKS_SIGNAL = signal.SIGUSR2
+
+
 def _register_stack_dump(directory: Path | None) -> None:
-    """faulthandler's C handler on SIGUSR1 first (no GIL needed), then the handler before it."""
+    """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), then any handler installed before it."""
     if directory is None:
         out: Any = sys.stderr
     else:
         out = open(Path(directory) / STACKS_FILE.format(pid=os.getpid()), "a")
         _STACK_FILES.append(out)
-    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=True)
+    # Chained only to a handler someone installed: chaining to the default action would kill.
+    previous = signal.getsignal(STACKS_SIGNAL)
+    faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True,
+                          chain=previous not in (signal.SIG_DFL, signal.SIG_IGN, None))
 
 
 def _dump_failed(exc: Exception, comm: str | None) -> None:

@@ -1,6 +1,6 @@
-"""The stacks a rank's `faulthandler` wrote on SIGUSR1 (``stacks_{pid}.txt``), read back.
+"""The stacks a rank's `faulthandler` wrote on SIGUSR2 (``stacks_{pid}.txt``), read back.
 
-`commlib.observe.flight` registers faulthandler on SIGUSR1, which writes, without needing
+`commlib.observe.flight` registers faulthandler on SIGUSR2 (`flight.STACKS_SIGNAL`), which writes, without needing
 the GIL, one block per thread::
 
     Thread 0x00007f... (most recent call first):
@@ -11,7 +11,7 @@ the GIL, one block per thread::
       File "/path/train.py", line 88 in step
       File "/path/train.py", line 120 in <module>
 
-Each SIGUSR1 appends such a dump, with no marker between dumps: a new one starts where a
+Each SIGUSR2 appends such a dump, with no marker between dumps: a new one starts where a
 thread id already seen in the current one comes again. The main thread is the one that
 runs a module's top level (a ``<module>`` frame; under ``python -m``, runpy's frames are
 outside it). Torch-free (the doctor reads it).

@@ -15,7 +15,7 @@ comparison holds only if the older checkpoint was the one loaded and no step was
   and fails here otherwise) fills up at step 4, whose save fails on every rank; the job rolls
   back in-job, the space comes back, the save is redone, bitwise;
 - ``gil``: rank 1 sleeps in C holding the GIL past the deadline. Rank 0 times out naming it
-  with a stale heartbeat, sends it SIGUSR1, and its faulthandler (no GIL needed) writes its
+  with a stale heartbeat, sends it SIGUSR2, and its faulthandler (no GIL needed) writes its
   stack, which the doctor shows; then the job recovers in-job, bitwise.
 """
 

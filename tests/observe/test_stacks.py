@@ -1,4 +1,4 @@
-"""faulthandler's SIGUSR1 stacks, read back: the last of several dumps, and its main thread."""
+"""faulthandler's SIGUSR2 stacks, read back: the last of several dumps, and its main thread."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from pathlib import Path
 
 from commlib.observe.stacks import last_dump, main_thread, read_main_stacks
 
-# Two SIGUSR1s from two places, with a second thread alive: the reader must return the
+# Two SIGUSR2s from two places, with a second thread alive: the reader must return the
 # second dump's main thread, innermost frame first.
 _PROBE = """
 import faulthandler, os, signal, sys, threading, time
 out = open(sys.argv[1], "a")
-faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+faulthandler.register(signal.SIGUSR2, file=out, all_threads=True)
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 def first_place():
-    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR2)
 def second_place():
-    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR2)
 first_place()
 second_place()
 print(os.getpid())
