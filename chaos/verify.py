@@ -356,8 +356,13 @@ def diagnose(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], str
 
 
 def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:
-    """Whether a doctor finding blames `rank`: among the culprits of its headline problem."""
-    return bool(finding) and rank in (finding.get("culprits") or [])
+    """Whether a doctor finding blames `rank`: among the culprits of its headline problem, or of
+    one of its timeouts or hangs (an attempt that recovered in-job holds several faults, and the
+    headline is the first of them)."""
+    if not finding:
+        return False
+    return rank in (finding.get("culprits") or []) or any(
+        p.get("kind") in ("timeout", "hang") and rank in (p.get("ranks") or []) for p in finding.get("problems", []))
 
 
 def names_straggler(finding: dict[str, Any] | None, rank: int) -> bool:

@@ -272,6 +272,10 @@ def _fault(kind, **fields):
     ("disk_full_rolled_back", {"resumed_from": 5}, {"resumed_from": None}),
     ("straggler_named", {"diagnosis": {"problems": [{"kind": "straggler", "ranks": [1]}]}},
      {"diagnosis": {"problems": [{"kind": "straggler", "ranks": [0]}]}}),
+    # An attempt that recovered in-job from a raise on rank 0 first, then from a delay on rank 1.
+    ("diagnosis_names_faulted_rank",
+     {"diagnosis": {"culprits": [0], "problems": [{"kind": "error", "ranks": [0]}, {"kind": "timeout", "ranks": [1]}]}},
+     {"diagnosis": {"culprits": [0], "problems": [{"kind": "error", "ranks": [0]}, {"kind": "timeout", "ranks": [0]}]}}),
 ])
 def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good, bad):
     from chaos.verify import _FAULT_CHECKS
