@@ -58,8 +58,9 @@ def test_step_start_waits_for_the_harness_to_fire_an_external_fault(tmp_path):
         assert 0.6 <= time.monotonic() - start < 1.5
 
         # The harness claims the firing 0.3 s in; the rank then waits out the signal grace.
-        threading.Timer(0.3, lambda: ledger.claim(plan.faults[0], 0, attempt=0, step=2)).start()
+        # (`start` first: the timer counts from its own start, which a loaded machine can delay.)
         start = time.monotonic()
+        threading.Timer(0.3, lambda: ledger.claim(plan.faults[0], 0, attempt=0, step=2)).start()
         injector.on_step_start(2)
         assert 0.3 + SIGNAL_GRACE_S <= time.monotonic() - start < 0.6 + SIGNAL_GRACE_S + 0.5
 
