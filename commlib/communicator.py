@@ -24,6 +24,7 @@ one piece, as before (`Backend.resumable_wait`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -40,11 +41,13 @@ from commlib.observe import log as _log
 from commlib.observe.board import STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks, explain_timeout
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, Reduction, ReduceOp
-from commlib.validation import check_call, seconds
+from commlib.validation import CallChecker, seconds
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of ABORT_KEY
+_FIRST_SLICE = timedelta(seconds=ABORT_POLL_S)
+_PROCESS_HOOKS = HookRegistry.process()
 
 # Works given up on while their op still ran, with their backend: dropping one would block
 # the caller until the op ends (gloo and torchcomms join the op's thread), so they are kept
@@ -54,6 +57,8 @@ _ABANDONED: list[tuple[BackendWork, Backend]] = []
 
 class Work:
     """The handle of an asynchronous collective. `wait` takes the same path as a sync call."""
+
+    __slots__ = ("_comm", "call", "_backend_work", "_entry", "done")
 
     def __init__(self, comm: "Communicator", call: Collective, backend_work: BackendWork,
                  entry: FlightEntry) -> None:
@@ -86,6 +91,7 @@ class Communicator:
         self.check_consistency = check_consistency
         self.world_rank = backend.rank if world_rank is None else world_rank
         self.hooks = HookRegistry()
+        self._check = CallChecker(backend.supports)
         self._seq = 0  # collectives
         self._p2p_seq: dict[int, int] = {}  # send/recv, per peer
         self._splits = 0
@@ -255,13 +261,17 @@ class Communicator:
         if not isinstance(async_op, bool):
             raise TypeError(f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "
                             f"found {type(async_op).__name__}")
-        deadline = seconds(timeout) or self.timeout
+        deadline = self.timeout if timeout is None else seconds(timeout)
         return Collective(op=op, comm=self.name, rank=self.rank, size=self.size, async_op=async_op,
                           deadline_s=deadline, **fields)
 
     def _issue(self, call: Collective) -> Work | None:
-        self._ensure_usable(call.op.value)
-        check_call(call, self._backend.supports)
+        # The hot path: every collective runs it, so what is fixed per communicator is
+        # computed once (the deadline's timedelta, the checker) and what most calls lack
+        # (hooks, a log dir, a dead communicator) costs a test, not a call.
+        if self._dead is not None:
+            self._ensure_usable(call.op.value)
+        self._check(call)
         p2p = call.peer is not None
         if p2p:  # numbered per peer: a pipeline's sends never shift the collective sequence
             call.seq = self._p2p_seq[call.peer] = self._p2p_seq.get(call.peer, 0) + 1
@@ -271,23 +281,24 @@ class Communicator:
         call.context = _log.current_context()
         if self.check_consistency and not p2p:
             self._agree(call)
-        try:
-            run_hooks(self.hooks, "pre", call)
-        except BaseException as exc:
-            # The number is spent and the peers will wait for it: record the call as failed
-            # and break the communicator, then let the hook's own exception through.
-            entry = self.recorder.start(call)
-            self._die(call, entry, exc, "collective.error", "failed", hooks=False)
-            raise
+        if _PROCESS_HOOKS.pre or self.hooks.pre:
+            try:
+                run_hooks(self.hooks, "pre", call)
+            except BaseException as exc:
+                # The number is spent and the peers will wait for it: record the call as failed
+                # and break the communicator, then let the hook's own exception through.
+                entry = self.recorder.start(call)
+                self._die(call, entry, exc, "collective.error", "failed", hooks=False)
+                raise
         entry = self.recorder.start(call)
         if not p2p:
-            self.board.started(call.seq, call.op.value, call.context)
+            self.board.started(call.seq, entry.op, call.context)
         if _log.STATE.enabled:
-            self._log.info("collective.start", op=call.op.value, seq=call.seq, shapes=entry.shapes,
+            self._log.info("collective.start", op=entry.op, seq=call.seq, shapes=entry.shapes,
                            dtype=entry.dtype, bytes=entry.nbytes, root=entry.root, peer=call.peer,
                            deadline_s=call.deadline_s, async_op=call.async_op)
         try:
-            backend_work = self._backend.launch(call, timedelta(seconds=call.deadline_s))
+            backend_work = self._backend.launch(call, _timedelta(call.deadline_s))
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
         work = Work(self, call, backend_work, entry)
@@ -300,8 +311,10 @@ class Communicator:
         call, entry = work.call, work._entry
         # An op still in flight when the communicator broke: its failure was recorded once
         # already, by whichever call broke it.
-        self._ensure_usable(call.op.value)
-        if call.async_op:  # how long the caller's wait blocked, and whether the op was already done
+        if self._dead is not None:
+            self._ensure_usable(call.op.value)
+        log_on = _log.STATE.enabled
+        if log_on and call.async_op:  # how long the caller's wait blocked, and whether the op was already done
             wait_from_ns, done_before_wait = time.monotonic_ns(), work._backend_work.is_completed()
         if timeout is None:
             timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
@@ -317,22 +330,23 @@ class Communicator:
         work.done = True
         FlightRecorder.end(entry, "completed")
         if call.peer is None:
-            self.board.finished(call.seq, call.op.value)
-        duration = entry.duration_s
-        if _log.STATE.enabled:
+            self.board.finished(call.seq, entry.op)
+        if log_on:
             wait = {} if not call.async_op else {
                 "wait_s": (entry.end_mono_ns - wait_from_ns) / 1e9, "done_before_wait": done_before_wait}
-            self._log.info("collective.end", op=call.op.value, seq=call.seq, bytes=entry.nbytes, peer=call.peer,
-                           duration_s=duration, status="ok", **wait)
-        run_hooks(self.hooks, "post", call, duration)
+            self._log.info("collective.end", op=entry.op, seq=call.seq, bytes=entry.nbytes, peer=call.peer,
+                           duration_s=entry.duration_s, status="ok", **wait)
+        if _PROCESS_HOOKS.post or self.hooks.post:
+            run_hooks(self.hooks, "post", call, entry.duration_s)
 
     def _wait(self, call: Collective, entry: FlightEntry, backend_work: BackendWork, budget_s: float) -> bool:
         """Wait up to `budget_s` for the op; in slices, reading ABORT_KEY between them (module docstring)."""
         if not self._backend.resumable_wait:
             return backend_work.wait(timedelta(seconds=budget_s))
         until = time.monotonic() + budget_s
-        slice_s = min(budget_s, ABORT_POLL_S)
-        while not backend_work.wait(timedelta(seconds=max(slice_s, 1e-3))):
+        # Most ops end within the first slice, which is the same for all of them.
+        slice_td = _FIRST_SLICE if budget_s >= ABORT_POLL_S else timedelta(seconds=budget_s)
+        while not backend_work.wait(slice_td):
             now = time.monotonic()
             if now >= until:
                 return False
@@ -341,7 +355,7 @@ class Communicator:
                 _abandon(backend_work, self._backend)
                 raise self._peer_left(call, entry, *aborted_by)
             waited_s = now - entry.start_mono_ns / 1e9
-            slice_s = min(until - now, max(ABORT_POLL_S, waited_s / 10))
+            slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
     def _announce_abort(self, reason: str) -> None:
@@ -502,6 +516,12 @@ def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
                f"{call.rank}: expected rank {peer} to post the matching "
                f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it (rank {peer} {where})")
     return message, [peer], stale
+
+
+@functools.lru_cache(maxsize=64)
+def _timedelta(seconds_: float) -> timedelta:
+    """An op's deadline as the timedelta backends take: one per distinct deadline, not per call."""
+    return timedelta(seconds=seconds_)
 
 
 def _abandon(backend_work: BackendWork, backend: Backend) -> None:

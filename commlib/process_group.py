@@ -10,7 +10,9 @@ collectives, `all_gather_object`, `barrier`) take commlib's one path: validation
 number, hooks, flight recorder, progress board, structured log, and a deadline that raises
 a typed error naming the ranks that did not arrive. This module only translates c10d's
 calling convention (tensor lists, option objects, old and new method names) into
-`Communicator` calls; it repeats none of the Communicator's work.
+`Communicator` calls; it repeats none of the Communicator's work. That translation runs
+on every collective, so it reads each option once and remembers what does not change:
+the group's one communicator, and the commlib reduction of each torch reduction kind.
 
 The engine under each group is chosen by `EngineOptions` (`commlib.init` passes them as
 `pg_options`; groups torch makes by itself inherit the default group's): "auto" is gloo for
@@ -50,6 +52,7 @@ from commlib.communicator import Communicator, Work
 from commlib.dist import to_reduction
 from commlib.observe import flight
 from commlib.observe import log as _log
+from commlib.ops import PremulSum, Reduction
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
@@ -189,7 +192,10 @@ def _communicator(options: EngineOptions, device: torch.device, name: str, store
 
 
 class CommlibWork(dist.Work):
-    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
+    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all).
+
+    Every op of the group is issued with `async_op=True`, so each gives a `Work`.
+    """
 
     def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Any = None) -> None:
         super().__init__()
@@ -223,12 +229,34 @@ class CommlibWork(dist.Work):
         return future
 
 
+_NO_TIMEOUT = timedelta(0)  # c10d's options say "unset" with a negative timeout
+
+
 def _deadline(opts: Any) -> float | None:
     """An op's own timeout from c10d's options; None (the communicator's default) when unset."""
     timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+    if isinstance(timeout, timedelta) and timeout > _NO_TIMEOUT:
         return timeout.total_seconds()
     return None
+
+
+# A memo, not a registry: c10d reduction -> commlib reduction, filled as reductions are met.
+_REDUCTIONS: dict[Any, Reduction] = {}
+
+
+def _reduction(opts: Any) -> Reduction:
+    """`to_reduction(opts.reduceOp)`, remembered per kind of reduction.
+
+    A c10d `ReduceOp` hashes and compares by its kind alone (reading `.op` would cost more
+    than the lookup), so PREMUL_SUM, whose factor varies, is never remembered.
+    """
+    op = opts.reduceOp
+    reduction = _REDUCTIONS.get(op)
+    if reduction is None:
+        reduction = to_reduction(op)
+        if not isinstance(reduction, PremulSum):
+            _REDUCTIONS[op] = reduction
+    return reduction
 
 
 def _one(tensors: list[Any], what: str) -> Any:
@@ -243,9 +271,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def __init__(self, comms: dict[str, Communicator], rank: int, size: int) -> None:
         super().__init__(rank, size)
-        self._comms = comms
         self._group_name = self._group_desc = ""
-        self._register_engines()
+        self._set_communicators(comms)
 
     # -- the communicators -------------------------------------------------------------
     def communicator(self, device: torch.device | str | None = None) -> Communicator:
@@ -263,8 +290,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if comms.keys() != self._comms.keys():
             raise ValueError(f"commlib process group: expected communicators for {list(self._comms)}; "
                              f"found {list(comms)}")
-        self._comms = dict(comms)
-        self._register_engines()
+        self._set_communicators(dict(comms))
 
     def rebuild_communicators(self, epoch: int) -> None:
         """New engine communicators under this group for recovery epoch `epoch` (collective over the group).
@@ -289,6 +315,12 @@ class CommlibProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # an engine already torn down: it is unusable either way
                 _log.get_logger().warning("comm.abort_failed", comm=comm.name, error=f"{type(exc).__name__}: {exc}")
 
+    def _set_communicators(self, comms: dict[str, Communicator]) -> None:
+        self._comms = comms
+        # What a group with a single communicator hands every op, without a device lookup.
+        self._only = next(iter(comms.values())) if len(comms) == 1 else None
+        self._register_engines()
+
     def _register_engines(self) -> None:
         # torch asks a group for its backend per device (FSDP2's allocation, device
         # capability checks, object collectives' device): answer with the engine itself.
@@ -307,7 +339,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
                     self._set_default_backend(backend_type)
 
     def _on(self, tensor: torch.Tensor) -> Communicator:
-        return self.communicator(tensor.device) if len(self._comms) > 1 else next(iter(self._comms.values()))
+        return self._only if self._only is not None else self.communicator(tensor.device)
 
     # c10d keeps a group's name and description in its registered backends, and a group
     # over torchcomms has none registered: keep them here as well, for Python readers
@@ -338,68 +370,68 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllreduceOptions()
         t = _one(tensors, "allreduce")
-        return self._wrap([self._on(t).all_reduce(t, to_reduction(opts.reduceOp), async_op=True,
-                                                  timeout=_deadline(opts))], tensors)
+        return CommlibWork([self._on(t).all_reduce(t, _reduction(opts), async_op=True,
+                                                   timeout=_deadline(opts))], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
-        op = to_reduction(opts.reduceOp)
-        return self._wrap([self._on(t).all_reduce(t, op, async_op=True, timeout=_deadline(opts)) for t in tensors],
-                          tensors)
+        op = _reduction(opts)
+        return CommlibWork([self._on(t).all_reduce(t, op, async_op=True, timeout=_deadline(opts)) for t in tensors],
+                           tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.BroadcastOptions()
         t = _one(tensors, "broadcast")
-        return self._wrap([self._on(t).broadcast(t, opts.rootRank, async_op=True, timeout=_deadline(opts))], tensors)
+        return CommlibWork([self._on(t).broadcast(t, opts.rootRank, async_op=True, timeout=_deadline(opts))], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.ReduceOptions()
         t = _one(tensors, "reduce")
-        return self._wrap([self._on(t).reduce(t, opts.rootRank, to_reduction(opts.reduceOp), async_op=True,
-                                              timeout=_deadline(opts))], tensors)
+        return CommlibWork([self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=True,
+                                               timeout=_deadline(opts))], tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllgatherOptions()
         t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
-        return self._wrap([self._on(t).all_gather(outputs, t, async_op=True, timeout=_deadline(opts))], outputs)
+        return CommlibWork([self._on(t).all_gather(outputs, t, async_op=True, timeout=_deadline(opts))], outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllgatherOptions()
-        return self._wrap([self._on(t).all_gather(outs, t, async_op=True, timeout=_deadline(opts))
-                           for outs, t in zip(output_lists, inputs, strict=True)],
-                          [o for outs in output_lists for o in outs])
+        return CommlibWork([self._on(t).all_gather(outs, t, async_op=True, timeout=_deadline(opts))
+                            for outs, t in zip(output_lists, inputs, strict=True)],
+                           [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllgatherOptions()
-        return self._wrap([self._on(input).all_gather_single(output, input, async_op=True,
-                                                             timeout=_deadline(opts))], [output])
+        return CommlibWork([self._on(input).all_gather_single(output, input, async_op=True,
+                                                              timeout=_deadline(opts))], [output])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllgatherOptions()
-        return self._wrap([self._on(i).all_gather_single(o, i, async_op=True, timeout=_deadline(opts))
-                           for o, i in zip(outputs, inputs, strict=True)], outputs)
+        return CommlibWork([self._on(i).all_gather_single(o, i, async_op=True, timeout=_deadline(opts))
+                            for o, i in zip(outputs, inputs, strict=True)], outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.ReduceScatterOptions()
         t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
-        return self._wrap([self._on(t).reduce_scatter(t, inputs, to_reduction(opts.reduceOp), async_op=True,
-                                                      timeout=_deadline(opts))], outputs)
+        return CommlibWork([self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=True,
+                                                       timeout=_deadline(opts))], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        return self._wrap([self._on(input).reduce_scatter_single(output, input, to_reduction(opts.reduceOp),
-                                                                 async_op=True, timeout=_deadline(opts))], [output])
+        return CommlibWork([self._on(input).reduce_scatter_single(output, input, _reduction(opts),
+                                                                  async_op=True, timeout=_deadline(opts))], [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        op = to_reduction(opts.reduceOp)
-        return self._wrap([self._on(i).reduce_scatter_single(o, i, op, async_op=True, timeout=_deadline(opts))
-                           for o, i in zip(outputs, inputs, strict=True)], outputs)
+        op = _reduction(opts)
+        return CommlibWork([self._on(i).reduce_scatter_single(o, i, op, async_op=True, timeout=_deadline(opts))
+                            for o, i in zip(outputs, inputs, strict=True)], outputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> CommlibWork:
@@ -411,8 +443,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 raise NotImplementedError(
                     f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
                     f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
-        return self._wrap([self._on(input).all_to_all_single(output, input, async_op=True,
-                                                             timeout=_deadline(opts))], [output])
+        return CommlibWork([self._on(input).all_to_all_single(output, input, async_op=True,
+                                                              timeout=_deadline(opts))], [output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.AllToAllOptions()
@@ -430,33 +462,33 @@ class CommlibProcessGroup(dist.ProcessGroup):
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
                 out.copy_(piece)
 
-        return self._wrap([work], outputs, copy_out)
+        return CommlibWork([work], outputs, copy_out)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.GatherOptions()
         t = _one(inputs, "gather")
         outputs = _one(output_lists, "gather") if output_lists else None
-        return self._wrap([self._on(t).gather(outputs, t, opts.rootRank, async_op=True, timeout=_deadline(opts))],
-                          outputs or [])
+        return CommlibWork([self._on(t).gather(outputs, t, opts.rootRank, async_op=True, timeout=_deadline(opts))],
+                           outputs or [])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                 opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.ScatterOptions()
         t = _one(outputs, "scatter")
         inputs = _one(input_lists, "scatter") if input_lists else None
-        return self._wrap([self._on(t).scatter(t, inputs, opts.rootRank, async_op=True, timeout=_deadline(opts))],
-                          outputs)
+        return CommlibWork([self._on(t).scatter(t, inputs, opts.rootRank, async_op=True, timeout=_deadline(opts))],
+                           outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "send")
         self._untagged("send", tag)
-        return self._wrap([self._on(t).send(t, dst, async_op=True)], tensors)
+        return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "recv")
         self._untagged("recv", tag)
-        return self._wrap([self._on(t).recv(t, src, async_op=True)], tensors)
+        return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(f"commlib process group rank {self.rank()}: expected recv from a named source; "
@@ -464,7 +496,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> CommlibWork:
         opts = opts or c10d_opts.BarrierOptions()
-        return self._wrap([self.communicator().barrier(async_op=True, timeout=_deadline(opts))], [])
+        return CommlibWork([self.communicator().barrier(async_op=True, timeout=_deadline(opts))], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:
@@ -476,10 +508,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
     # -- helpers -----------------------------------------------------------------------
-    @staticmethod
-    def _wrap(works: list[Work | None], result: list[torch.Tensor], finish: Any = None) -> CommlibWork:
-        return CommlibWork([w for w in works if w is not None], result, finish)
-
     def _untagged(self, what: str, tag: int) -> None:
         if tag:
             raise NotImplementedError(f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "

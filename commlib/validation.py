@@ -1,8 +1,16 @@
 """Local checks of a collective's arguments, run by `Communicator` before anything is sent.
 
-Called from exactly one place (`Communicator._issue`), so bad input is rejected on the rank
-that made it, before any rank blocks. Messages say what was expected, what was found, the
-op, the communicator and the rank.
+Called from exactly one place (`Communicator._issue`, through its `CallChecker`), so bad
+input is rejected on the rank that made it, before any rank blocks. Messages say what was
+expected, what was found, the op, the communicator and the rank.
+
+A training loop issues the same few calls again and again, so `CallChecker` remembers the
+signatures of calls that passed `check_call`: what the rules read of a call (the op, each
+tensor's type, dtype, device, contiguity and, where a rule compares sizes, element count;
+the root, the peer and the reduction, with their types), and no more. A call whose
+signature passed before is accepted without the rules; any other call (and every call with
+tensor lists) takes the full check, so a bad call is rejected with the same message
+whether or not good ones came before it.
 """
 
 from __future__ import annotations
@@ -13,6 +21,9 @@ from datetime import timedelta
 import torch
 
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, reduction_kind
+
+# The ops whose rules compare their two tensors' element counts (`_check_shapes`).
+_SIZED = frozenset({OpName.ALL_GATHER_SINGLE, OpName.REDUCE_SCATTER_SINGLE, OpName.ALL_TO_ALL_SINGLE})
 
 _INTEGER_ONLY = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _FLOAT_ONLY = {ReduceOp.AVG, ReduceOp.PREMUL_SUM}
@@ -87,8 +98,9 @@ def check_call(call: Collective, unsupported: "callable") -> None:  # type: igno
     """Raise TypeError/ValueError when `call` is malformed on this rank.
 
     `unsupported(device, reduce_op)` is the backend's `supports`: None if it can serve them.
-    Runs on every collective, so the common case does little: single-tensor ops skip the
-    per-op shape rules, and the dtype rules of a reduction are looked up, not recomputed.
+    The full check: `CallChecker` runs it on every call whose signature has not passed it
+    yet. Single-tensor ops skip the per-op shape rules, and the dtype rules of a reduction
+    are looked up, not recomputed.
     """
     op = call.op
     if call.tensor is not None:
@@ -171,3 +183,61 @@ def _dtype_rule(kind: ReduceOp, dtype: torch.dtype) -> str | None:
     if dtype.is_complex and kind in (ReduceOp.MIN, ReduceOp.MAX):
         return "a real dtype"
     return None
+
+
+class CallChecker:
+    """`check_call` for one communicator, skipped for call signatures that passed it before.
+
+    The communicator's rank, size and backend are fixed, so a signature (module docstring)
+    decides the outcome of every rule. At most `MAX_SIGNATURES` are kept; later new ones
+    are checked in full every time.
+    """
+
+    MAX_SIGNATURES = 4096
+
+    def __init__(self, unsupported: "callable") -> None:  # type: ignore[valid-type]
+        self._unsupported = unsupported
+        self._passed: set[tuple[object, ...]] = set()
+
+    def __call__(self, call: Collective) -> None:
+        key = _signature(call)
+        if key is not None:
+            try:
+                if key in self._passed:
+                    return
+            except TypeError:  # an unhashable root or peer: the full check says what is wrong with it
+                key = None
+        check_call(call, self._unsupported)
+        if key is not None and len(self._passed) < self.MAX_SIGNATURES:
+            self._passed.add(key)
+
+
+def _signature(call: Collective) -> tuple[object, ...] | None:
+    """What the rules of `check_call` read of `call`; None for calls always checked in full.
+
+    Every value comes with its type where the rules check types: `ReduceOp.SUM == "sum"`
+    and `True == 1`, but only the first of each passes.
+    """
+    if call.input_list is not None or call.output_list is not None:
+        return None  # per-rank lists: a signature would cost as much as the rules
+    red = call.reduce_op
+    red_type = type(red)
+    if red_type is PremulSum:
+        red = red.kind  # the factor is no rule's concern
+    elif red is not None and red_type is not ReduceOp:
+        return None
+    root, peer = call.root, call.peer
+    head = (call.op, red_type, red, type(root), root, type(peer), peer)
+    t = call.tensor
+    if t is not None:  # the common case, built in one go
+        return (*head, type(t), t.dtype, t.device, t.is_contiguous()) if isinstance(t, torch.Tensor) else None
+    sized = call.op in _SIZED
+    tensors: list[object] = []
+    for t in (call.input, call.output):
+        if t is None:
+            tensors.append(None)
+        elif isinstance(t, torch.Tensor):
+            tensors += (type(t), t.dtype, t.device, t.is_contiguous(), t.numel() if sized else None)
+        else:
+            return None
+    return (*head, *tensors)

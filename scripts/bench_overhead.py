@@ -1,20 +1,21 @@
 """commlib's added cost per collective, against raw torch.distributed in the same run.
 
-2 ranks, gloo on loopback, synchronous all_reduce of 4 B, 4 KiB and 4 MiB. Each
-configuration runs in its own pair of processes and measures three paths interleaved
-(raw, commlib, backend, raw, ... in rounds), so machine noise hits them alike: raw is
-`dist.all_reduce` on a plain gloo group, commlib is `Communicator.all_reduce`, backend is
-`dist.all_reduce` on the default group, which `commlib.init` made with
-`backend="commlib"` (the path an unmodified trainer takes). The figures are medians over
-rounds of (path - raw) per call, in wall time and in CPU time of the calling thread
-(stable where wall time is not; see `_interleaved`).
+2 ranks, gloo on loopback, all_reduce of 4 B, 4 KiB and 4 MiB. Each configuration runs
+in its own pair of processes and measures five paths interleaved (raw, commlib, backend,
+raw async, commlib async, raw, ... in rounds), so machine noise hits them alike: raw is a
+synchronous `dist.all_reduce` on a plain gloo group, commlib is `Communicator.all_reduce`,
+backend is `dist.all_reduce` on the default group, which `commlib.init` made with
+`backend="commlib"` (the path an unmodified trainer takes); raw async and commlib async
+issue with `async_op=True` and then `wait()` (FSDP2's path). The figures are medians over
+rounds of (path - raw) per call, async against raw async, in wall time and in CPU time of
+the calling thread (stable where wall time is not; see `_interleaved`).
 
 Configurations: commlib as shipped (flight recorder + progress board on, no log dir),
 with JSON logs (a log dir), and with the consistency check. Also measured: the flight
 recorder + progress board bookkeeping alone (one process, no communication), and the
 diagnosis latency: deadline expiry to CollectiveTimeout raised, over 20 timeouts.
 
-    .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200]
+    .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ SIZES = {"4 B": 1, "4 KiB": 1024, "4 MiB": 1024 * 1024}
 
 
 def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[str, dict[str, float]]:
-    """Per size: median per-call wall time and calling-thread CPU time of both paths, and their differences.
+    """Per size: median per-call wall time and calling-thread CPU time of the paths, and their differences.
+
+    Each added CPU figure is (median, first quartile, third quartile) over rounds.
 
     The wall-time difference is what a trainer feels, but on a 2-core machine two ranks'
     scheduling noise is hundreds of microseconds; the CPU time the calling thread spends
@@ -48,10 +51,12 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[st
     plain = dist.new_group(backend="gloo")  # torch's own gloo group, beside commlib's default one
     for label, numel in SIZES.items():
         t = torch.ones(numel)
-        n = max(3, iters // max(1, numel // 4096))  # fewer calls for the big message
+        n = max(20, iters // max(1, numel // 4096))  # fewer calls for the big message, enough to time
         paths = {"raw": lambda: dist.all_reduce(t, group=plain), "commlib": lambda: comm.all_reduce(t),
-                 "backend": lambda: dist.all_reduce(t)}
-        for run in paths.values():  # warm up both paths
+                 "backend": lambda: dist.all_reduce(t),
+                 "raw async": lambda: dist.all_reduce(t, group=plain, async_op=True).wait(),
+                 "async": lambda: comm.all_reduce(t, async_op=True).wait()}
+        for run in paths.values():  # warm up every path
             for _ in range(3):
                 run()
         wall: dict[str, list[float]] = {k: [] for k in paths}
@@ -69,10 +74,21 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[st
             "commlib_us": statistics.median(wall["commlib"]),
             "added_us": statistics.median(b - a for a, b in zip(wall["raw"], wall["commlib"])),
             "raw_cpu_us": statistics.median(cpu["raw"]),
-            "added_cpu_us": statistics.median(b - a for a, b in zip(cpu["raw"], cpu["commlib"])),
-            "backend_added_cpu_us": statistics.median(b - a for a, b in zip(cpu["raw"], cpu["backend"])),
+            "added_cpu_us": _spread(cpu["raw"], cpu["commlib"]),
+            "backend_added_cpu_us": _spread(cpu["raw"], cpu["backend"]),
+            "async_added_cpu_us": _spread(cpu["raw async"], cpu["async"]),
         }
     return out
+
+
+def _spread(base: list[float], path: list[float]) -> tuple[float, float, float]:
+    """Median, first and third quartile over rounds of (path - base)."""
+    q1, median, q3 = statistics.quantiles([b - a for a, b in zip(base, path)], n=4)
+    return median, q1, q3
+
+
+def _cpu(figure: tuple[float, float, float]) -> str:
+    return f"{figure[0]:+.1f} ({figure[1]:+.1f}..{figure[2]:+.1f})"
 
 
 def _diagnosis_latency(comm: commlib.Communicator, trials: int, deadline: float) -> list[float]:
@@ -118,21 +134,24 @@ def main() -> None:
         "JSON logs on": {"log_dir": logs},
         "consistency check on": {"check_consistency": True},
     }
-    print(f"2 ranks, gloo, sync all_reduce; median over {args.rounds} interleaved rounds; torch {torch.__version__}\n")
+    print(f"2 ranks, gloo, all_reduce; medians over {args.rounds} interleaved rounds, added CPU as median "
+          f"(first..third quartile); torch {torch.__version__}\n")
     print("| configuration | size | raw wall (us) | commlib wall (us) | added wall (us) | raw CPU (us) "
-          "| added CPU (us) | added CPU, backend path (us) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| added CPU (us) | added CPU, backend path (us) | added CPU, async issue + wait (us) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, kwargs in configs.items():
         r0 = testing.run(_interleaved, 2, timeout=600, args=(args.rounds, args.iters), **kwargs)[0]
         for label, row in r0.items():
             print(f"| {name} | {label} | {row['raw_us']:.1f} | {row['commlib_us']:.1f} | {row['added_us']:+.1f} "
-                  f"| {row['raw_cpu_us']:.1f} | {row['added_cpu_us']:+.1f} | {row['backend_added_cpu_us']:+.1f} |")
+                  f"| {row['raw_cpu_us']:.1f} | {_cpu(row['added_cpu_us'])} | {_cpu(row['backend_added_cpu_us'])} "
+                  f"| {_cpu(row['async_added_cpu_us'])} |")
     # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
     solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
             for name, kwargs in configs.items()}
     print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
-          + ", ".join(f"{name} {rows['4 KiB']['added_cpu_us']:+.1f} us (backend path "
-                      f"{rows['4 KiB']['backend_added_cpu_us']:+.1f} us)" for name, rows in solo.items()))
+          + ", ".join(f"{name} {_cpu(rows['4 KiB']['added_cpu_us'])} us (backend path "
+                      f"{_cpu(rows['4 KiB']['backend_added_cpu_us'])} us, async issue + wait "
+                      f"{_cpu(rows['4 KiB']['async_added_cpu_us'])} us)" for name, rows in solo.items()))
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
     lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)

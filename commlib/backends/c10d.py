@@ -7,8 +7,9 @@ process group the caller already has (`commlib.init` over a default group made w
 another backend; its ops go to the group's backend for the device). Either way ops are
 launched through the engine's own methods (`allreduce`, `broadcast`, `_allgather_base`, ...)
 with c10d's option objects, so every op carries its own deadline (`opts.timeout`), longer
-or shorter than the engine's default. The three methods torch 2.13 renamed on ProcessGroup
-objects are looked up once through `compat.method`.
+or shorter than the engine's default; an option object is built once per distinct
+timeout, reduction and root, and reused (`C10dBackend._options`). The three methods torch
+2.13 renamed on ProcessGroup objects are looked up once through `compat.method`.
 
 Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
 is part of the op, and every backend must give the same numbers.
@@ -31,6 +32,7 @@ from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
 ENGINES = ("gloo", "nccl")
+_MAX_OPTIONS = 256  # option objects kept per backend (`C10dBackend._options`)
 
 _DIST_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -53,14 +55,6 @@ def classify_exception(exc: BaseException) -> Failure:
 
 
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters  # torch >= 2.12
-
-
-def _options(kind: Callable[[], Any], timeout: timedelta, **fields: Any) -> Any:
-    opts = kind()
-    opts.timeout = timeout
-    for name, value in fields.items():
-        setattr(opts, name, value)
-    return opts
 
 
 def _routed_through_torchcomms(group: Any, device: torch.device) -> bool:
@@ -131,6 +125,7 @@ class C10dBackend:
         self._all_gather_single = compat.method(self.engine, "all_gather_single")
         self._reduce_scatter_single = compat.method(self.engine, "reduce_scatter_single")
         self._all_to_all_single = compat.method(self.engine, "all_to_all_single")
+        self._option_cache: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
     def create(cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device,
@@ -151,44 +146,66 @@ class C10dBackend:
     # -- launch -------------------------------------------------------------------------
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
         op = call.op
-        e = self.engine
+        e, o = self.engine, self._options
         red, finish = self._reduction(call)
         if op is OpName.ALL_REDUCE:
-            w = e.allreduce([call.tensor], _options(c10d_opts.AllreduceOptions, timeout, reduceOp=red))
+            w = e.allreduce([call.tensor], o(c10d_opts.AllreduceOptions, call, timeout, red))
         elif op is OpName.BROADCAST:
-            w = e.broadcast([call.tensor], _options(c10d_opts.BroadcastOptions, timeout, rootRank=call.root))
+            w = e.broadcast([call.tensor], o(c10d_opts.BroadcastOptions, call, timeout, root=call.root))
         elif op is OpName.REDUCE:
-            w = e.reduce([call.tensor], _options(c10d_opts.ReduceOptions, timeout, reduceOp=red, rootRank=call.root))
+            w = e.reduce([call.tensor], o(c10d_opts.ReduceOptions, call, timeout, red, call.root))
         elif op is OpName.ALL_GATHER:
-            w = e.allgather([call.output_list], [call.input], _options(c10d_opts.AllgatherOptions, timeout))
+            w = e.allgather([call.output_list], [call.input], o(c10d_opts.AllgatherOptions, call, timeout))
         elif op is OpName.ALL_GATHER_SINGLE:
-            w = self._all_gather_single(call.output, call.input, _options(c10d_opts.AllgatherOptions, timeout))
+            w = self._all_gather_single(call.output, call.input, o(c10d_opts.AllgatherOptions, call, timeout))
         elif op is OpName.REDUCE_SCATTER:
             w = e.reduce_scatter([call.output], [call.input_list],
-                                 _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
+                                 o(c10d_opts.ReduceScatterOptions, call, timeout, red))
         elif op is OpName.REDUCE_SCATTER_SINGLE:
             # torchcomms' gloo (under torch's routing) overwrites the input with the full reduction.
             source = call.input.clone() if self._routed and self.name == "gloo" else call.input
             w = self._reduce_scatter_single(call.output, source,
-                                            _options(c10d_opts.ReduceScatterOptions, timeout, reduceOp=red))
+                                            o(c10d_opts.ReduceScatterOptions, call, timeout, red))
         elif op is OpName.ALL_TO_ALL_SINGLE:
-            w = self._all_to_all_single(call.output, call.input, [], [], _options(c10d_opts.AllToAllOptions, timeout))
+            w = self._all_to_all_single(call.output, call.input, [], [], o(c10d_opts.AllToAllOptions, call, timeout))
         elif op is OpName.GATHER:
             # torchcomms' wrapper wants one (empty) output list off the root too.
             outputs = [call.output_list] if call.rank == call.root else ([[]] if self._routed else [])
-            w = e.gather(outputs, [call.input], _options(c10d_opts.GatherOptions, timeout, rootRank=call.root))
+            w = e.gather(outputs, [call.input], o(c10d_opts.GatherOptions, call, timeout, root=call.root))
         elif op is OpName.SCATTER:
             inputs = [call.input_list] if call.rank == call.root else []
-            w = e.scatter([call.output], inputs, _options(c10d_opts.ScatterOptions, timeout, rootRank=call.root))
+            w = e.scatter([call.output], inputs, o(c10d_opts.ScatterOptions, call, timeout, root=call.root))
         elif op is OpName.SEND:
             w = e.send([call.tensor], call.peer, 0)
         elif op is OpName.RECV:
             w = e.recv([call.tensor], call.peer, 0)
         elif op is OpName.BARRIER:
-            w = e.barrier(_options(c10d_opts.BarrierOptions, timeout))
+            w = e.barrier(o(c10d_opts.BarrierOptions, call, timeout))
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
         return C10dWork(w, finish, not self._routed)
+
+    def _options(self, kind: Callable[[], Any], call: Collective, timeout: timedelta, red: Any = None,
+                 root: int | None = None) -> Any:
+        """c10d's option object of `kind` for `call`: its timeout, and `red` and `root` where given.
+
+        Engines copy what they read of it during the launch, so one object per distinct
+        combination is built and reused: building one costs more than the rest of a launch.
+        `call.reduce_op` stands for `red` in the key (`red` follows from it alone, and a
+        commlib reduction hashes faster than a c10d one).
+        """
+        key = (kind, timeout, None if red is None else call.reduce_op, root)
+        opts = self._option_cache.get(key)
+        if opts is None:
+            opts = kind()
+            opts.timeout = timeout
+            if red is not None:
+                opts.reduceOp = red
+            if root is not None:
+                opts.rootRank = root
+            if len(self._option_cache) < _MAX_OPTIONS:
+                self._option_cache[key] = opts
+        return opts
 
     def _reduction(self, call: Collective) -> tuple[Any, Callable[[], None] | None]:
         """The dist.ReduceOp to launch with, and the emulation step to run on completion."""

@@ -84,7 +84,7 @@ class ProgressBoard:
     def started(self, seq: int, op: str, ctx: dict[str, Any]) -> None:
         e = self.entry
         e.started_seq, e.started_op = seq, op
-        e.step, e.phase = ctx.get("step"), ctx.get("phase")
+        e.step, e.phase = (ctx.get("step"), ctx.get("phase")) if ctx else (None, None)
         self._version += 1
 
     def finished(self, seq: int, op: str) -> None:

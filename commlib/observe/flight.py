@@ -94,14 +94,19 @@ class FlightRecorder:
         _RECORDERS.add(self)
 
     def start(self, call: Collective) -> FlightEntry:
-        tensors = call.tensors()
+        t = call.tensor
+        if t is not None:  # the common case: one tensor, no list to build and scan
+            shapes, dtype = [t.shape], _dtype_name(t.dtype)
+        else:
+            tensors = call.tensors()
+            shapes = [x.shape for x in tensors]
+            dtype = _dtype_name(tensors[0].dtype) if tensors else None
         context = call.context
+        step, phase = (context.get("step"), context.get("phase")) if context else (None, None)
         entry = FlightEntry(
-            call.seq, call.op.value, self.comm, [t.shape for t in tensors],
-            _dtype_name(tensors[0].dtype) if tensors else None, call.nbytes(),
-            call.root, call.async_op, call.deadline_s,
-            time.time_ns(), time.monotonic_ns(), context.get("step"), context.get("phase"), call.peer,
-            stack=traceback.format_stack()[:-3] if self.with_stacks else None,
+            call.seq, call.op.value, self.comm, shapes, dtype, call.nbytes(), call.root, call.async_op,
+            call.deadline_s, time.time_ns(), time.monotonic_ns(), step, phase, call.peer, "started", None,
+            traceback.format_stack()[:-3] if self.with_stacks else None,
         )
         self._ring.append(entry)
         return entry

@@ -10,10 +10,13 @@ killed mid-write leaves at most one truncated last line, and ranks restarted by 
 append to the same file. `read_events` (a whole file) and `LogTail` (a live log dir) are
 the readers of these files; both skip a truncated line instead of failing.
 
-The pipeline is a list of plain structlog processors: merge the caller's context
-(`commlib.context(step=..., phase=...)`, a ContextVar, so threads and asyncio tasks keep
-their own), add the static fields of the process, add wall and monotonic clocks, render
-JSON. It belongs to commlib's own logger (`get_logger`), never to structlog's global
+The pipeline is one structlog processor (`_LineRenderer`, on every collective's path, so
+it is one call and not five): merge the caller's context (`commlib.context(step=...,
+phase=...)`, a ContextVar, so threads and asyncio tasks keep their own), add the level and
+wall and monotonic clocks, render JSON, and append the fields of the process (rank, size,
+host, pid, attempt), which are encoded once per `configure` instead of once per event.
+The process's fields, the level and the clocks win over an event's own keys of the same
+name. It belongs to commlib's own logger (`get_logger`), never to structlog's global
 configuration: a library must leave the host application's `structlog.configure` alone.
 
 A logger bound before a `configure` keeps writing where the log pointed when it was bound
@@ -33,7 +36,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +61,6 @@ def current_context() -> dict[str, Any]:
     return _CONTEXT.get()
 
 
-def _merge_context(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
-    ctx = _CONTEXT.get()
-    if ctx:
-        for k, v in ctx.items():
-            event.setdefault(k, v)
-    return event
-
-
 @dataclass(frozen=True)
 class ProcessFields:
     """Fields every event of this process carries."""
@@ -76,19 +71,29 @@ class ProcessFields:
     pid: int
     attempt: int  # torchrun restart count: sequence numbers start over in each attempt
 
-    def __call__(self, _: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
-        event["rank"] = self.rank
-        event["size"] = self.size
-        event["host"] = self.host
-        event["pid"] = self.pid
-        event["attempt"] = self.attempt
-        return event
 
+class _LineRenderer:
+    """commlib's whole processor chain (module docstring): an event dict in, its JSON line out."""
 
-def _add_clocks(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
-    event["ts_ns"] = time.time_ns()
-    event["mono_ns"] = time.monotonic_ns()
-    return event
+    def __init__(self, process: ProcessFields | None) -> None:
+        static = asdict(process) if process is not None else {}
+        self._names = tuple(static)
+        # Each line is the event's JSON with its closing brace replaced by this tail:
+        # `,"rank":0,...,"attempt":0}\n`.
+        self._tail = (b"," + _encode(static)[1:-1] if static else b"") + b"}\n"
+
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> bytes:
+        ctx = _CONTEXT.get()
+        if ctx:
+            for k, v in ctx.items():
+                event.setdefault(k, v)
+        for name in self._names:  # the process's own value is the one written
+            if name in event:
+                del event[name]
+        event = structlog.processors.add_log_level(logger, method, event)
+        event["ts_ns"] = time.time_ns()
+        event["mono_ns"] = time.monotonic_ns()
+        return _encode(event)[:-1] + self._tail  # never `{}`: the level and clocks are in it
 
 
 class LineWriter:
@@ -121,15 +126,10 @@ class _State:
 STATE = _State()
 
 
-def _build_logger(fd: int, owned: bool, level: int, fields: "ProcessFields | None") -> Any:
-    """commlib's logger: its own processors, filter and writer, none of structlog's global config."""
-    processors: list[Any] = [_merge_context]
-    if fields is not None:
-        processors.append(fields)
-    processors += [structlog.processors.add_log_level, _add_clocks,
-                   render_json_line]
+def _build_logger(fd: int, owned: bool, level: int, process: ProcessFields | None) -> Any:
+    """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
     wrapper = structlog.make_filtering_bound_logger(level)
-    return wrapper(LineWriter(fd, owned), processors=processors, context={})
+    return wrapper(LineWriter(fd, owned), processors=[_LineRenderer(process)], context={})
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -146,7 +146,7 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
         level = logging.INFO
     else:
         path, fd, level = None, sys.stderr.fileno(), logging.WARNING
-    fields = ProcessFields(
+    process = ProcessFields(
         rank=rank,
         size=size,
         host=socket.gethostname(),
@@ -155,7 +155,7 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     )
     # Replacing the logger drops the previous writer: its file is closed once no logger
     # bound to it is left.
-    STATE.logger = _build_logger(fd, path is not None, level, fields)
+    STATE.logger = _build_logger(fd, path is not None, level, process)
     STATE.path = path
     STATE.enabled = path is not None
     return path
@@ -175,15 +175,19 @@ except ImportError:  # the doctor reads logs where commlib's dependencies may no
 _ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))
 
 
-def render_json_line(_: Any, __: str, event: dict[str, Any]) -> bytes:
-    """The last processor: one event as one JSON line, newline included, ready for write(2).
-
-    orjson where installed (a collective's two events are on the hot path: it encodes ~5x
-    faster than the stdlib), the stdlib otherwise; both give the same JSON.
-    """
+def _encode(obj: dict[str, Any]) -> bytes:
+    """`obj` as compact JSON: orjson where installed (a collective's two events are on the
+    hot path: it encodes ~5x faster than the stdlib), the stdlib otherwise; both give the
+    same JSON."""
     if orjson is not None:
-        return orjson.dumps(event, default=_plain, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-    return (_ENCODER.encode(event) + "\n").encode()
+        return orjson.dumps(obj, default=_plain, option=orjson.OPT_NON_STR_KEYS)
+    return _ENCODER.encode(obj).encode()
+
+
+def render_json_line(_: Any, __: str, event: dict[str, Any]) -> bytes:
+    """One event as one JSON line, newline included, ready for write(2) (as in commlib's
+    own log, for writers of the same format: the chaos harness)."""
+    return _encode(event) + b"\n"
 
 
 def get_logger(**bound: Any) -> Any:

@@ -79,6 +79,54 @@ def test_bad_input_rejected_locally(backend: str) -> None:
         assert "aborted" in errors["after abort"]
 
 
+GOOD_CALLS = 50
+
+
+def _bad_after_good(comm: commlib.Communicator) -> dict[str, list[str]]:
+    """Each bad call once on a fresh communicator, then again after GOOD_CALLS good calls of
+    the same op: the second time it meets a validation cache that holds the good signature."""
+    n, f = comm.size, torch.zeros(4)
+    peer = (comm.rank + 1) % n
+    cases = {  # name: (a good call, a bad call like it)
+        "non-contiguous": (lambda: comm.all_reduce(torch.zeros(4, 4)), lambda: comm.all_reduce(torch.zeros(4, 4).t())),
+        "dtype for the op": (lambda: comm.all_reduce(torch.zeros(4, dtype=torch.int64), commlib.ReduceOp.BAND),
+                             lambda: comm.all_reduce(torch.zeros(4), commlib.ReduceOp.BAND)),
+        "op as a string": (lambda: comm.all_reduce(f, commlib.ReduceOp.SUM), lambda: comm.all_reduce(f, "sum")),
+        "root as a bool": (lambda: comm.broadcast(f, 1), lambda: comm.broadcast(f, True)),
+        "root range": (lambda: comm.broadcast(f, 0), lambda: comm.broadcast(f, n)),
+        "device": (lambda: comm.all_reduce(f), lambda: comm.all_reduce(torch.zeros(4, device="meta"))),
+        "gather size": (lambda: comm.all_gather_single(torch.zeros(2 * n), torch.zeros(2)),
+                        lambda: comm.all_gather_single(torch.zeros(2 * n + 1), torch.zeros(2))),
+        "gather dtype": (lambda: comm.all_gather_single(torch.zeros(2 * n), torch.zeros(2)),
+                         lambda: comm.all_gather_single(torch.zeros(2 * n, dtype=torch.int64), torch.zeros(2))),
+        "not a tensor": (lambda: comm.all_reduce(f), lambda: comm.all_reduce([1.0, 2.0])),
+        "src self": (lambda: comm.recv(f, peer) if comm.rank else comm.send(f, peer),
+                     lambda: comm.recv(f, comm.rank)),
+    }
+
+    def message(bad: object) -> str:
+        try:
+            bad()  # type: ignore[operator]
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "accepted"
+
+    fresh = {name: message(bad) for name, (_, bad) in cases.items()}
+    for good, _ in cases.values():
+        for _ in range(GOOD_CALLS):
+            good()
+    return {name: [fresh[name], message(bad)] for name, (_, bad) in cases.items()}
+
+
+def test_a_bad_call_after_many_good_ones_is_rejected_with_the_same_message(backend: str) -> None:
+    for rank, results in enumerate(testing.run(_bad_after_good, 2, backend=backend, timeout=120)):
+        for name, (fresh, after_good) in results.items():
+            assert fresh != "accepted", f"rank {rank} accepted {name}"
+            assert after_good == fresh, (
+                f"rank {rank}, {name}: expected the message of a fresh communicator after {GOOD_CALLS} good "
+                f"calls; found {after_good!r} instead of {fresh!r}")
+
+
 def _finalize_then_call(comm: commlib.Communicator) -> str:
     comm.barrier()
     comm.finalize()
