@@ -54,6 +54,19 @@ def classify_exception(exc: BaseException) -> Failure:
     return classify(None, str(exc))
 
 
+def wait_or_time_out(wait: Callable[..., Any], *args: Any) -> bool:
+    """Run an engine's blocking `wait(*args)`: True when the op completed, False when the
+    engine says it timed out; any other failure is raised. The one reading of an engine's
+    wait, for both backends (torchcomms' works fail with the same torch errors)."""
+    try:
+        wait(*args)
+    except RuntimeError as exc:
+        if classify_exception(exc) is Failure.TIMEOUT:
+            return False
+        raise
+    return True
+
+
 _NEW_GROUP_SORTS = "sort_ranks" in inspect.signature(dist.new_group).parameters  # torch >= 2.12
 
 
@@ -74,18 +87,11 @@ class C10dWork:
     timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms-routed groups)
 
     def wait(self, timeout: timedelta) -> bool:
-        try:
-            if self.timed_wait:
-                self.work.wait(timeout)
-            else:
-                # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite
-                # timeout, and its is_completed() only turns True inside wait(): the op's
-                # deadline is the timeout launch put in its c10d options, so wait() ends then.
-                self.work.wait()
-        except RuntimeError as exc:
-            if classify_exception(exc) is Failure.TIMEOUT:
-                return False
-            raise
+        # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite timeout,
+        # and its is_completed() only turns True inside wait(): the op's deadline is the
+        # timeout launch put in its c10d options, so an untimed wait() ends then.
+        if not wait_or_time_out(self.work.wait, *((timeout,) if self.timed_wait else ())):
+            return False
         if self.finish is not None:
             self.finish()
             self.finish = None

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.backends.base import Failure
-from commlib.backends.c10d import classify_exception
+from commlib.backends.c10d import classify_exception, wait_or_time_out
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
 
@@ -96,12 +96,8 @@ class TorchcommsWork:
         # caller's shorter wait is honoured by polling up to that point.
         if until < self.deadline_mono - _POLL_MARGIN_S and not self._poll(until):
             return False
-        try:
-            self.work.wait()
-        except RuntimeError as exc:
-            if classify_exception(exc) is Failure.TIMEOUT:
-                return False
-            raise
+        if not wait_or_time_out(self.work.wait):
+            return False
         # On CUDA wait() only makes the current stream wait for the op and returns at once;
         # the CPU waits here, under the same deadline (wait_blocking is not implemented by
         # torchcomms' NCCL nor for gloo's async works).
