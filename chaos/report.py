@@ -146,6 +146,23 @@ def _describe(f: FaultResult) -> str:
             f"{f.steps_reexecuted} step(s) re-executed{extra}")
 
 
+LABEL_GAP = 1 / 80  # of the time axis: faults injected closer than this share one label
+
+
+def fault_labels(faults: list[FaultResult], span_s: float) -> list[tuple[float, str]]:
+    """Where the timeline writes each fault's name: one label per run of faults injected
+    within `LABEL_GAP` of the axis of each other (a soak's faults come seconds apart, and
+    labels drawn on top of each other could not be read), at the first one's time."""
+    labels: list[tuple[float, list[str]]] = []
+    for f in sorted(faults, key=lambda f: f.injected_at):
+        name = f"{f.type} r{f.rank}"
+        if labels and f.injected_at - labels[-1][0] < LABEL_GAP * span_s:
+            labels[-1][1].append(name)
+        else:
+            labels.append((f.injected_at, [name]))
+    return [(x, ", ".join(names)) for x, names in labels]
+
+
 def plot(report: Report, path: Path) -> None:
     import matplotlib
 
@@ -186,12 +203,14 @@ def plot(report: Report, path: Path) -> None:
             ax_time.axvline(f.injected_at + offset, color=color, ls=style, lw=1.2,
                             label=label if label not in labelled else None)
             labelled.add(label)
-        ax_time.annotate(f"{f.type} r{f.rank}", (f.injected_at, ax_time.get_ylim()[1]), rotation=90,
-                         va="top", ha="right", fontsize=8, color="red")
         if f.resumed_from is not None and f.restart_after_s is not None:
             ax_time.plot([f.injected_at + f.restart_after_s], [f.resumed_from], marker=">", color="green", ms=8,
                          label="resumed from" if "resumed" not in labelled else None)
             labelled.add("resumed")
+    x_min, x_max = ax_time.get_xlim()
+    for x, text in fault_labels(report.faults, x_max - x_min):
+        ax_time.annotate(text, (x, ax_time.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8,
+                         color="red")
     ax_time.set_xlabel("seconds since launch")
     ax_time.set_ylabel("step completed")
     ax_time.set_title("faulted run over time")
