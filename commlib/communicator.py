@@ -29,6 +29,7 @@ import json
 import os
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -340,21 +341,30 @@ class Communicator:
             run_hooks(self.hooks, "post", call, entry.duration_s)
 
     def _wait(self, call: Collective, entry: FlightEntry, backend_work: BackendWork, budget_s: float) -> bool:
-        """Wait up to `budget_s` for the op; in slices, reading ABORT_KEY between them (module docstring)."""
+        """Wait up to `budget_s` for the op; in slices where the backend allows (module docstring)."""
         if not self._backend.resumable_wait:
             return backend_work.wait(timedelta(seconds=budget_s))
+        outcome = self._wait_in_slices(backend_work.wait, budget_s, entry.start_mono_ns)
+        if isinstance(outcome, tuple):
+            _abandon(backend_work, self._backend)
+            raise self._peer_left(call, entry, *outcome)
+        return outcome
+
+    def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
+                        since_mono_ns: int) -> bool | tuple[int, str]:
+        """Call `wait(slice)` until it returns True (done), `budget_s` passes (False), or a
+        peer's abort announcement is read between two slices (its rank and reason)."""
         until = time.monotonic() + budget_s
-        # Most ops end within the first slice, which is the same for all of them.
+        # Most waits end within the first slice, which is the same for all of them.
         slice_td = _FIRST_SLICE if budget_s >= ABORT_POLL_S else timedelta(seconds=budget_s)
-        while not backend_work.wait(slice_td):
+        while not wait(slice_td):
             now = time.monotonic()
             if now >= until:
                 return False
             aborted_by = self._peer_abort()
             if aborted_by is not None:
-                _abandon(backend_work, self._backend)
-                raise self._peer_left(call, entry, *aborted_by)
-            waited_s = now - entry.start_mono_ns / 1e9
+                return aborted_by
+            waited_s = now - since_mono_ns / 1e9
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
@@ -472,12 +482,29 @@ class Communicator:
         keys = [f"fp/{call.seq}/{r}" for r in range(self.size)]
         self._store.set(keys[self.rank], mine)
         started_ns, started_mono_ns = time.time_ns(), time.monotonic_ns()
-        try:
-            self._store.wait(keys, timedelta(seconds=call.deadline_s))
-        except Exception as exc:
+
+        def every_rank_set(slice_td: timedelta) -> bool:
+            try:
+                self._store.wait(keys, slice_td)
+            except Exception as exc:
+                if self._backend.classify(exc) is Failure.TIMEOUT:
+                    return False
+                raise
+            return True
+
+        def failed_entry() -> FlightEntry:
             entry = self.recorder.start(call)
-            entry.start_ns, entry.start_mono_ns = started_ns, started_mono_ns  # the wait is what timed out
-            raise self._timed_out(call, entry, exc) from exc
+            entry.start_ns, entry.start_mono_ns = started_ns, started_mono_ns  # the wait is what failed
+            return entry
+
+        try:  # in slices, like an op's wait: a peer that aborted meanwhile ends it at once
+            outcome = self._wait_in_slices(every_rank_set, call.deadline_s, started_mono_ns)
+        except Exception as exc:
+            raise self._timed_out(call, failed_entry(), exc) from exc
+        if outcome is False:
+            raise self._timed_out(call, failed_entry(), None)
+        if isinstance(outcome, tuple):
+            raise self._peer_left(call, failed_entry(), *outcome)
         values = [v.decode() for v in self._store.multi_get(keys)]
         if call.seq > 2:
             self._store.delete_key(f"fp/{call.seq - 2}/{self.rank}")

@@ -92,10 +92,12 @@ def _rank1_leaves(comm: commlib.Communicator, how: str) -> dict[str, object]:
     return {"elapsed": time.monotonic() - start, "message": "no error"}
 
 
-@pytest.mark.parametrize("how", ["abort", "broken"])
-def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str) -> None:
+@pytest.mark.parametrize(("how", "checked"), [("abort", False), ("broken", False), ("abort", True)])
+def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, checked: bool) -> None:
     # gloo only: the torchcomms engine waits in one piece (TorchcommsBackend.resumable_wait).
-    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how,))
+    # `checked`: rank 0 waits in the consistency check's store wait for rank 1's fingerprint
+    # of #2, which never comes, instead of in the engine.
+    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how,), check_consistency=checked)
     # Its deadline is 30 s; the announcement is read between slices of the wait.
     assert r0["elapsed"] < 0.5 + 1.5, r0
     assert r0["failed"] == [1], r0
