@@ -147,6 +147,17 @@ def _err(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
+def _failure(call: Callable[[], object], start: float | None = None) -> tuple[Any, ...] | None:
+    """None when ``call()`` returns; else its error and the seconds since ``start`` (default:
+    since the call)."""
+    start = time.monotonic() if start is None else start
+    try:
+        call()
+    except Exception as exc:
+        return (*_err(exc), time.monotonic() - start)
+    return None
+
+
 def _ops_values(
     c: torchcomms.TorchComm, rank: int, dtype: torch.dtype, async_op: bool
 ) -> dict[str, Any]:
@@ -381,45 +392,28 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
         with _section(res, "timeout_sync"):
             hooks: list[str] = []
             sync_comm.register_abort_hook(lambda: hooks.append("sync"))
-            start = time.monotonic()
-            try:
-                sync_comm.all_reduce(torch.ones(2), ReduceOp.SUM, False, timeout=one_second)
-                res["timeout_sync"] = None
-            except Exception as exc:
-                res["timeout_sync"] = (*_err(exc), time.monotonic() - start, list(hooks))
-            try:
-                sync_comm.barrier(False)
-                res["timeout_sync_next"] = None
-            except Exception as exc:
-                res["timeout_sync_next"] = _err(exc)
+            res["timeout_sync"] = _failure(lambda: sync_comm.all_reduce(
+                torch.ones(2), ReduceOp.SUM, False, timeout=one_second))
+            res["timeout_sync_hooks"] = list(hooks)
+            res["timeout_sync_next"] = _failure(lambda: sync_comm.barrier(False))
             res["timeout_sync_aborted"] = sync_comm.is_aborted()
         with _section(res, "timeout_async"):
             hooks = []
             async_comm.register_abort_hook(lambda: hooks.append("async"))
             start = time.monotonic()
             work = async_comm.all_reduce(torch.ones(2), ReduceOp.SUM, True, timeout=one_second)
-            issued = time.monotonic() - start
-            try:
-                work.wait()
-                res["timeout_async"] = None
-            except Exception as exc:
-                res["timeout_async"] = (*_err(exc), issued, time.monotonic() - start, list(hooks))
+            res["timeout_async_issued"] = time.monotonic() - start
+            res["timeout_async"] = _failure(work.wait, start)
+            res["timeout_async_hooks"] = list(hooks)
             next_work = async_comm.all_reduce(torch.ones(2), ReduceOp.SUM, True)
-            try:
-                next_work.wait()
-                res["timeout_async_next"] = None
-            except Exception as exc:
-                res["timeout_async_next"] = _err(exc)
+            res["timeout_async_next"] = _failure(next_work.wait)
             res["timeout_async_aborted"] = async_comm.is_aborted()
         with _section(res, "timeout_p2p"):
             hooks = []
             p2p_comm.register_abort_hook(lambda: hooks.append("p2p"))
-            start = time.monotonic()
-            try:
-                p2p_comm.recv(torch.zeros(2), 1, False, timeout=one_second)
-                res["timeout_p2p"] = None
-            except Exception as exc:
-                res["timeout_p2p"] = (*_err(exc), time.monotonic() - start, list(hooks))
+            res["timeout_p2p"] = _failure(lambda: p2p_comm.recv(
+                torch.zeros(2), 1, False, timeout=one_second))
+            res["timeout_p2p_hooks"] = list(hooks)
         with _section(res, "drop_unfinished"):
             work = drop_comm.all_reduce(torch.ones(2), ReduceOp.SUM, True, timeout=one_second)
             start = time.monotonic()
@@ -428,12 +422,8 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
         raw.set("rank0_timeouts_done", "1")
         with _section(res, "peer_killed"):
             # Rank 1 reports, then SIGKILLs itself; this op must fail, not hang.
-            start = time.monotonic()
-            try:
-                kill_comm.all_reduce(torch.ones(2), ReduceOp.SUM, False, timeout=long)
-                res["peer_killed"] = None
-            except Exception as exc:
-                res["peer_killed"] = (*_err(exc), time.monotonic() - start)
+            res["peer_killed"] = _failure(lambda: kill_comm.all_reduce(
+                torch.ones(2), ReduceOp.SUM, False, timeout=long))
     else:
         raw.wait(["rank0_timeouts_done"], timedelta(seconds=120))
     return res
@@ -570,40 +560,32 @@ def test_two_comms_on_one_store_and_no_store(two_ranks: dict[int, dict[str, Any]
         assert res["stores"] == ([3.0, 3.0], [30.0, 30.0], [1.0, 1.0], "shared_a", "shared_b")
 
 
-def test_sync_timeout_kills_the_communicator(two_ranks: dict[int, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_timeout_kills_the_communicator(two_ranks: dict[int, dict[str, Any]], mode: str) -> None:
+    # sync: the call raises and the abort hooks run; async: the call returns before the
+    # timeout, wait() raises, and no abort hook runs.
     res = two_ranks[0]
-    _no_errors(res, "timeout_sync")
-    kind, message, elapsed, hooks = res["timeout_sync"]
+    _no_errors(res, f"timeout_{mode}")
+    kind, message, elapsed = res[f"timeout_{mode}"]
     assert kind == "RuntimeError"
     assert "Timed out waiting" in message and "for recv operation" in message
     # 1 s timeout; generous upper bound for a loaded 2-core machine
     assert 0.9 <= elapsed < 3.0, elapsed
-    assert hooks == ["sync"]  # abort hooks fire on a synchronous timeout
-    kind, message = res["timeout_sync_next"]
+    if mode == "async":
+        assert res["timeout_async_issued"] < 0.9, res["timeout_async_issued"]
+    assert res[f"timeout_{mode}_hooks"] == (["sync"] if mode == "sync" else [])
+    kind, message, _ = res[f"timeout_{mode}_next"]
     assert kind == "RuntimeError" and "Application timeout caused pair closure" in message
-    assert res["timeout_sync_aborted"] is False
-
-
-def test_async_timeout_raises_from_wait(two_ranks: dict[int, dict[str, Any]]) -> None:
-    res = two_ranks[0]
-    _no_errors(res, "timeout_async")
-    kind, message, issued, elapsed, hooks = res["timeout_async"]
-    assert kind == "RuntimeError"
-    assert "Timed out waiting" in message and "for recv operation" in message
-    assert issued < 0.9 and 0.9 <= elapsed < 3.0, (issued, elapsed)  # returned before the timeout
-    assert hooks == []  # not on an asynchronous timeout
-    kind, message = res["timeout_async_next"]
-    assert kind == "RuntimeError" and "Application timeout caused pair closure" in message
-    assert res["timeout_async_aborted"] is False
+    assert res[f"timeout_{mode}_aborted"] is False
 
 
 def test_p2p_timeout(two_ranks: dict[int, dict[str, Any]]) -> None:
     res = two_ranks[0]
     _no_errors(res, "timeout_p2p")
-    kind, message, elapsed, hooks = res["timeout_p2p"]
+    kind, message, elapsed = res["timeout_p2p"]
     assert kind == "RuntimeError" and "Timed out waiting" in message
     assert 0.9 <= elapsed < 3.0, elapsed
-    assert hooks == []
+    assert res["timeout_p2p_hooks"] == []
 
 
 def test_killed_peer_surfaces_as_runtime_error(two_ranks: dict[int, dict[str, Any]]) -> None:
@@ -773,6 +755,8 @@ def test_validation_matches_gloo(comm: torchcomms.TorchComm) -> None:
         comm.all_gather([torch.zeros(2), torch.zeros(2)], torch.ones(2), False)
     with pytest.raises(RuntimeError, match="all_gather_single"):
         comm.all_gather_single(torch.zeros(3), torch.ones(2), False)
+    with pytest.raises(RuntimeError, match="Sum of input_split_sizes must equal input tensor"):
+        comm.all_to_all_v_single(torch.zeros(2), torch.ones(2), [2], [1], False)
     # rejected calls leave the communicator usable
     t = torch.ones(2)
     comm.all_reduce(t, ReduceOp.SUM, False)

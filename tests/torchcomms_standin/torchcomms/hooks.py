@@ -11,8 +11,9 @@ finalize, in the order issued; the post-hook retires it. ``dump_json()`` writes 
 flight-recorder format, as torchcomms' does: ``version``, ``comm_lib_version``, ``pg_config``,
 ``pg_status`` and, when anything was recorded, ``entries`` whose ``profiling_name`` is
 ``"<backend>:<op>"`` and whose ``state`` is always ``"scheduled"`` (torchcomms records no
-events for them either). Not emulated: stack frames, ``dump_file``, the abort hook that
-dumps, registering split children automatically, and ``isolated`` resetting the op ids.
+events for them either); ``size()`` counts what was recorded. Not emulated: stack frames,
+``dump_file``, ``reset``, the abort hook that dumps, registering split children
+automatically, and ``isolated`` resetting the op ids.
 Importing this module must not import torch (torch probes it while it is imported itself).
 """
 
@@ -53,7 +54,7 @@ def _sizes_and_dtypes(tensors: list[Any]) -> tuple[list[list[int]], list[str]]:
 class _Recorder:
     def __init__(self, max_entries: int) -> None:
         self.entries: deque[dict[str, Any]] = deque(maxlen=max(max_entries, 0))
-        self.recorded = 0  # since the last reset, as torchcomms' size() counts
+        self.recorded = 0
         self.collective_seq = 0
         self.unretired: dict[int, dict[str, Any]] = {}  # by op id
         self.pg_config: dict[str, dict[str, str]] = {}
@@ -149,23 +150,10 @@ class FlightRecorderHook:
         comm.register_post_hook(lambda op_id, args: self._recorder.retire(op_id))
         self._registrations += 1
 
-    def is_enabled(self) -> bool:
-        """True once registered with a communicator, as in torchcomms."""
-        return self._registrations > 0
-
     def size(self) -> int:
-        """How many ops were recorded since the last reset (more than are kept, maybe)."""
+        """How many ops were recorded (more than are kept, maybe)."""
         with self._recorder.lock:
             return self._recorder.recorded
-
-    def __len__(self) -> int:
-        return self.size()
-
-    def reset(self) -> None:
-        with self._recorder.lock:
-            self._recorder.entries.clear()
-            self._recorder.unretired.clear()
-            self._recorder.recorded = 0
 
     def dump_json(self, include_completed: bool = True) -> str:
         """torch's flight-recorder JSON; ``include_completed=False`` leaves retired ops out."""
