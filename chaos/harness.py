@@ -20,6 +20,13 @@ and then watches it until every agent exits or the harness's own deadline passes
 - ``disk_full`` mounts a small tmpfs on the checkpoint directory before the launch
   (`chaos.disk`), fills it at the fault's step, and frees the space the same way a hang is
   released (any rank's typed error, or ``duration_s``); it is unmounted after the run;
+- network faults (``partition``, ``net_delay``, ``net_loss``) need the job's nodes in
+  network namespaces of their own: for such a plan (only), `chaos.net.Network` makes one
+  namespace per local node, joined by its link emulator, before the launch; each agent runs
+  in its node's namespace (``ip netns exec``), on a rendezvous at node 0's address instead
+  of 127.0.0.1, with gloo bound to the node's device (``GLOO_SOCKET_IFNAME``). At the
+  fault's step the harness impairs the link of the node running the rank, and lifts it
+  after ``duration_s``; namespaces and devices are removed after the run, whatever its end;
 - it shows a progress line (steps done, faults injected, restarts);
 - on its deadline, on Ctrl-C and on SIGTERM it stops the whole job: SIGCONT, then SIGTERM
   to every process of the job, then SIGKILL to what is left; and after a normal end it
@@ -37,6 +44,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -50,7 +58,8 @@ import psutil
 
 from chaos.disk import SmallDisk
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
-from chaos.plan import Fault, FaultType, Ledger, Plan, Release, TriggerKind
+from chaos.net import DEVICE, Impairment, Network
+from chaos.plan import Fault, FaultType, Ledger, Plan, Release, TriggerKind, check_network
 from commlib.observe.log import LOG_DIR_ENV, LineWriter, LogTail, read_events, render_json_line
 
 REFERENCE_TRAINER = "chaos.workload.train"
@@ -70,6 +79,7 @@ HANG_MAX_HOLD_S = 300.0  # a hang with no duration is released at the latest aft
 TYPED_ERRORS = frozenset({"collective.timeout", "peer.failure", "collective.error", "collective.mismatch",
                           "train.error", "train.failed_in_step", "train.preempted"})
 _FAULT_SIGNALS = {FaultType.KILL: signal.SIGKILL, FaultType.HANG: signal.SIGSTOP, FaultType.SIGTERM: signal.SIGTERM}
+RDZV_PORT = 29400  # in node 0's own namespace nothing else listens
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,8 @@ class Job:
     in the run directory, and ``--backend`` (and ``--device cuda`` for nccl) unless the
     arguments already name them.
     With `rdzv_endpoint` this machine runs one node (`node_rank`) of a multi-node job;
-    without it, all `nnodes` nodes run here, on a c10d rendezvous on 127.0.0.1.
+    without it, all `nnodes` nodes run here, on a c10d rendezvous on 127.0.0.1 (or, for a plan
+    with a network fault, each node in a network namespace of its own: `chaos.net`).
     """
 
     trainer: str = REFERENCE_TRAINER
@@ -194,6 +205,8 @@ class _Hold:
     proc: psutil.Process
     rank: int
     since_ns: int
+    node: int | None = None  # network faults: the node whose link is impaired
+    link_before: dict[str, int] | None = None  # network faults: that link's counters when it was impaired
 
 
 class _Watch:
@@ -201,9 +214,10 @@ class _Watch:
 
     def __init__(self, job: Job, plan: Plan, run_dir: Path, agents: list[subprocess.Popen[bytes]],
                  start_ns: int, notes: _Journal, progress: Callable[[str], None] | None,
-                 disk: SmallDisk | None = None) -> None:
+                 disk: SmallDisk | None = None, network: Network | None = None) -> None:
         self.job, self.plan, self.run_dir = job, plan, run_dir
         self.disk = disk
+        self.network = network
         self.agents = agents
         self.start_ns = start_ns
         self.notes = notes
@@ -219,6 +233,10 @@ class _Watch:
         self.max_attempt = 0
         self.first_step_ns: int | None = None
         self.errors_after: list[tuple[int, int]] = []  # (ts_ns, pid) of typed errors seen
+        # (start ns, rank, step, step_time_s) of completed steps, but a process's first (it warms up)
+        self.step_times: list[tuple[int, int, int, float]] = []
+        self._stepped: set[int] = set()  # pids that completed a step
+        self.windows: list[tuple[_Hold, int]] = []  # lifted network faults, and when they were lifted
         self.total_steps = _flag(job.trainer_args, "--steps") if job.is_reference_trainer else None
         self._last_line = ""
         self._next_scan = 0.0
@@ -244,6 +262,10 @@ class _Watch:
             self.steps_done = max(self.steps_done, int(event.get("step", 0)))
             if self.first_step_ns is None:
                 self.first_step_ns = int(event["ts_ns"])
+            took = event.get("step_time_s")
+            if isinstance(rank, int) and isinstance(took, (int, float)) and pid in self._stepped:
+                self.step_times.append((int(event["ts_ns"] - took * 1e9), rank, int(event["step"]), float(took)))
+            self._stepped.add(pid)
         if name in TYPED_ERRORS and isinstance(pid, int):
             self.errors_after.append((int(event["ts_ns"]), pid))
         if not isinstance(rank, int) or not isinstance(pid, int):
@@ -299,6 +321,9 @@ class _Watch:
         if fault.type is FaultType.DISK_FULL:
             self._fill_disk(index, fault, proc, node, step, attempt)
             return
+        if fault.type.network:
+            self._impair(index, fault, proc, node, step, attempt)
+            return
         firing = self.ledger.claim(fault, index, attempt, step, pid=proc.pid, node=node)
         if firing is None:
             return
@@ -325,6 +350,52 @@ class _Watch:
                          filled_bytes=filled, free_bytes=self.disk.free_bytes(), fired_ts_ns=firing.ts_ns)
         self.holds.append(_Hold(fault, index, proc, int(fault.rank), firing.ts_ns))
 
+    def _impair(self, index: int, fault: Fault, proc: psutil.Process, node: int, step: int | None,
+                attempt: int) -> None:
+        assert self.network is not None  # opened by run_job for a plan with a network fault
+        if any(h.fault.type is fault.type and h.node == node for h in self.holds):
+            return  # that link has this impairment already: not fired at this step (nor claimed)
+        # Applied before the claim, like the disk: the rank starts its step SIGNAL_GRACE_S after it.
+        before = asdict(self.network.stats(node))
+        link = _set_impairment(self.network, fault, node, on=True)
+        firing = self.ledger.claim(fault, index, attempt, step, pid=proc.pid, node=node)
+        if firing is None:
+            _set_impairment(self.network, fault, node, on=False)
+            return
+        self.notes.write("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
+                         target_rank=int(fault.rank), pid=proc.pid, node=node, fault_step=step, attempt=attempt,
+                         netns=self.network.nodes[node].netns, address=self.network.address(node), link=asdict(link),
+                         duration_s=fault.duration_s, fired_ts_ns=firing.ts_ns)
+        self.holds.append(_Hold(fault, index, proc, int(fault.rank), firing.ts_ns, node, before))
+
+    def _lift(self, hold: _Hold, held_s: float, reason: str) -> None:
+        """A network fault's end: the link back, with what crossed it meanwhile."""
+        assert self.network is not None and hold.node is not None and hold.link_before is not None
+        _set_impairment(self.network, hold.fault, hold.node, on=False)
+        counts = asdict(self.network.stats(hold.node))
+        self.windows.append((hold, time.time_ns()))
+        self.notes.write("chaos.release", fault=hold.fault.type.value, index=hold.index, target_rank=hold.rank,
+                         pid=hold.proc.pid, node=hold.node, held_s=held_s, reason=reason,
+                         link={k: counts[k] - hold.link_before[k] for k in counts})
+
+    def note_step_times(self) -> None:
+        """Once the job is over: per lifted network fault, the target rank's steps that started
+        while it was on, against that rank's steps that started outside every such window."""
+        for event in self.tail.poll():  # the last lines (no worker is left to fault)
+            self._on_event(event)
+
+        def inside(start: int) -> bool:
+            return any(h.since_ns <= start < lifted for h, lifted in self.windows)
+
+        for hold, lifted in self.windows:
+            mine = [(start, step, took) for start, r, step, took in self.step_times if r == hold.rank]
+            during = [(step, took) for start, step, took in mine if hold.since_ns <= start < lifted]
+            outside = [took for start, _, took in mine if not inside(start)]
+            self.notes.write("chaos.net_steps", fault=hold.fault.type.value, index=hold.index,
+                             target_rank=hold.rank, steps=[s for s, _ in during],
+                             step_time_s_during=_median([t for _, t in during]), step_time_s_outside=_median(outside),
+                             steps_outside=len(outside))
+
     def release_holds(self, force: bool = False) -> None:
         now = time.time_ns()
         for hold in list(self.holds):
@@ -343,6 +414,9 @@ class _Watch:
             if not reason:
                 continue
             self.holds.remove(hold)
+            if hold.fault.type.network:
+                self._lift(hold, held_s, reason)
+                continue
             if hold.fault.type is FaultType.DISK_FULL:  # space freed, as an operator would
                 assert self.disk is not None
                 self.disk.drain()
@@ -383,6 +457,42 @@ class _Watch:
         if state != self._last_line:
             self._last_line = state
             self.progress(f"{state} | {(time.time_ns() - self.start_ns) / 1e9:.1f} s")
+
+
+def _set_impairment(network: Network, fault: Fault, node: int, *, on: bool) -> Impairment:
+    """Turn `fault`'s part of `node`'s link on or off (kinds compose: a delayed link can also be cut)."""
+    if fault.type is FaultType.PARTITION:
+        return network.impair(node, cut=on)
+    if fault.type is FaultType.NET_DELAY:
+        assert fault.ms is not None
+        return network.impair(node, delay_s=fault.ms / 1000 if on else 0.0)
+    assert fault.type is FaultType.NET_LOSS and fault.pct is not None
+    return network.impair(node, loss=fault.pct / 100 if on else 0.0)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def check_plan(job: Job, plan: Plan) -> None:
+    """What of the plan depends on the job beyond its world size (`Plan.resolve`): its network
+    faults' topology and lengths (`chaos.plan.check_network`). Raises PlanError naming the fault."""
+    if any(f.type.network for f in plan.faults):
+        check_network(plan, nnodes=job.nnodes, local=job.rdzv_endpoint is None, backend=job.backend,
+                      deadline_s=trainer_deadline(job))
+
+
+def trainer_deadline(job: Job) -> float | None:
+    """The collective deadline the reference trainer runs with (its own parser's reading of the
+    job's arguments, default included); None for another trainer."""
+    if not job.is_reference_trainer:
+        return None
+    from chaos.workload.train import parse_args
+
+    try:
+        return float(parse_args(list(job.trainer_args)).timeout)
+    except SystemExit:  # arguments it refuses: the launch will say so
+        return None
 
 
 def _importable(module: str) -> bool:
@@ -440,8 +550,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_commands(job: Job, max_restarts: int, run_dir: Path) -> list[list[str]]:
-    """One torchrun command per agent this machine runs."""
+def torchrun_commands(job: Job, max_restarts: int, run_dir: Path,
+                      network: Network | None = None) -> list[list[str]]:
+    """One torchrun command per agent this machine runs; with `network`, each agent in its
+    node's namespace, on a rendezvous at node 0's address."""
     base = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(job.nnodes),
             "--nproc-per-node", str(job.nproc_per_node), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1"]
@@ -454,10 +566,17 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path) -> list[list[s
         return [base + node + trainer]
     if job.nnodes == 1:
         return [base + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
-    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", job.rdzv_id or uuid.uuid4().hex
+    rdzv_id = job.rdzv_id or uuid.uuid4().hex
+    if network is None:
+        endpoint, prefixes, addresses = f"127.0.0.1:{free_port()}", [[]] * job.nnodes, ["127.0.0.1"] * job.nnodes
+    else:
+        endpoint = f"{network.address(0)}:{RDZV_PORT}"
+        prefixes = [network.exec_prefix(n) for n in range(job.nnodes)]
+        addresses = [network.address(n) for n in range(job.nnodes)]
     # Every agent here would take itself for the store's host: say which one is.
-    return [base + ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                    "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}", "--local-addr", "127.0.0.1"]
+    return [prefixes[n] + base + ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+                                  "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}",
+                                  "--local-addr", addresses[n]]
             + trainer for n in range(job.nnodes)]
 
 
@@ -469,6 +588,8 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     Never returns while a process of the job is alive.
     """
     run_dir = Path(run_dir).absolute()
+    check_plan(job, plan)  # before anything starts
+    networked = any(f.type.network for f in plan.faults)
     if run_dir.is_dir() and any(run_dir.iterdir()):
         # Logs, checkpoints and the ledger of an earlier run would leak into this one.
         raise ValueError(f"run_job: expected a new or empty run directory; found {run_dir} holding "
@@ -488,19 +609,33 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     if any(f.type is FaultType.DISK_FULL for f in plan.faults):
         disk = SmallDisk(run_dir / "ckpt")
         disk.mount()  # raises DiskFullUnavailable, saying why, before anything starts
+    network = None
+    if networked:
+        env["GLOO_SOCKET_IFNAME"] = DEVICE  # else gloo binds what the hostname resolves to: 127.0.0.1
+        try:
+            # Loss is drawn from the plan's seed (the first net_loss fault's), as `p` triggers are.
+            seed = next((f.seed for f in plan.faults if f.type is FaultType.NET_LOSS), 0)
+            network = Network(job.nnodes, seed=seed).open()  # raises NetworkUnavailable, saying why
+        except BaseException:
+            if disk is not None:
+                disk.unmount()
+            raise
     notes = _Journal(run_dir / "harness.jsonl")
+    if network is not None:
+        notes.write("harness.network", namespaces=[n.netns for n in network.nodes],
+                    addresses=[n.address for n in network.nodes], device=DEVICE)
     agents: list[subprocess.Popen[bytes]] = []
     outcome = JobOutcome(run_dir, start_ns, start_ns, [])
     previous = _on_sigterm()
     watch = None
     try:
-        for n, cmd in enumerate(torchrun_commands(job, plan.restarts, run_dir)):
+        for n, cmd in enumerate(torchrun_commands(job, plan.restarts, run_dir, network)):
             with open(run_dir / f"torchrun{n}.log", "ab") as out:
                 agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
             notes.write("harness.launch", node=n, agent_pid=agents[-1].pid, cmd=cmd)
         outcome.pgids = [a.pid for a in agents]
-        watch = _Watch(job, plan, run_dir, agents, start_ns, notes, progress, disk)
+        watch = _Watch(job, plan, run_dir, agents, start_ns, notes, progress, disk, network)
         deadline = time.monotonic() + timeout_s
         while any(a.poll() is None for a in agents):
             if time.monotonic() > deadline:
@@ -509,26 +644,36 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
                 break
             watch.step()
             time.sleep(POLL_S)
+            if network is not None:
+                network.check()  # a dead forwarder is a dead network: stop rather than time out
         watch.step()
     except KeyboardInterrupt:
         outcome.interrupted = True
         notes.write("harness.interrupt")
         raise
     finally:
-        if watch is not None:
-            watch.release_holds(force=True)
-            outcome.pids |= watch.pids
-            outcome.first_step_ns = watch.first_step_ns
-            outcome.restarts = watch.max_attempt
-        outcome.pids |= stop(agents, outcome.pgids)
-        outcome.exit_codes = [None if (outcome.timed_out or outcome.interrupted) else a.returncode
-                              for a in agents]
-        outcome.end_ns = time.time_ns()
-        notes.write("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out)
-        notes.close()
-        if disk is not None:
-            disk.unmount()
-        _restore_sigterm(previous)
+        try:
+            if watch is not None:
+                watch.release_holds(force=True)
+                outcome.pids |= watch.pids
+                outcome.first_step_ns = watch.first_step_ns
+                outcome.restarts = watch.max_attempt
+            outcome.pids |= stop(agents, outcome.pgids)
+            outcome.exit_codes = [None if (outcome.timed_out or outcome.interrupted) else a.returncode
+                                  for a in agents]
+            outcome.end_ns = time.time_ns()
+            if network is not None:
+                if watch is not None:
+                    watch.note_step_times()
+                notes.write("harness.network_totals", links=[asdict(network.stats(n)) for n in range(job.nnodes)])
+            notes.write("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out)
+            notes.close()
+        finally:
+            if network is not None:  # after stop(): no process of the job is left in a namespace
+                network.close()
+            if disk is not None:
+                disk.unmount()
+            _restore_sigterm(previous)
     return outcome
 
 

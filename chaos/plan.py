@@ -45,6 +45,15 @@ job has to load a checkpoint from disk (an in-job rollback would never read it).
 fills the checkpoint directory's filesystem at the start of its step; the space comes back
 when a rank reports the failed save, or after ``duration_s``.
 
+Network faults (external: the harness applies them to the link of the node holding the
+rank, through `chaos.net`'s emulator, and lifts them after ``duration_s``, required):
+``partition`` (the node cut off from every other node), ``net_delay`` (``ms``, required:
+added to every packet to or from the node, so a round trip gains 2 x ms) and ``net_loss``
+(``pct``, required: the percentage of those packets dropped). They need a job whose nodes
+all run on this machine, at least two of them, on gloo (`check_network`, with the job's
+collective deadline: a partition is either short enough to be survived or long enough to
+be detected, nothing in between).
+
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
 
@@ -71,6 +80,18 @@ from commlib.ops import OpName
 
 DELAY_MARGIN_S = 0.5  # past the peers' deadline: they have timed out when the held collective starts
 RESTART_MARGIN = 2
+# Network faults against the collective deadline (README, "Network faults"). After a
+# partition of D seconds, TCP resumes a connection at its next retransmission, and its
+# exponential backoff (200 ms doubling) puts that up to D + 0.2 s after the link is back:
+# a collective caught in it lasts up to 2 D + 0.2 s. A short partition keeps that, plus
+# this slack, under the deadline; a long one outlasts the deadline by at least
+# PARTITION_PAST_DEADLINE_S, so the step's first collective (which starts half a second
+# after the cut) certainly times out.
+TCP_RESUME_SLACK_S = 1.0
+PARTITION_PAST_DEADLINE_S = 1.0
+MAX_LOSS_PCT = 10.0
+# A delayed collective makes a few round trips (each + 2 x ms); this many must fit in a deadline.
+NET_DELAY_ROUND_TRIPS = 10
 
 
 class PlanError(ValueError):
@@ -95,11 +116,19 @@ class FaultType(enum.StrEnum):
     SIGTERM = "sigterm"
     GIL = "gil"
     DISK_FULL = "disk_full"
+    PARTITION = "partition"
+    NET_DELAY = "net_delay"
+    NET_LOSS = "net_loss"
 
     @property
     def external(self) -> bool:
         """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL)
+        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL) or self.network
+
+    @property
+    def network(self) -> bool:
+        """Acts on the link of the target rank's node (`chaos.net`), for `duration_s`."""
+        return self in (FaultType.PARTITION, FaultType.NET_DELAY, FaultType.NET_LOSS)
 
     @property
     def in_collective(self) -> bool:
@@ -178,7 +207,8 @@ class Fault:
     duration_s: float | None = None
     release: Release = Release.KILL
     code: int = 1
-    ms: float | None = None  # straggler: added before each of the rank's collectives
+    ms: float | None = None  # straggler: added before each of the rank's collectives; net_delay: per packet
+    pct: float | None = None  # net_loss: the percentage of the node's packets dropped
 
     def describe(self) -> str:
         where = "".join(f" {name}={v}" for name, v in self.trigger.filters())
@@ -201,6 +231,8 @@ class Fault:
             out["code"] = self.code
         if self.ms is not None:
             out["ms"] = self.ms
+        if self.pct is not None:
+            out["pct"] = self.pct
         return out
 
 
@@ -259,6 +291,64 @@ class Plan:
         return cls(tuple(parse_fault(item, f"faults[{i}]") for i, item in enumerate(items)), max_restarts)
 
 
+class PartitionOutcome(enum.StrEnum):
+    """What a partition of a given length must do to a job with a given deadline."""
+
+    SURVIVED = "survived"  # no restart, no recovery: TCP resumes inside the deadline
+    DETECTED = "detected"  # a collective times out naming the cut-off side; the job recovers
+
+
+def partition_outcome(duration_s: float, deadline_s: float) -> PartitionOutcome | None:
+    """SURVIVED or DETECTED, or None for a length in between (either may happen: refused)."""
+    if 2 * duration_s + 0.2 + TCP_RESUME_SLACK_S <= deadline_s:
+        return PartitionOutcome.SURVIVED
+    if duration_s >= deadline_s + PARTITION_PAST_DEADLINE_S:
+        return PartitionOutcome.DETECTED
+    return None
+
+
+def check_network(plan: Plan, *, nnodes: int, local: bool, backend: str, deadline_s: float | None) -> None:
+    """Check the plan's network faults against the job; raises PlanError naming the fault's field.
+
+    `local`: every node runs on this machine (the harness gives each its own network
+    namespace); `deadline_s`: the job's collective deadline, when known (None: the length
+    checks are skipped)."""
+    for i, f in enumerate(plan.faults):
+        if not f.type.network:
+            continue
+        where = f"faults[{i}]"
+        if not local:
+            raise PlanError(f"{where}.type", f"a {f.type} fault needs every node of the job on this machine (the "
+                                             f"harness puts each in a network namespace of its own); found one node "
+                                             f"of a multi-node job (--rdzv-endpoint)")
+        if nnodes < 2:
+            raise PlanError(f"{where}.type", f"a {f.type} fault acts between nodes; expected a job of --nnodes >= 2; "
+                                             f"found {nnodes}")
+        if backend != "gloo":
+            raise PlanError(f"{where}.type", f"a {f.type} fault needs the gloo backend, whose traffic crosses the "
+                                             f"network (NCCL between GPUs of one machine takes P2P or shared memory "
+                                             f"and would never see it); found {backend}")
+        if deadline_s is None:
+            continue
+        assert f.duration_s is not None  # parse_fault requires it
+        if f.type is FaultType.PARTITION and partition_outcome(f.duration_s, deadline_s) is None:
+            short = (deadline_s - 0.2 - TCP_RESUME_SLACK_S) / 2
+            raise PlanError(f"{where}.duration_s", f"expected a partition either survived (at most {short:g} s: "
+                                                   f"TCP may resume only {f.duration_s:g} + 0.2 s after the link is "
+                                                   f"back) or detected (at least "
+                                                   f"{deadline_s + PARTITION_PAST_DEADLINE_S:g} s) with the "
+                                                   f"collective deadline of {deadline_s:g} s; found "
+                                                   f"{f.duration_s:g} s, which may do either")
+        if f.type is FaultType.NET_DELAY:
+            assert f.ms is not None
+            most = deadline_s * 1000 / (2 * NET_DELAY_ROUND_TRIPS)
+            if f.ms > most:
+                raise PlanError(f"{where}.ms", f"expected a delay a collective survives: {NET_DELAY_ROUND_TRIPS} "
+                                               f"round trips of 2 x ms within the deadline of {deadline_s:g} s, so at "
+                                               f"most {most:g} ms; found {f.ms:g} (a partition goes past the "
+                                               f"deadline)")
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """A plan from a .yaml/.yml/.json file."""
     if not Path(path).is_file():
@@ -301,6 +391,9 @@ _TYPE_FIELDS = {
     FaultType.DISK_FULL: {"duration_s"},
     FaultType.EXIT: {"code"},
     FaultType.STRAGGLER: {"ms"},
+    FaultType.PARTITION: {"duration_s"},
+    FaultType.NET_DELAY: {"duration_s", "ms"},
+    FaultType.NET_LOSS: {"duration_s", "pct"},
 }
 
 
@@ -349,8 +442,25 @@ def parse_fault(item: Any, where: str) -> Fault:
         ms = _number(f"{where}.ms", item["ms"], positive=True)
         if count != 1:
             raise PlanError(f"{where}.count", f"a straggler stays slow once it starts; expected count 1, found {count}")
+    pct = None
+    if ftype.network:
+        if duration is None:
+            raise PlanError(f"{where}.duration_s", f"missing; expected how long the {ftype} lasts, in seconds")
+        if ftype is FaultType.NET_DELAY:
+            if "ms" not in item:
+                raise PlanError(f"{where}.ms", "missing; expected the milliseconds added to each packet to or "
+                                               "from the node")
+            ms = _number(f"{where}.ms", item["ms"], positive=True)
+        if ftype is FaultType.NET_LOSS:
+            if "pct" not in item:
+                raise PlanError(f"{where}.pct", "missing; expected the percentage of the node's packets dropped")
+            pct = _number(f"{where}.pct", item["pct"], positive=True)
+            if pct > MAX_LOSS_PCT:
+                raise PlanError(f"{where}.pct", f"expected a loss in (0, {MAX_LOSS_PCT:g}] percent, which TCP "
+                                                f"retransmits through within a deadline (more stalls a connection "
+                                                f"for seconds: that is a partition); found {pct:g}")
     return Fault(ftype, rank, trigger, count, seed, float(duration) if duration is not None else None,
-                 release, code, ms)
+                 release, code, ms, pct)
 
 
 def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:

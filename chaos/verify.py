@@ -388,6 +388,42 @@ class _FaultCheck:
     doctor: bool = False  # its verdict rests on the doctor's diagnosis
 
 
+def _survived(f: FaultResult) -> bool:
+    """No typed error on any other rank, no torchrun agent acting, no in-job recovery, no restart."""
+    return f.detected_after_s is None and f.recovery is None
+
+
+def _timeout_deadline(f: FaultResult) -> float | None:
+    """The collective deadline of the first timeout the doctor found in the fault's attempt."""
+    for p in (f.diagnosis or {}).get("problems", []):
+        if p.get("kind") == "timeout" and isinstance((p.get("details") or {}).get("deadline_s"), (int, float)):
+            return float(p["details"]["deadline_s"])
+    return None
+
+
+def _partition_survived_unless_past_deadline(f: FaultResult) -> bool:
+    """A partition the job had to survive (the plan check admits only those shorter than the
+    deadline with TCP's resumption, or those past it by a margin) was survived. A failure counts
+    as the other kind only when it came while the node was still cut off and the partition
+    outlasted the deadline of the timeout that reported it (`_timeout_deadline`): a failure after
+    the link came back, or before the deadline, is the job not surviving a short partition."""
+    if _survived(f):
+        return True
+    lifted = f.released_after_s
+    deadline = _timeout_deadline(f)
+    return (f.detected_after_s is not None and (lifted is None or f.detected_after_s <= lifted)
+            and deadline is not None and (lifted is None or lifted >= deadline))
+
+
+def _partition_found(f: FaultResult) -> str:
+    lifted = "never lifted" if f.released_after_s is None else f"lifted after {f.released_after_s:.2f} s"
+    if f.detected_after_s is None:
+        return f"partition of rank {f.rank}'s node at step {f.step} ({lifted}): recovered ({f.recovery}) undetected"
+    by = f.detected_by or {}
+    return (f"partition of rank {f.rank}'s node at step {f.step} ({lifted}): detected after {f.detected_after_s:.2f} s "
+            f"({by.get('event')} on rank {by.get('rank')}), deadline {_timeout_deadline(f)}, recovery {f.recovery}")
+
+
 def _resumed_before_checkpoint(f: FaultResult) -> bool:
     return f.checkpoint_step is not None and f.resumed_from is not None and f.resumed_from < f.checkpoint_step
 
@@ -418,6 +454,21 @@ _FAULT_CHECKS = (
                 frozenset({FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value}),
                 lambda f: names_rank(f.diagnosis, f.rank), "the doctor to name the faulted rank",
                 lambda f: f"{f.type} rank {f.rank} (attempt {f.attempt}) unnamed", doctor=True),
+    # Latency and loss under the deadline: TCP retransmits, every collective completes in time.
+    _FaultCheck("net_fault_survived", frozenset({FaultType.NET_DELAY.value, FaultType.NET_LOSS.value}),
+                _survived, "the job to ride out each net_delay and net_loss with no error, recovery or restart",
+                lambda f: f"{f.type} of rank {f.rank}'s node at step {f.step}: detected after {f.detected_after_s} s "
+                          f"by {f.detected_by}, recovery {f.recovery}"),
+    _FaultCheck("short_partition_survived", frozenset({FaultType.PARTITION.value}),
+                _partition_survived_unless_past_deadline,
+                "each partition shorter than the deadline survived with no error, recovery or restart (a failure "
+                "only while the node was cut off, past the deadline)", _partition_found, doctor=True),
+    # Past the deadline: the side that timed out names the cut-off rank.
+    _FaultCheck("long_partition_named", frozenset({FaultType.PARTITION.value}),
+                lambda f: _survived(f) or names_rank(f.diagnosis, f.rank),
+                "the doctor to name the cut-off rank of each partition the job detected",
+                lambda f: f"partition of rank {f.rank}'s node (attempt {f.attempt}) detected but rank {f.rank} unnamed",
+                doctor=True),
 )
 
 

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from chaos.__main__ import main as cli
-from chaos.plan import (RESTART_MARGIN, FaultType, Ledger, Plan, PlanError, Release, TriggerKind, load_plan,
-                        parse_shorthand)
+from chaos.harness import Job, run_job
+from chaos.plan import (RESTART_MARGIN, FaultType, Ledger, PartitionOutcome, Plan, PlanError, Release, TriggerKind,
+                        check_network, load_plan, parse_shorthand, partition_outcome)
 
 
 def test_shorthand_yaml_and_json_give_the_same_plan(tmp_path):
@@ -72,6 +73,17 @@ def test_the_cli_forms_of_the_new_kinds_parse_as_written():
     ("straggler:rank=1,ms=-5", ".ms", "expected a positive number"),
     ("straggler:rank=1,ms=50,count=2", ".count", "stays slow once it starts"),
     ("corrupt_checkpoint:step=4,ms=3", ".ms", "unknown field for a corrupt_checkpoint fault"),
+    ("partition:rank=1,step=5", ".duration_s", "missing; expected how long the partition lasts"),
+    ("partition:step=5,duration_s=3", ".rank", "missing"),
+    ("partition:rank=1,seq=5,duration_s=3", ".seq", "cannot be triggered by a collective sequence number"),
+    ("partition:rank=1,step=5,duration_s=0", ".duration_s", "expected a positive number"),
+    ("partition:rank=1,step=5,duration_s=3,ms=4", ".ms", "unknown field for a partition fault"),
+    ("net_delay:rank=1,step=5,duration_s=3", ".ms", "missing; expected the milliseconds added to each packet"),
+    ("net_delay:rank=1,step=5,ms=20", ".duration_s", "missing"),
+    ("net_delay:rank=1,step=5,ms=20,duration_s=3,pct=2", ".pct", "unknown field for a net_delay fault"),
+    ("net_loss:rank=1,step=5,duration_s=3", ".pct", "missing; expected the percentage"),
+    ("net_loss:rank=1,step=5,pct=0,duration_s=3", ".pct", "expected a positive number"),
+    ("net_loss:rank=1,step=5,pct=30,duration_s=3", ".pct", "expected a loss in (0, 10] percent"),
 ])
 def test_bad_faults_are_rejected_naming_the_field(text, field, words):
     with pytest.raises(PlanError) as info:
@@ -79,6 +91,58 @@ def test_bad_faults_are_rejected_naming_the_field(text, field, words):
     assert info.value.field.startswith(f"--fault {text}")
     assert info.value.field.endswith(field)
     assert words in str(info.value)
+
+
+def test_the_network_faults_parse_as_written_and_round_trip():
+    cut = parse_shorthand("partition:rank=1,step=5,duration_s=3")
+    assert (cut.type, cut.rank, cut.trigger.kind, cut.trigger.value, cut.duration_s) == \
+        (FaultType.PARTITION, 1, TriggerKind.STEP, 5.0, 3.0)
+    slow = parse_shorthand("net_delay:rank=0,step=2,ms=25,duration_s=2")
+    lossy = parse_shorthand("net_loss:rank=1,after_s=4,pct=2.5,duration_s=2")
+    assert (slow.ms, slow.pct, lossy.pct, lossy.ms) == (25.0, None, 2.5, None)
+    assert all(f.type.external and f.type.network and not f.type.in_collective for f in (cut, slow, lossy))
+    plan = Plan((cut, slow, lossy))
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_a_partition_is_either_survived_or_detected_never_in_between():
+    # deadline 10 s: TCP may resume up to D + 0.2 s after the link is back, plus 1 s of slack
+    assert partition_outcome(3, 10) is PartitionOutcome.SURVIVED
+    assert partition_outcome(4.4, 10) is PartitionOutcome.SURVIVED
+    assert partition_outcome(4.5, 10) is None
+    assert partition_outcome(10.5, 10) is None
+    assert partition_outcome(11, 10) is PartitionOutcome.DETECTED
+
+
+@pytest.mark.parametrize("fault, topology, field, words", [
+    ("partition:rank=1,step=5,duration_s=3", {"nnodes": 1}, ".type", "expected a job of --nnodes >= 2; found 1"),
+    ("net_loss:rank=1,step=5,pct=2,duration_s=3", {"local": False}, ".type", "found one node of a multi-node job"),
+    ("net_delay:rank=1,step=5,ms=5,duration_s=3", {"backend": "nccl"}, ".type", "needs the gloo backend"),
+    ("partition:rank=1,step=5,duration_s=6", {}, ".duration_s",
+     "survived (at most 4.4 s: TCP may resume only 6 + 0.2 s after the link is back) or detected (at least 11 s) "
+     "with the collective deadline of 10 s; found 6 s"),
+    ("net_delay:rank=1,step=5,ms=600,duration_s=3", {}, ".ms", "so at most 500 ms; found 600"),
+])
+def test_network_faults_are_checked_against_the_job(fault, topology, field, words):
+    plan = Plan((parse_shorthand("kill:rank=0,step=1"), parse_shorthand(fault)))
+    job = {"nnodes": 2, "local": True, "backend": "gloo", "deadline_s": 10.0, **topology}
+    with pytest.raises(PlanError) as info:
+        check_network(plan, **job)
+    assert info.value.field == f"faults[1]{field}"
+    assert words in str(info.value)
+    if not topology:  # a length the deadline refuses: without a known deadline only the topology is checked
+        check_network(plan, **{**job, "deadline_s": None})
+
+
+def test_run_job_refuses_a_network_fault_before_starting_anything(tmp_path):
+    plan = Plan((parse_shorthand("partition:rank=1,step=5,duration_s=3"),)).resolve(2)
+    run_dir = tmp_path / "run"
+    with pytest.raises(PlanError, match=r"faults\[0\]\.type: .*expected a job of --nnodes >= 2; found 1"):
+        run_job(Job(trainer_args=("--steps", "8", "--timeout", "10")), plan, run_dir)
+    with pytest.raises(PlanError, match=r"faults\[0\]\.duration_s: .*deadline of 10 s; found 6 s"):
+        run_job(Job(nproc_per_node=1, nnodes=2, trainer_args=("--steps", "8", "--timeout", "10")),
+                Plan((parse_shorthand("partition:rank=1,step=5,duration_s=6"),)), run_dir)
+    assert not run_dir.exists()
 
 
 def test_rank_is_checked_against_the_world_size_and_random_is_drawn_once():

@@ -276,6 +276,28 @@ def _fault(kind, **fields):
     ("diagnosis_names_faulted_rank",
      {"diagnosis": {"culprits": [0], "problems": [{"kind": "error", "ranks": [0]}, {"kind": "timeout", "ranks": [1]}]}},
      {"diagnosis": {"culprits": [0], "problems": [{"kind": "error", "ranks": [0]}, {"kind": "timeout", "ranks": [0]}]}}),
+    # Latency or loss that made a collective fail (or a rank recover) was not ridden out.
+    ("net_fault_survived", {"released_after_s": 2.0},
+     {"released_after_s": 2.0, "detected_after_s": 1.5, "detected_by": {"rank": 0, "event": "collective.timeout"}}),
+    ("net_fault_survived", {"released_after_s": 2.0}, {"released_after_s": 2.0, "recovery": "restart"}),
+    # A 3 s partition: survived; or failing after the link came back (TCP resumed too late) ...
+    ("short_partition_survived", {"released_after_s": 3.0},
+     {"released_after_s": 3.0, "detected_after_s": 7.5, "recovery": "in_job",
+      "diagnosis": {"problems": [{"kind": "timeout", "ranks": [1], "details": {"deadline_s": 10.0}}]}}),
+    # ... or failing while cut off, but before any deadline: it was no long partition.
+    ("short_partition_survived", {"released_after_s": 3.0},
+     {"released_after_s": 3.0, "detected_after_s": 2.0, "recovery": "in_job",
+      "diagnosis": {"problems": [{"kind": "timeout", "ranks": [1], "details": {"deadline_s": 10.0}}]}}),
+    # A 12 s partition detected at the 10 s deadline while cut off is the other kind; an undetected restart is not.
+    ("short_partition_survived",
+     {"released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"problems": [{"kind": "timeout", "ranks": [1], "details": {"deadline_s": 10.0}}]}},
+     {"released_after_s": 12.0, "recovery": "restart"}),
+    ("long_partition_named",
+     {"released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"culprits": [1], "problems": [{"kind": "timeout", "ranks": [1]}]}},
+     {"released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"culprits": [0], "problems": [{"kind": "timeout", "ranks": [0]}]}}),
 ])
 def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good, bad):
     from chaos.verify import _FAULT_CHECKS
