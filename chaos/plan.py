@@ -57,6 +57,17 @@ be detected, nothing in between).
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
 
+Validation is written here by hand, not with a schema library (pydantic was weighed, as
+issue #15 asked). What it would take over is small: the per-field type and range checks
+(`_int`, `_number`, the enums), a few dozen lines. The rest is rules between fields and
+against the job (exactly one trigger, the fields each fault type requires, ranks against
+the world size at `resolve`, network faults against the topology and the deadline), which
+pydantic would hold as validators of the same code. Its messages name a location tuple
+and an error type (``Input should be a valid integer [type=int_type, ...]``), not this
+module's ``faults[1].rank: expected an int >= 0; found 'x'``, so keeping the messages would
+mean a translation layer on top; and every rank of a trainer parses its plan
+(`chaos.inject`), so the dependency (a compiled pydantic-core) would ride into every job.
+
 The `Ledger` persists firings in the run directory (one file per firing, created with
 O_EXCL *before* the fault acts), so that a restarted rank, or the harness, never fires a
 fault more often than its count, and the report knows exactly what was done and when.
