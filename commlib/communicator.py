@@ -47,6 +47,7 @@ from commlib.validation import CallChecker, seconds
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of ABORT_KEY
+CONSISTENCY_SLOTS = 2  # store keys per rank the consistency check reuses in turn (`_agree`)
 _FIRST_SLICE = timedelta(seconds=ABORT_POLL_S)
 _PROCESS_HOOKS = HookRegistry.process()
 
@@ -477,20 +478,43 @@ class Communicator:
             self.recorder.dump(directory, reason)
 
     def _agree(self, call: Collective) -> None:
-        """Compare this call's fingerprint with every rank's through the store."""
+        """Compare this call's fingerprint with every rank's through the store.
+
+        Each rank's fingerprint goes to one of `CONSISTENCY_SLOTS` keys of its own, in turn,
+        tagged with the call's number, so a check costs two store round trips (set, then
+        one multi_get that finds every peer's value already there) and leaves nothing to
+        delete. Two slots suffice: no rank passes check n+1 before every rank has set n+1,
+        so a peer's slot holds either this call's value or one from `CONSISTENCY_SLOTS`
+        calls ago (that peer has not arrived yet: read again until it has, in slices, like
+        an op's wait).
+        """
         mine = json.dumps(call.fingerprint(), sort_keys=True)
-        keys = [f"fp/{call.seq}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], mine)
+        tag = f"{call.seq}|".encode()
+        keys = [f"fp/{call.seq % CONSISTENCY_SLOTS}/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], tag + mine.encode())
         started_ns, started_mono_ns = time.time_ns(), time.monotonic_ns()
+        values: list[bytes] = []
 
         def every_rank_set(slice_td: timedelta) -> bool:
-            try:
-                self._store.wait(keys, slice_td)
-            except Exception as exc:
-                if self._backend.classify(exc) is Failure.TIMEOUT:
+            nonlocal values
+            until = time.monotonic() + slice_td.total_seconds()
+            pause_s = 0.0005
+            while True:
+                if call.seq <= CONSISTENCY_SLOTS:  # a peer's key may not exist yet
+                    try:
+                        self._store.wait(keys, timedelta(seconds=max(until - time.monotonic(), 1e-3)))
+                    except Exception as exc:
+                        if self._backend.classify(exc) is Failure.TIMEOUT:
+                            return False
+                        raise
+                values = self._store.multi_get(keys)
+                if all(v.startswith(tag) for v in values):
+                    return True
+                left = until - time.monotonic()
+                if left <= 0:
                     return False
-                raise
-            return True
+                time.sleep(min(pause_s, left))
+                pause_s = min(pause_s * 2, ABORT_POLL_S / 2)
 
         def failed_entry() -> FlightEntry:
             entry = self.recorder.start(call)
@@ -505,9 +529,7 @@ class Communicator:
             raise self._timed_out(call, failed_entry(), None)
         if isinstance(outcome, tuple):
             raise self._peer_left(call, failed_entry(), *outcome)
-        values = [v.decode() for v in self._store.multi_get(keys)]
-        if call.seq > 2:
-            self._store.delete_key(f"fp/{call.seq - 2}/{self.rank}")
+        values = [v[len(tag):].decode() for v in values]
         if len(set(values)) == 1:
             return
         groups: dict[str, list[int]] = {}

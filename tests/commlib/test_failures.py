@@ -142,6 +142,28 @@ def test_shape_mismatch_caught_before_launch(backend: str, monkeypatch: pytest.M
     assert testing.run(_shape_mismatch_then_recover, 2, backend=backend) == [[2.0] * 3] * 2
 
 
+def _rank1_late_for_a_reused_slot(comm: commlib.Communicator) -> dict[str, object]:
+    for _ in range(3):  # both fingerprint slots now hold values of earlier calls, of 3 elements
+        comm.all_reduce(torch.ones(3))
+    if comm.rank == 1:
+        # Rank 0 meets rank 1's value of #2 in the slot of #4: it must wait for #4's, not
+        # compare the two and report a mismatch that is not there.
+        time.sleep(0.5)
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    try:  # and a mismatch in a reused slot is still one, on both ranks
+        comm.all_reduce(torch.ones(2 + comm.rank))
+    except commlib.CollectiveMismatch as exc:
+        return {"sum": t.tolist(), "differing": exc.differing_ranks, "seq": exc.seq}
+    return {"sum": t.tolist(), "differing": None}
+
+
+def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(backend: str) -> None:
+    r0, r1 = testing.run(_rank1_late_for_a_reused_slot, 2, backend=backend, check_consistency=True)
+    assert r0 == {"sum": [2.0, 2.0], "differing": [1], "seq": 5}, r0
+    assert r1 == {"sum": [2.0, 2.0], "differing": [0], "seq": 5}, r1
+
+
 def _rank1_skips_a_checked_collective(comm: commlib.Communicator) -> dict[str, object]:
     comm.all_reduce(torch.ones(2))
     if comm.rank == 1:
