@@ -10,7 +10,8 @@
   loss bitwise equal (compared as ``float.hex``), every step exactly once in the final
   history (same steps in the same order as the reference, none missing, none doubled),
   final model and optimizer state digests equal.
-- `analyze` measures each firing from the ranks' logs, the harness's journal, the
+- `analyze` measures each firing from the ranks' logs (commlib's log model, `read_logs`:
+  read once, for these timings and the doctor's diagnosis), the harness's journal, the
   torchrun agents' logs and the ledger, all on the wall clock of this machine: detection
   (fault to the first typed error on a survivor -- for ``corrupt`` on any rank, since the
   corrupted rank itself only finds out through the finite check -- or to the torchrun
@@ -44,7 +45,7 @@ from chaos.harness import TYPED_ERRORS, Job, JobOutcome, journal, run_job
 from chaos.plan import FaultType, Ledger, Plan, TriggerKind
 from chaos.report import FaultResult, Report
 from chaos.results import read_results
-from commlib.observe.log import read_events
+from commlib.observe.model import LogDirError, RunLogs, load
 
 RESULTS = "results.json"
 
@@ -240,33 +241,27 @@ def agent_detections(run_dir: Path, year: int) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
-@dataclass
-class _Proc:
-    rank: int
-    first_ns: int
+def read_logs(run_dir: str | os.PathLike[str]) -> RunLogs | None:
+    """The ranks' logs of a run as commlib's log model, read once for the timings and the
+    doctor alike; None when no rank logged."""
+    try:
+        return load(Path(run_dir) / "logs")
+    except LogDirError:
+        return None
 
 
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for path in sorted((run_dir / "logs").glob("rank*.jsonl")):
-        events.extend(read_events(path))
-    events.sort(key=lambda e: e.get("ts_ns", 0))
-    return events
-
-
-def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[FaultResult], list[dict[str, Any]]]:
+def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
+            logs: RunLogs | None) -> tuple[list[FaultResult], list[dict[str, Any]]]:
     """Every firing of the run with its recovery timings, and the step timeline of the run
-    (one entry per completed step execution on the lowest rank: t, step, loss, attempt)."""
+    (one entry per completed step execution on the lowest rank: t, step, loss, attempt).
+    `logs`: the run's `read_logs`."""
     run_dir = Path(run_dir)
-    events = _events(run_dir)
-    procs: dict[int, _Proc] = {}
-    for e in events:
-        if isinstance(e.get("pid"), int) and e["pid"] not in procs:
-            procs[e["pid"]] = _Proc(int(e.get("rank", -1)), int(e["ts_ns"]))
+    events = logs.events() if logs is not None else []
+    procs = logs.processes() if logs is not None else {}
     steps = [e for e in events if e.get("event") == "train.step"]
     lowest = min((int(e["rank"]) for e in steps), default=0)
     lead = [e for e in steps if e.get("rank") == lowest]
-    releases = {(n["index"], n["pid"]): n for n in journal(run_dir) if n.get("event") == "chaos.release"}
+    releases = {(n["index"], n["target_pid"]): n for n in journal(run_dir) if n.get("event") == "chaos.release"}
     in_job = [e for e in events if e.get("event") == "recovery.in_job"]
     rollbacks = [e for e in events if e.get("event") == "train.rolled_back"]
     recovery_starts = [e for e in events if e.get("event") == "recovery.start"]
@@ -342,14 +337,16 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome) -> tuple[list[
     return results, timeline
 
 
-def diagnose(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], str | None]:
-    """The doctor's findings per attempt, as dicts; or an empty list and why there are none."""
+def diagnose(run_dir: str | os.PathLike[str],
+             logs: RunLogs | None = None) -> tuple[list[dict[str, Any]], str | None]:
+    """The doctor's findings per attempt, as dicts (from `logs` when they were read already); or
+    an empty list and why there are none."""
     try:
-        from commlib.observe.doctor import diagnose as doctor_diagnose
+        from commlib.observe.doctor import analyze as doctor_analyze
     except ImportError as exc:
         return [], f"the doctor (commlib.observe.doctor) is not available: {exc}"
     try:
-        found = doctor_diagnose(Path(run_dir) / "logs").to_dict()
+        found = doctor_analyze(logs if logs is not None else load(Path(run_dir) / "logs")).to_dict()
     except Exception as exc:  # a report without a diagnosis beats no report
         return [], f"the doctor failed on {run_dir}/logs: {type(exc).__name__}: {exc}"
     return list(found.get("attempts", [])), None
@@ -479,8 +476,9 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
     `reference_root` None skips the reference (and so the bitwise checks).
     """
     run_dir = outcome.run_dir
-    faults, timeline = analyze(run_dir, outcome)
-    attempts, diagnosis_error = diagnose(run_dir)
+    logs = read_logs(run_dir)
+    faults, timeline = analyze(run_dir, outcome, logs)
+    attempts, diagnosis_error = diagnose(run_dir, logs)
     by_attempt = {a.get("attempt"): a for a in attempts}
     for f in faults:
         f.diagnosis = by_attempt.get(f.attempt)

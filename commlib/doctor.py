@@ -6,7 +6,8 @@ Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`),
 writes a Chrome/Perfetto trace, and exits 0 when no attempt of the run had a problem, 1 when
 the final attempt has one, 3 when earlier attempts failed but the final one is clean (a
 recovered run), and 2 when the directory cannot be read. The analysis itself lives in
-`commlib.observe.doctor`; this module only renders it. Neither imports torch: the logs
+`commlib.observe` (`model`: the logs read once; `blame`: the rules; `stats`: the tables;
+`doctor`: the three composed); this module only renders it. Neither imports torch: the logs
 copied from a cluster can be read on a machine without it.
 """
 
@@ -19,7 +20,9 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from commlib.observe.doctor import AttemptFinding, Diagnosis, DoctorInputError, analyze, load
+from commlib.observe.blame import AttemptFinding
+from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.model import LogDirError, load
 from commlib.observe.trace import write_trace
 
 WIDTH = 110
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run = load(args.logdir)
-    except DoctorInputError as exc:
+    except LogDirError as exc:
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2
     diagnosis = analyze(run)

@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 2 -m chaos.workload.bench_overlap   # single vs dual vs native
 
 `shard` (shard.py) applies fully_shard and routes FSDP2's collectives through commlib
-(comms.py); `timeline` reads commlib's logs; `bench` is the A/B tool. See README.md.
+(comms.py); `timeline` computes overlap from commlib's log model. The A/B tool needs the
+reference model, so it lives above this package: `chaos.workload.bench_overlap`. See README.md.
 """
 
 from fsdp_overlap.comms import CommlibAllGather, CommlibReduceScatter, FSDPWork

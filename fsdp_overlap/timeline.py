@@ -30,7 +30,8 @@ bounds and ``overlap_min_s`` leaves such an op out. ``exposed_s`` counts only bl
 time and has neither problem.
 
 Only completed collectives count; events without a ``step`` are ignored. Times are each
-host's monotonic clock, so intervals are compared within a process only.
+host's monotonic clock, so intervals are compared within a process only. The logs are read
+through commlib's log model (`commlib.observe.model`), which matches each start with its end.
 
     python -m fsdp_overlap.timeline LOGDIR [--json]
 """
@@ -47,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.log import read_events
+from commlib.observe.model import Call, LogDirError, RunLogs, build, dump_calls, flight_dumps, load
 
 ALL_GATHER_OPS = frozenset({"all_gather", "all_gather_single"})
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter", "reduce_scatter_single"})
@@ -60,7 +61,7 @@ class Record:
     """One completed collective as seen by one process."""
 
     rank: int
-    pid: int
+    pid: int | None
     attempt: int
     step: int
     label: str | None
@@ -164,51 +165,42 @@ def timelines(records: Iterable[Record]) -> list[StepTimeline]:
     return [step_timeline(groups[k]) for k in sorted(groups)]
 
 
-# -- readers -----------------------------------------------------------------------------
+# -- readers: the log model ---------------------------------------------------------------
+def records(run: RunLogs) -> list[Record]:
+    """Completed collectives inside a step, as the ranks logged them (a flight-recorder entry the
+    logs lack is left out: it has no wait time)."""
+    return [_record(c, att.attempt) for att in run.attempts.values() for rl in att.ranks.values()
+            for c in rl.calls if c.source == "log" and _counted(c)]
+
+
 def records_from_events(events: Iterable[dict[str, Any]]) -> list[Record]:
-    """Completed collectives from one rank's commlib log events."""
-    starts: dict[tuple[Any, ...], dict[str, Any]] = {}
-    ends: list[dict[str, Any]] = []
-    for e in events:
-        kind = e.get("event")
-        key = (e.get("pid"), e.get("comm"), e.get("seq"))
-        if kind == "collective.start":
-            starts[key] = e
-        elif kind == "collective.end":
-            ends.append(e)
-    out = []
-    for end in ends:
-        key = (end.get("pid"), end.get("comm"), end.get("seq"))
-        start = starts.get(key)
-        step = (start or end).get("step")
-        if step is None:
-            continue
-        start_ns = start["mono_ns"] if start else end["mono_ns"] - round(end["duration_s"] * 1e9)
-        out.append(Record(rank=end["rank"], pid=end["pid"], attempt=end.get("attempt", 0), step=step,
-                          label=(start or end).get("label"), comm=end["comm"], op=end["op"], seq=end["seq"],
-                          start_ns=start_ns, end_ns=end["mono_ns"],
-                          async_op=bool(start and start.get("async_op")),
-                          wait_ns=round(end["wait_s"] * 1e9) if "wait_s" in end else None,
-                          done_before_wait=end.get("done_before_wait")))
-    return out
+    """Completed collectives inside a step from commlib log events already read."""
+    return records(build(events))
 
 
 def records_from_flight(dumps: Iterable[dict[str, Any]]) -> list[Record]:
-    """Completed collectives from flight-recorder dumps (deduplicated across dumps).
+    """Completed collectives inside a step from flight-recorder dumps (deduplicated across dumps).
 
-    Dumps carry no wait times and no label, and their `rank` is the communicator's rank
-    (the global rank for communicators split over all ranks in order, as fsdp_overlap's are).
+    Dumps carry no wait times, no label and no attempt, and their `rank` is the communicator's
+    rank (the global rank for communicators split over all ranks in order, as fsdp_overlap's are).
     """
     seen: dict[tuple[Any, ...], Record] = {}
     for dump in dumps:
-        for e in dump["entries"]:
-            if e["state"] != "completed" or e.get("step") is None or e.get("end_mono_ns") is None:
-                continue
-            key = (dump["pid"], dump["comm"], e["seq"])
-            seen[key] = Record(rank=dump["rank"], pid=dump["pid"], attempt=0, step=e["step"], label=None,
-                               comm=dump["comm"], op=e["op"], seq=e["seq"], start_ns=e["start_mono_ns"],
-                               end_ns=e["end_mono_ns"], async_op=e["async_op"])
+        for c in dump_calls(dump):
+            if _counted(c):
+                seen[(c.pid, c.comm, c.seq, c.peer)] = _record(c, attempt=0)
     return list(seen.values())
+
+
+def _counted(c: Call) -> bool:
+    return c.status == "ok" and c.step is not None and c.start_mono_ns is not None and c.end_mono_ns is not None
+
+
+def _record(c: Call, attempt: int) -> Record:
+    return Record(rank=c.rank, pid=c.pid, attempt=attempt, step=c.step, label=c.label, comm=c.comm, op=c.op,
+                  seq=c.seq, start_ns=c.start_mono_ns, end_ns=c.end_mono_ns,
+                  async_op=c.async_op, wait_ns=round(c.wait_s * 1e9) if c.wait_s is not None else None,
+                  done_before_wait=c.done_before_wait)
 
 
 def analyze(logdir: str | Path) -> list[StepTimeline]:
@@ -216,14 +208,15 @@ def analyze(logdir: str | Path) -> list[StepTimeline]:
     directory = Path(logdir)
     if not directory.is_dir():
         raise FileNotFoundError(f"fsdp_overlap.timeline: expected a log directory; found no directory {directory}")
-    logs = sorted(directory.glob("rank*.jsonl"))
-    if logs:
-        return timelines(r for path in logs for r in records_from_events(read_events(path)))
-    dumps = sorted(directory.glob("flight_rank*.json"))
-    if not dumps:
-        raise FileNotFoundError(f"fsdp_overlap.timeline: expected rank*.jsonl logs or flight_rank*.json dumps in "
-                                f"{directory}; found neither")
-    return timelines(records_from_flight(json.loads(p.read_text()) for p in dumps))
+    try:
+        run = load(directory)
+    except LogDirError:  # no rank logs: the flight-recorder dumps, if any
+        dumps = [data for _, data in flight_dumps(directory)]
+        if not dumps:
+            raise FileNotFoundError(f"fsdp_overlap.timeline: expected rank*.jsonl logs or flight_rank*.json dumps "
+                                    f"in {directory}; found neither") from None
+        return timelines(records_from_flight(dumps))
+    return timelines(records(run))
 
 
 # -- summary and CLI ---------------------------------------------------------------------

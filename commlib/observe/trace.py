@@ -1,4 +1,4 @@
-"""Chrome/Perfetto trace export of a run's collectives, built from the doctor's model of the logs.
+"""Chrome/Perfetto trace export of a run's collectives, built from the log model (`commlib.observe.model`).
 
 Layout (JSON object format, open it in https://ui.perfetto.dev or chrome://tracing):
 - one process per rank (pid = global rank, named "rank R (host)"), shared by all torchrun
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.doctor import NOTICE_EVENTS, RunLogs
+from commlib.observe.model import NOTICE_EVENTS, RunLogs
 
 # Fields every event carries: the track already says them.
 _COMMON_FIELDS = ("event", "level", "ts_ns", "mono_ns", "rank", "size", "host", "pid", "backend", "comm_rank",

@@ -23,8 +23,9 @@ def _collective(comm: str, seq: int, op: str, start_ms: float, end_ms: float, *,
     ctx = {k: v for k, v in (("step", step), ("label", label)) if v is not None}
     base = {"rank": rank, "pid": pid, "attempt": 0, "comm": comm, "seq": seq, "op": op, **ctx}
     wait = {} if wait_ms is None else {"wait_s": wait_ms / 1e3, "done_before_wait": done_before_wait}
-    return [{**base, "event": "collective.start", "mono_ns": int(start_ms * MS), "async_op": async_op},
-            {**base, "event": "collective.end", "mono_ns": int(end_ms * MS),
+    return [{**base, "event": "collective.start", "ts_ns": int(start_ms * MS), "mono_ns": int(start_ms * MS),
+             "async_op": async_op},
+            {**base, "event": "collective.end", "ts_ns": int(end_ms * MS), "mono_ns": int(end_ms * MS),
              "duration_s": (end_ms - start_ms) / 1e3, "status": "ok", **wait}]
 
 
@@ -74,7 +75,7 @@ def test_grouping_and_unwaited_async() -> None:
         *_collective("world", 4, "all_gather_single", 0, 40, step=1, async_op=True),
         *_collective("world", 5, "reduce_scatter_single", 30, 50, step=1),
         {"event": "collective.start", "rank": 0, "pid": 100, "comm": "world", "seq": 6, "op": "all_reduce",
-         "mono_ns": 0, "step": 1, "async_op": False},  # started, never ended: not counted
+         "ts_ns": 0, "mono_ns": 0, "step": 1, "async_op": False},  # started, never ended: not counted
     ]
     steps = timeline.timelines(timeline.records_from_events(events))
     assert [(t.label, t.step) for t in steps] == [("dual", 0), ("dual", 1), ("single", 0)]

@@ -27,7 +27,9 @@ import torch
 import commlib
 from commlib.doctor import main, render
 from commlib.observe import log
-from commlib.observe.doctor import FROZEN_GRACE_S, Kind, diagnose, load
+from commlib.observe.blame import FROZEN_GRACE_S, Kind
+from commlib.observe.doctor import diagnose
+from commlib.observe.model import load
 from commlib.observe.trace import build_trace
 from doctor_logs import live_copy
 from commlib.testing import outcome, run
@@ -204,7 +206,7 @@ def _check_timeouts_and_deaths(root: Path, results: dict[str, Any], tmp_path: Pa
     restarted = tmp_path / "restarted"
     restarted.mkdir()
     for r in (0, 1):
-        again = (root / "clean" / f"rank{r}.jsonl").read_text().replace('"attempt":0,', '"attempt":1,')
+        again = (root / "clean" / f"rank{r}.jsonl").read_text().replace('"attempt":0}', '"attempt":1}')
         (restarted / f"rank{r}.jsonl").write_text((root / "kill" / f"rank{r}.jsonl").read_text() + again)
     d = diagnose(restarted)
     assert [(a.attempt, a.status, a.culprits) for a in d.attempts] == [(0, "failed", [1]), (1, "ok", [])]

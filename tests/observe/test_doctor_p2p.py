@@ -30,7 +30,9 @@ import torch
 import commlib
 from commlib.doctor import render
 from commlib.observe import log
-from commlib.observe.doctor import Kind, diagnose, load
+from commlib.observe.blame import Kind
+from commlib.observe.doctor import diagnose
+from commlib.observe.model import load
 from commlib.observe.trace import build_trace
 from doctor_logs import live_copy
 from commlib.testing import outcome, run

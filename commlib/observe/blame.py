@@ -1,0 +1,561 @@
+"""The doctor's rules: per torchrun attempt, what went wrong, who is blamed for it, and why.
+
+`attempt_finding(att, dumps, final)` applies every rule to one attempt of the log model
+(`commlib.observe.model`) and returns its `AttemptFinding`: a status, the problems found
+(each a `Problem` of one `Kind`, with its culprits in `ranks` and a message saying why),
+and where each rank's log ends.
+
+Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
+progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
+plus ranks that started it only after); for a peer failure, the members that stopped
+logging before it without logging a failure of their own; for a mismatch, the minority
+(every differing rank when there is no majority); for a hang (no deadline expired yet),
+the ranks that never started the oldest unfinished collective; for a send/recv that timed
+out or hangs, the peer that never posted the matching op; for an application error, the
+ranks its events name (else the ranks that logged it); for a straggler (a finding, not a
+failure), the rank that arrived last at most of an attempt's collectives (at least
+`STRAGGLER_MIN_COLLECTIVES` of them) with a median lag of at least `STRAGGLER_MIN_LAG_S`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from commlib.failures import Failure, classify
+from commlib.observe.model import (NOTICE_EVENTS, AttemptLog, Call, CommLog, DumpInfo, RankPosition, p2p_name,
+                                   peer_of, position)
+from commlib.observe.stats import straggler_stats
+
+APP_ERROR_LEVELS = ("error", "critical")
+COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
+_MATCHING_P2P = {"send": "recv", "recv": "send"}
+# A rank inside a collective that fails elsewhere logs its own outcome by its own deadline;
+# one that has not, this long after, was stopped or dead (SIGSTOP, a kill mid-collective).
+FROZEN_GRACE_S = 1.0
+# A straggler: last to arrive at this share of an attempt's collectives, with this median lag
+# (gloo on loopback: ranks of a healthy job start a collective well under a millisecond apart).
+STRAGGLER_LAST_SHARE = 0.6
+STRAGGLER_MIN_LAG_S = 0.02
+STRAGGLER_MIN_COLLECTIVES = 10  # fewer: one late arrival (a rank that hung, then timed out) is no pattern
+
+
+class Kind(enum.StrEnum):
+    """What a problem is. The rules below are named after it: `_timeout`, `_hang`, `_mismatches`,
+    `_dead_ranks`, `_peer_failure`, `_error` and `_app_errors`, `_straggler`; send/recv's `_p2p_*`."""
+
+    TIMEOUT = "timeout"
+    HANG = "hang"
+    MISMATCH = "mismatch"
+    DEAD_RANK = "dead_rank"
+    PEER_FAILURE = "peer_failure"
+    ERROR = "error"
+    STRAGGLER = "straggler"  # not a failure: the attempt may still be ok
+
+
+@dataclass
+class Problem:
+    kind: Kind
+    ranks: list[int]  # culprits (global ranks)
+    comm: str | None
+    op: str | None
+    seq: int | None
+    message: str
+    reporters: list[int] = field(default_factory=list)  # ranks whose logs show it
+    ts_ns: int | None = None  # when it first showed
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AttemptFinding:
+    attempt: int
+    status: str  # ok | failed | incomplete
+    ranks: list[int]
+    world_size: int | None
+    collectives: int  # distinct (communicator, seq) started
+    start_ns: int
+    end_ns: int
+    problems: list[Problem]
+    culprits: list[int]  # the culprits of the earliest problem that names any
+    positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
+    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
+
+
+def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> AttemptFinding:
+    """Every rule applied to one attempt (`dumps`: the flight-recorder dumps its processes wrote;
+    `final`: it is the run's last, so an attempt that simply ends is ok rather than cut short)."""
+    problems: list[Problem] = []
+    for comm in att.comms.values():
+        mismatches = _mismatches(comm)
+        problems += mismatches.values()
+        problems += _failures(att, comm, mismatches, dumps)
+    problems += _app_errors(att)  # before dead ranks: a backend failure outside commlib is evidence too
+    problems += _dead_ranks(att, problems)
+    problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
+    slow = _straggler(att)
+    if all(p.kind is Kind.HANG for p in problems):
+        # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
+        # torchrun followed with another) a rank that died between collectives.
+        status = "incomplete" if problems or not final else "ok"
+    else:
+        status = "failed"
+    if slow is not None:
+        problems.append(slow)  # after the failures: they, when any, name the culprits
+    culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
+    return AttemptFinding(
+        attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
+        collectives=sum(1 for c in att.comms.values() for calls in c.calls.values() if calls),
+        start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
+        problems=problems, culprits=culprits,
+        positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
+        p2p_ops=sum(len(c.pairs()) for c in att.comms.values()))
+
+
+def _app_errors(att: AttemptLog) -> list[Problem]:
+    """Error-level events of the application (a trainer's own `train.error`, say), per event name.
+
+    Culprits are the union of the events' `ranks` field when every event has one (the
+    convention for an application that knows whom to blame), else the ranks that logged
+    it. An error that merely carries a commlib failure up is left out: the failure itself
+    is reported from commlib's own events.
+    """
+    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rl in att.ranks.values():
+        for e in rl.notices:
+            if (e.get("level") in APP_ERROR_LEVELS and e.get("event") not in NOTICE_EVENTS
+                    and e.get("error_type") not in COMMLIB_ERRORS):
+                by_name[str(e.get("event"))].append(e)
+    problems = []
+    for name, events in sorted(by_name.items()):
+        reporters = sorted({e["rank"] for e in events})
+        blamed = [e.get("ranks") for e in events]
+        if all(isinstance(b, list) and all(isinstance(r, int) for r in b) for b in blamed):
+            culprits = sorted({r for b in blamed for r in b})  # type: ignore[union-attr]
+        else:
+            culprits = reporters
+        first = min(events, key=lambda e: e["ts_ns"])
+        what = first.get("error") or first.get("message") or ""
+        message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
+        details: dict[str, Any] = {"event": name}
+        if classify(first.get("error_type"), str(what)) in (Failure.TIMEOUT, Failure.PEER):
+            # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
+            # or lost a peer: its reporters are victims, and the suspects are the ranks that
+            # had gone quiet before it without an error of their own.
+            others = sorted(set(att.ranks) - set(reporters))
+            quiet = [r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])]
+            culprits, details["quiet"] = quiet, quiet
+            message += (f" (a backend failure in a torch.distributed call outside commlib; rank(s) {quiet} had "
+                        f"stopped logging before it)" if quiet else
+                        " (a backend failure in a torch.distributed call outside commlib)")
+        problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
+                                message.strip(), reporters, first["ts_ns"], details))
+    return problems
+
+
+def _ops_text(calls: dict[int, Call]) -> str:
+    return "/".join(sorted({c.op for c in calls.values()})) or "?"
+
+
+def _mismatches(comm: CommLog) -> dict[int, Problem]:
+    """The first seq of `comm` at which ranks disagree (later ones are its consequences)."""
+    found = [p for p in (_checked_mismatch(comm), _seen_mismatch(comm)) if p is not None]
+    first = min(found, key=lambda p: p.seq or 0) if found else None
+    return {first.seq: first} if first is not None and first.seq is not None else {}
+
+
+def _checked_mismatch(comm: CommLog) -> Problem | None:
+    """The first mismatch the consistency check raised (`collective.mismatch` events)."""
+    if not comm.mismatches:
+        return None
+    seq = min(comm.mismatches)
+    by_rank = comm.mismatches[seq]
+    ops = {r: ev.get("op") for r, ev in by_rank.items()}
+    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
+                             reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
+                             detail=next(iter(by_rank.values())).get("error"), checked=True)
+
+
+def _seen_mismatch(comm: CommLog) -> Problem | None:
+    """The first seq whose `collective.start` events disagree (the check was off).
+
+    Only calls whose start was logged count: a call made up from its failure event (a rank
+    whose pre-hook raised, or that failed before its start was written) has no shapes to compare.
+    """
+    started = {seq: {r: c for r, c in calls.items() if c.shapes is not None} for seq, calls in comm.calls.items()}
+    differing = [seq for seq, calls in sorted(started.items()) if len({c.signature() for c in calls.values()}) > 1]
+    if not differing:
+        return None
+    seq = differing[0]
+    calls = started[seq]
+    by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for r, c in sorted(calls.items()):
+        by_sig[c.signature()].append(r)
+    detail = "; ".join(f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})"
+                       for r, c in sorted(calls.items()))
+    problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
+                                reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
+                                detail=detail, checked=False)
+    problem.details["later_differing_seqs"] = len(differing) - 1
+    return problem
+
+
+def _agreement_groups(comm: CommLog, by_rank: dict[int, dict[str, Any]]) -> list[list[int]]:
+    """Ranks that agreed with each other, from each rank's `differing_ranks` (comm ranks)."""
+    differ = {r: {comm.global_rank(d) for d in ev.get("differing_ranks") or []} for r, ev in by_rank.items()}
+    groups: list[list[int]] = []
+    for r in sorted(by_rank):
+        for g in groups:
+            s = g[0]
+            if r not in differ.get(s, set()) and s not in differ.get(r, set()):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
+def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dict[int, Any], *,
+                      reporters: list[int], ts: int, detail: str | None, checked: bool) -> Problem:
+    groups = sorted(groups, key=lambda g: (-len(g), g))
+    majority = groups[0] if len(groups) > 1 and len(groups[0]) > len(groups[1]) else None
+    culprits = sorted(r for g in groups if g is not majority for r in g)
+    parts = []
+    for g in groups:
+        g_ops = sorted({str(ops[r]) for r in g if r in ops})
+        parts.append(f"ranks {g} issued {'/'.join(g_ops) or '?'}")
+    how = "the consistency check caught it" if checked else "seen in the collective.start events"
+    who = f"the minority {culprits}" if majority else f"no majority: all of {culprits}"
+    message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
+    op_names = sorted({str(o) for o in ops.values()})
+    return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,
+                   {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail,
+                    "checked": checked})
+
+
+def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
+              dumps: list[DumpInfo]) -> list[Problem]:
+    """Timeouts, peer failures and errors logged on `comm` (collectives' and send/recv's), or
+    else the oldest unfinished collective and, per pair of ranks, the oldest unfinished send/recv."""
+    problems: list[Problem] = []
+    by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    by_pair: dict[tuple[tuple[int, int, int], str], list[dict[str, Any]]] = defaultdict(list)
+    for f in comm.failures:
+        peer = peer_of(f)
+        if peer is not None and isinstance(f.get("seq"), int):
+            by_pair[(comm.pair_key(f["rank"], peer, f["seq"]), f["event"])].append(f)
+        else:
+            by_key[(f.get("seq", -1), f["event"])].append(f)
+    for (seq, event), events in sorted(by_key.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
+        mismatch = mismatches.get(seq)
+        if event == "collective.timeout":
+            problems.append(_timeout(att, comm, seq, events, mismatch))
+        elif event == "peer.failure":
+            problems.append(_peer_failure(att, comm, seq, events))
+        else:
+            problems.append(_error(comm, seq, events, mismatch))
+    for (key, event), events in sorted(by_pair.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
+        problems.append(_p2p_failure(att, comm, key, event, events))
+    if not comm.failures:
+        hang = _hang(att, comm, mismatches, dumps)
+        if hang is not None:
+            problems.append(hang)
+        problems += _p2p_hangs(att, comm, dumps)
+    return problems
+
+
+def _arrivals(comm: CommLog, seq: int) -> dict[int, int | None]:
+    return {r: c.start_ns for r, c in comm.calls.get(seq, {}).items()}
+
+
+def _where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, Any]:
+    return {str(r): asdict(position(att, r, at_ns)) for r in ranks}
+
+
+def _where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
+    return "; ".join(f"rank {r}: {position(att, r, at_ns).describe()}" for r in ranks)
+
+
+def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
+             mismatch: Problem | None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    board_missing = {comm.global_rank(r) for e in events for r in (e.get("missing_ranks") or [])}
+    board_known = any(e.get("missing_ranks") is not None for e in events)
+    stale = sorted({comm.global_rank(r) for e in events for r in (e.get("stale_ranks") or [])})
+    arrivals = _arrivals(comm, seq)
+    members = comm.member_ranks()
+    late = sorted(r for r, ts in arrivals.items() if r not in reporters and ts is not None and ts > t)
+    never = sorted(r for r in members if r not in arrivals and r not in reporters)
+    missing = sorted(board_missing | set(late) | set(never))
+    arrived = sorted(r for r in members if r not in missing)
+    deadline = events[0].get("deadline")
+    frozen = _frozen(comm.calls.get(seq, {}), t)
+    head = (f"{op} #{seq} on {comm.label!r} timed out"
+            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
+            + f" on rank(s) {reporters}")
+    if missing:
+        culprits = missing
+        body = f"rank(s) {missing} had not arrived"
+        if late:
+            body += "; " + ", ".join(f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline"
+                                     for r in late)
+    elif mismatch is not None:
+        culprits = mismatch.ranks
+        body = f"every rank arrived, but rank(s) {mismatch.ranks} issued a different collective (see the mismatch)"
+    else:
+        culprits = sorted(set(stale) | set(frozen))
+        body = "every rank arrived and the backend did not complete it"
+        if frozen:
+            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+        if stale:
+            body += f"; rank(s) {stale} had stopped sending heartbeats"
+    message = f"{head}: {body}. Arrived: {arrived}."
+    if culprits:
+        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
+                   {"arrived": arrived, "missing": missing,
+                    "board_missing": sorted(board_missing) if board_known else None, "late": late,
+                    "stale": stale, "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
+
+
+def _frozen(calls: dict[int, Call], t: int) -> list[int]:
+    """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace).
+
+    Reporters count too: a rank stopped past its deadline reports its own timeout once resumed.
+    """
+    out = []
+    for r, c in sorted(calls.items()):
+        if c.start_ns is None or c.start_ns > t or c.deadline_s is None:
+            continue
+        due = c.start_ns + int((c.deadline_s + FROZEN_GRACE_S) * 1e9)
+        if c.end_ns is None or c.end_ns > due:
+            out.append(r)
+    return out
+
+
+def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
+    return [r for r in ranks if r not in att.ranks or att.ranks[r].last_ns <= t]
+
+
+def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
+                  others: list[int] | None = None, what: str | None = None) -> Problem:
+    """`others`: the ranks that could have failed (default every other member); `what`: the op, in words."""
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    if others is None:
+        others = [r for r in comm.member_ranks() if r not in reporters]
+    gone = _gone_before(att, others, t)
+    silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
+    head = f"rank(s) {reporters} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
+    if silent:
+        message = (f"{head}: rank(s) {silent} had stopped logging before, without reporting an error "
+                   f"(killed or crashed). {_where_text(att, silent, None)}.")
+    elif gone:
+        message = (f"{head}: rank(s) {gone} had already failed and left: a consequence of their failure "
+                   f"(see the earlier problem).")
+    elif announced := sorted({comm.global_rank(r) for e in events for r in e.get("failed_ranks") or []}):
+        message = (f"{head}: rank(s) {announced} had aborted the communicator and said so (their own "
+                   f"failure, or an in-job recovery: see the earlier problem).")
+    else:
+        message = (f"{head}: every other member kept logging after it, so a peer most likely aborted "
+                   f"its side after an earlier failure (see the earlier problem).")
+    return Problem(Kind.PEER_FAILURE, silent, comm.label, op, seq, message, reporters, t,
+                   {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}),
+                    "where": _where(att, gone, None)})
+
+
+def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None,
+           what: str | None = None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    op = events[0].get("op")
+    errors = sorted({f"{e.get('error_type')}: {e.get('error')}" for e in events})
+    culprits = mismatch.ranks if mismatch is not None else reporters
+    message = f"{what or f'{op} #{seq}'} on {comm.label!r} failed on rank(s) {reporters}: {errors[0]}"
+    if mismatch is not None:
+        message += f" (ranks disagree on this collective: {mismatch.message})"
+    return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
+
+
+def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> Problem | None:
+    """The oldest collective of `comm` that some rank started and never left (no deadline expired).
+
+    Flight-recorder dumps (SIGUSR1 on a live job) that still show it started confirm the
+    rank was alive and in it when dumped.
+    """
+    unfinished = [seq for seq, calls in comm.calls.items()
+                  if any(c.status == "started" for c in calls.values())]
+    if not unfinished:
+        return None
+    seq = min(unfinished)
+    calls = comm.calls[seq]
+    members = comm.member_ranks()
+    stuck = sorted(r for r, c in calls.items() if c.status == "started")
+    missing = sorted(r for r in members if r not in calls)
+    mismatch = mismatches.get(seq)
+    culprits = missing or (mismatch.ranks if mismatch else [])
+    t = min(c.start_ns or 0 for c in calls.values())
+    op = _ops_text(calls)
+    message = (f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: rank(s) {stuck} are in it "
+               f"at the end of their logs (hung, or killed while in it)")
+    if missing:
+        message += (f"; rank(s) {missing} never started it. Where they were: "
+                    f"{_where_text(att, missing, None)}")
+    elif mismatch is not None:
+        message += f"; every rank started it, but: {mismatch.message}"
+    else:
+        message += "; every rank started it (the backend did not complete it)"
+    seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
+    if seen:
+        message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
+                    f"{sorted({d.rank for d in seen})} alive and still in it")
+    return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
+                   {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None),
+                    "dumps": [d.path for d in seen]})
+
+
+def _p2p_failure(att: AttemptLog, comm: CommLog, key: tuple[int, int, int], event: str,
+                 events: list[dict[str, Any]]) -> Problem:
+    """A send/recv that timed out, lost its peer or failed: about the pair, never the whole communicator."""
+    lo, hi, seq = key
+    first = min(events, key=lambda e: e["ts_ns"])
+    rank, op = first["rank"], str(first.get("op"))
+    peer = hi if rank == lo else lo
+    what = p2p_name(op, seq, peer)
+    calls = comm.pairs().get(key, {})
+    details: dict[str, Any] = {"p2p": True, "pair": [lo, hi], "peer": peer}
+    if event == "peer.failure":
+        problem = _peer_failure(att, comm, seq, events, others=[peer], what=what)
+    elif event != "collective.timeout":
+        problem = _error(comm, seq, events, None, what=what)
+    else:
+        problem = _p2p_timeout(att, comm, seq, events, rank, op, peer, calls.get(rank), calls.get(peer))
+    problem.details.update(details)
+    return problem
+
+
+def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]], rank: int, op: str,
+                 peer: int, mine: Call | None, theirs: Call | None) -> Problem:
+    t = min(e["ts_ns"] for e in events)
+    reporters = sorted({e["rank"] for e in events})
+    want = _MATCHING_P2P.get(op, "?")
+    deadline = events[0].get("deadline")
+    head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
+            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "") + f" on rank(s) {reporters}")
+    late: list[int] = []
+    frozen: list[int] = []
+    if theirs is None or (theirs.start_ns is not None and theirs.start_ns > t and peer not in reporters):
+        culprits = [peer]
+        body = f"rank {peer} never posted the matching {p2p_name(want, seq, rank)}"
+        if theirs is not None and theirs.start_ns is not None:
+            late = [peer]
+            body += f" before the deadline (it posted {theirs.op} #{seq} {(theirs.start_ns - t) / 1e9:.2f} s after it)"
+    elif theirs.op == op:
+        culprits = sorted({rank, peer})
+        body = (f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
+                f"both sides issued {op} as their point-to-point op #{seq} with each other")
+    else:
+        frozen = _frozen({r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
+        culprits = frozen
+        body = f"rank {peer} posted the matching {want} and the backend did not complete it"
+        if frozen:
+            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+    message = f"{head}: {body}."
+    if culprits:
+        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
+                   {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
+                    "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
+                    "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
+
+
+def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
+    """Per pair of ranks, the oldest send/recv that a side started and never left (no deadline expired)."""
+    by_pair: dict[tuple[int, int], dict[int, dict[int, Call]]] = defaultdict(dict)
+    for (lo, hi, seq), calls in comm.pairs().items():
+        by_pair[(lo, hi)][seq] = calls
+    problems = []
+    for (lo, hi), by_seq in sorted(by_pair.items()):
+        unfinished = [seq for seq, calls in by_seq.items() if any(c.status == "started" for c in calls.values())]
+        if not unfinished:
+            continue
+        seq = min(unfinished)
+        calls = by_seq[seq]
+        stuck = sorted(r for r, c in calls.items() if c.status == "started")
+        rank = stuck[0]
+        peer = hi if rank == lo else lo
+        op = calls[rank].op
+        theirs = calls.get(peer)
+        head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: rank(s) "
+                f"{stuck} in it at the end of their logs (hung, or killed while in it)")
+        if theirs is None:
+            culprits = [peer]
+            body = (f"rank {peer} never posted the matching {p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
+                    f"Where it was: {_where_text(att, [peer], None)}")
+        elif theirs.op == op:
+            culprits = [lo, hi]
+            body = f"both sides issued {op} as their point-to-point op #{seq} with each other"
+        else:
+            culprits = []
+            body = "both sides posted it (the backend did not complete it)"
+        seen = [d for d in dumps if d.rank in stuck and any(
+            u.get("comm") == comm.label and u.get("op") == calls[d.rank].op and u.get("seq") == seq
+            and u.get("peer") == (hi if d.rank == lo else lo) for u in d.unfinished)]
+        message = f"{head}; {body}"
+        if seen:
+            message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
+                        f"{sorted({d.rank for d in seen})} alive and still in it")
+        t = min(c.start_ns or 0 for c in calls.values())
+        problems.append(Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
+                                {"p2p": True, "pair": [lo, hi], "peer": peer, "stuck": stuck,
+                                 "missing": [r for r in (lo, hi) if r not in calls],
+                                 "where": _where(att, culprits or stuck, None), "dumps": [d.path for d in seen]}))
+    return problems
+
+
+def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
+    """Ranks that stopped logging silently while peers saw them fail or go quiet on the board."""
+    evidence: dict[int, list[str]] = defaultdict(list)
+    for p in problems:
+        if p.kind is Kind.PEER_FAILURE:
+            for r in p.ranks:
+                evidence[r].append(f"rank(s) {p.reporters} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
+        elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
+            quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
+            for r in _gone_before(att, quiet, p.ts_ns):
+                if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
+                    evidence[r].append(f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
+                                       f"{p.op} #{p.seq} on {p.comm!r} timed out")
+        elif p.kind is Kind.ERROR and p.details.get("quiet"):
+            for r in p.details["quiet"]:
+                evidence[r].append(f"it had stopped logging before rank(s) {p.reporters} hit a backend failure "
+                                   f"outside commlib ({p.details['event']})")
+    dead = []
+    for r, why in sorted(evidence.items()):
+        pos = position(att, r)
+        when = pos.log_ends_ns
+        message = (f"rank {r} ({pos.host}, pid {pos.pid}) stopped logging without reporting an error "
+                   f"(dead, killed or stopped): {pos.describe()}. Evidence: {'; '.join(sorted(set(why)))}.")
+        last = pos.last_started or pos.last_finished
+        dead.append(Problem(Kind.DEAD_RANK, [r], last.comm if last else None, last.op if last else None,
+                            last.seq if last else None, message, [], when, {"where": asdict(pos)}))
+    return dead
+
+
+def _straggler(att: AttemptLog) -> Problem | None:
+    """The attempt's straggler finding (see STRAGGLER_LAST_SHARE), or None."""
+    stats = straggler_stats([att])
+    top = max(stats, key=lambda s: s.waited_total_s, default=None)
+    if top is None or top.collectives < STRAGGLER_MIN_COLLECTIVES:
+        return None
+    if top.last_count < STRAGGLER_LAST_SHARE * top.collectives or top.waited_p50_s < STRAGGLER_MIN_LAG_S:
+        return None
+    return Problem(Kind.STRAGGLER, [top.rank], None, None, None,
+                   f"rank {top.rank} is a straggler: it arrived last at {top.last_count} of {top.collectives} "
+                   f"collectives; the others waited p50 {top.waited_p50_s * 1e3:.0f} ms, p99 "
+                   f"{top.waited_p99_s * 1e3:.0f} ms for it ({top.waited_total_s:.1f} s in all)",
+                   details=asdict(top))
