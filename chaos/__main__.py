@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from chaos.harness import DEFAULT_FAULTS, REFERENCE_TRAINER, Job
+from chaos.harness import DEFAULT_FAULTS, DEFAULT_TRAINER_ARGS, REFERENCE_TRAINER, Job, check_plan
 from chaos.plan import RESTART_MARGIN
 
 
@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
             shorthand = list(DEFAULT_FAULTS)
         plan = Plan(plan.faults + tuple(parse_shorthand(s) for s in shorthand), plan.max_restarts)
+        if not trainer_args and args.trainer == REFERENCE_TRAINER:
+            trainer_args = list(DEFAULT_TRAINER_ARGS)  # chaos.run's default: the job checked is the job run
         # Fail here, before anything starts.
         job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
                   nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=args.rdzv_endpoint,
                   node_rank=args.node_rank)
-        plan.resolve(job.world_size)
+        check_plan(job, plan.resolve(job.world_size))
     except (PlanError, ValueError) as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2

@@ -75,8 +75,7 @@ class ProcessFields:
 class _LineRenderer:
     """commlib's whole processor chain (module docstring): an event dict in, its JSON line out."""
 
-    def __init__(self, process: ProcessFields | None) -> None:
-        static = asdict(process) if process is not None else {}
+    def __init__(self, static: dict[str, Any]) -> None:
         self._names = tuple(static)
         # Each line is the event's JSON with its closing brace replaced by this tail:
         # `,"rank":0,...,"attempt":0}\n`.
@@ -110,7 +109,7 @@ class LineWriter:
             weakref.finalize(self, os.close, fd)
 
     def msg(self, line: bytes) -> None:
-        os.write(self._fd, line)  # rendered with its newline (`render_json_line`)
+        os.write(self._fd, line)  # rendered with its newline (`_LineRenderer`)
 
     debug = info = warning = error = critical = exception = msg
 
@@ -126,10 +125,18 @@ class _State:
 STATE = _State()
 
 
-def _build_logger(fd: int, owned: bool, level: int, process: ProcessFields | None) -> Any:
+def _build_logger(fd: int, owned: bool, level: int, static: dict[str, Any]) -> Any:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
     wrapper = structlog.make_filtering_bound_logger(level)
-    return wrapper(LineWriter(fd, owned), processors=[_LineRenderer(process)], context={})
+    return wrapper(LineWriter(fd, owned), processors=[_LineRenderer(static)], context={})
+
+
+def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
+    """A logger appending to `path` in the ranks' format (same renderer and writer), with
+    `static` in every line: the events of a process that is not a rank (the chaos harness's
+    journal). Its file is closed when the logger is garbage."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return _build_logger(fd, True, logging.INFO, static)
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -155,7 +162,7 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     )
     # Replacing the logger drops the previous writer: its file is closed once no logger
     # bound to it is left.
-    STATE.logger = _build_logger(fd, path is not None, level, process)
+    STATE.logger = _build_logger(fd, path is not None, level, asdict(process))
     STATE.path = path
     STATE.enabled = path is not None
     return path
@@ -184,17 +191,11 @@ def _encode(obj: dict[str, Any]) -> bytes:
     return _ENCODER.encode(obj).encode()
 
 
-def render_json_line(_: Any, __: str, event: dict[str, Any]) -> bytes:
-    """One event as one JSON line, newline included, ready for write(2) (as in commlib's
-    own log, for writers of the same format: the chaos harness)."""
-    return _encode(event) + b"\n"
-
-
 def get_logger(**bound: Any) -> Any:
     """commlib's structlog logger, with `bound` fields, writing into this rank's log (the
     trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
     if STATE.logger is None:
-        STATE.logger = _build_logger(sys.stderr.fileno(), False, logging.WARNING, None)
+        STATE.logger = _build_logger(sys.stderr.fileno(), False, logging.WARNING, {})
     return STATE.logger.bind(**bound) if bound else STATE.logger
 
 

@@ -1,11 +1,13 @@
 """Shared setup of the chaos tests: one cache of fault-free references, the tiny trainer
-config every run uses, and the check that a run left no process behind."""
+config every run uses, the check that a run left no process behind, and a run of the tiny
+config that must pass."""
 
 from pathlib import Path
 
 import psutil
 import pytest
 
+import chaos
 from chaos.harness import RUN_DIR_ENV
 
 # The collective deadline of the chaos tests: what a timeout fault costs each test. The
@@ -57,3 +59,21 @@ def _processes_of(run_dir: Path) -> list[psutil.Process]:
 def leftovers():
     """leftovers(run_dir) -> the run's processes still alive (expected: none)."""
     return lambda run_dir: [(p.pid, p.name()) for p in _processes_of(Path(run_dir))]
+
+
+@pytest.fixture
+def passing_run(tmp_path, tiny_args, reference_dir, leftovers):
+    """passing_run(faults, checks, nnodes=1, nproc_per_node=2) -> (report, run_dir): `faults` on
+    the tiny config in that topology; the run passed, bitwise, with `checks` among its checks,
+    and left nothing running."""
+    def run(faults, checks, *, nnodes=1, nproc_per_node=2):
+        run_dir = tmp_path / "run"
+        report = chaos.run(faults, run_dir, tiny_args, reference_dir=reference_dir, png=False, nnodes=nnodes,
+                           nproc_per_node=nproc_per_node)
+        assert report.passed, report.summary()
+        assert report.bitwise_verified
+        assert set(checks) <= set(report.checks), report.checks
+        assert leftovers(run_dir) == []
+        return report, run_dir
+
+    return run

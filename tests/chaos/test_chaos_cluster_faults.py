@@ -19,29 +19,17 @@ comparison holds only if the older checkpoint was the one loaded and no step was
   stack, which the doctor shows; then the job recovers in-job, bitwise.
 """
 
-import chaos
 from chaos.plan import Ledger
 from commlib.observe.log import read_events
 
 STRAGGLER_MS = 40
 
 
-def _run(tmp_path, faults, tiny_args, reference_dir, leftovers, checks):
-    """Run `faults`; the run passed, bitwise, with `checks` among its checks, and left nothing running."""
-    run_dir = tmp_path / "run"
-    report = chaos.run(faults, run_dir, tiny_args, reference_dir=reference_dir, png=False)
-    assert report.passed, report.summary()
-    assert report.bitwise_verified
-    assert set(checks) <= set(report.checks), report.checks
-    assert leftovers(run_dir) == []
-    return report, run_dir
-
-
-def test_straggler_corrupted_checkpoint_and_preemption(tmp_path, tiny_args, reference_dir, leftovers):
-    report, run_dir = _run(tmp_path, [f"straggler:rank=1,ms={STRAGGLER_MS},step=2", "corrupt_checkpoint:step=4",
-                                      "sigterm:rank=0,step=6"], tiny_args, reference_dir, leftovers,
-                           {"straggler_named", "corrupt_checkpoint_not_loaded", "preempted_cleanly", "losses_bitwise",
-                            "history_exact", "state_bitwise"})
+def test_straggler_corrupted_checkpoint_and_preemption(passing_run):
+    report, run_dir = passing_run([f"straggler:rank=1,ms={STRAGGLER_MS},step=2", "corrupt_checkpoint:step=4",
+                                   "sigterm:rank=0,step=6"],
+                                  {"straggler_named", "corrupt_checkpoint_not_loaded", "preempted_cleanly",
+                                   "losses_bitwise", "history_exact", "state_bitwise"})
     slow, corrupted, preempted = report.faults
     assert report.restarts == 2
 
@@ -67,10 +55,8 @@ def test_straggler_corrupted_checkpoint_and_preemption(tmp_path, tiny_args, refe
         assert [(e["step"], e["ranks"], e["checkpointed"]) for e in stops] == [(6, [0], True)], stops
 
 
-def test_a_rank_stuck_holding_the_gil_is_named_with_its_stack(tmp_path, tiny_args, deadline_s, reference_dir,
-                                                              leftovers):
-    report, run_dir = _run(tmp_path, ["gil:rank=1,step=3"], tiny_args, reference_dir, leftovers,
-                           {"diagnosis_names_faulted_rank"})
+def test_a_rank_stuck_holding_the_gil_is_named_with_its_stack(passing_run, deadline_s):
+    report, run_dir = passing_run(["gil:rank=1,step=3"], {"diagnosis_names_faulted_rank"})
     assert report.checks["diagnosis_names_faulted_rank"]
     [stuck] = report.faults
     assert (stuck.recovery, stuck.detected_by["event"], stuck.detected_by["rank"]) == ("in_job", "collective.timeout", 0)
@@ -88,9 +74,8 @@ def test_a_rank_stuck_holding_the_gil_is_named_with_its_stack(tmp_path, tiny_arg
     assert "called from File" in timeout["message"] and "_hold_gil" in timeout["message"]
 
 
-def test_a_full_disk_fails_the_save_cleanly_and_the_job_goes_on(tmp_path, tiny_args, reference_dir, leftovers):
-    report, run_dir = _run(tmp_path, ["disk_full:step=4"], tiny_args, reference_dir, leftovers,
-                           {"disk_full_rolled_back"})
+def test_a_full_disk_fails_the_save_cleanly_and_the_job_goes_on(passing_run):
+    report, run_dir = passing_run(["disk_full:step=4"], {"disk_full_rolled_back"})
     assert report.checks["disk_full_rolled_back"]
     [full] = report.faults
     assert (full.recovery, full.resumed_from) == ("in_job", 3), full

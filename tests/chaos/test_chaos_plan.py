@@ -176,6 +176,18 @@ def test_cli_rejects_a_bad_plan_before_starting_anything(tmp_path, capsys):
     assert not run_dir.exists()
 
 
+def test_cli_rejects_a_network_fault_the_job_cannot_have(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli(["run", "--run-dir", str(run_dir), "--fault", "partition:rank=1,step=2,duration_s=3"]) == 2
+    assert "faults[0].type" in (err := capsys.readouterr().err) and "--nnodes >= 2" in err, err
+    # Checked against the deadline of the run it would start (the default trainer arguments': 10 s),
+    # where 7 s may be survived or detected.
+    assert cli(["run", "--run-dir", str(run_dir), "--nnodes", "2", "--nproc-per-node", "1",
+                "--fault", "partition:rank=1,step=2,duration_s=7"]) == 2
+    assert "faults[0].duration_s" in (err := capsys.readouterr().err) and "deadline of 10 s" in err, err
+    assert not run_dir.exists()
+
+
 def test_probability_trigger_is_reproducible():
     trigger = parse_shorthand("kill:rank=0,p=0.3").trigger
     draws = [trigger.draw(seed=1, index=0, attempt=0, step=s) for s in range(400)]

@@ -1,0 +1,164 @@
+"""The job's processes: the torchrun agents the harness launches, their workers, and
+everything else in the agents' process groups. The harness finds, signals and stops the
+job's processes here only.
+
+Each agent starts in a session of its own (`JobProcesses.launch`), so its process group is
+its pid and nothing it spawns can slip out of the job unseen. A worker is an agent's child,
+matched to its rank and attempt by its environment (``RANK``,
+``TORCHELASTIC_RESTART_COUNT``), never by name; the agents' trees are scanned in one place
+(`_children`), and a worker's environment is read once. `JobProcesses.seen` is every pid of
+the job noticed so far: agents, workers, pids in the ranks' logs, and whatever `stop` finds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+TERM_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A child of an agent, with what its environment says it is."""
+
+    proc: psutil.Process
+    node: int  # the index of the local agent it runs under (its node, when the nodes run here)
+    rank: int | None  # None while its environment is unreadable (not yet exec'd, or gone)
+    attempt: int  # torchrun's restart count
+
+
+class JobProcesses:
+    """The agents this harness launched, and the processes found under them."""
+
+    def __init__(self) -> None:
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.seen: set[int] = set()
+        # A worker's environment is fixed once it has exec'd: read it once.
+        self._identities: dict[psutil.Process, tuple[int, int]] = {}
+
+    def launch(self, cmd: list[str], env: Mapping[str, str], output: Path) -> subprocess.Popen[bytes]:
+        """Start one agent, its output appended to `output`."""
+        with open(output, "ab") as out:
+            agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.agents.append(agent)
+        self.seen.add(agent.pid)
+        return agent
+
+    @property
+    def pgids(self) -> list[int]:
+        return [a.pid for a in self.agents]  # each agent leads the group of its own session
+
+    def running(self) -> bool:
+        return any(a.poll() is None for a in self.agents)
+
+    def note(self, pid: object) -> None:
+        """A pid the job was seen to have elsewhere (a rank's log line)."""
+        if isinstance(pid, int):
+            self.seen.add(pid)
+
+    def workers(self) -> list[Worker]:
+        """Every child of the agents, live or not yet reaped, with its rank and attempt."""
+        found = []
+        for node, proc in self._children(recursive=False):
+            self.seen.add(proc.pid)
+            identity = self._identities.get(proc)
+            if identity is None:
+                env = _environ(proc)
+                rank = int(env["RANK"]) if "RANK" in env else None
+                identity = (rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                if rank is not None:  # before its exec a child shows the agent's environment
+                    self._identities[proc] = identity
+            found.append(Worker(proc, node, *identity))
+        return found
+
+    def worker(self, rank: int, pid: int | None = None) -> Worker | None:
+        """The live worker of `rank` (the newest, or the one with `pid`)."""
+        found = [w for w in self.workers() if w.rank == rank and (pid is None or w.proc.pid == pid) and alive(w.proc)]
+        return max(found, key=lambda w: (w.attempt, w.proc.create_time()), default=None)
+
+    def stop(self) -> None:
+        """Stop every process of the job: SIGCONT + SIGTERM, a grace period, then SIGKILL.
+
+        Covers the agents, all their descendants, and their process groups (a grandchild whose
+        parent died is no one's descendant any more, but still in its group). What it finds
+        is added to `seen`.
+        """
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            for proc in self._all():
+                self.seen.add(proc.pid)
+                send(proc, sig)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and self._all():
+            time.sleep(0.05)
+        for _ in range(3):  # an agent may have spawned a worker between two scans
+            left = self._all()
+            if not left:
+                break
+            for proc in left:
+                self.seen.add(proc.pid)
+                send(proc, signal.SIGKILL)
+            psutil.wait_procs(left, timeout=2)
+        for a in self.agents:
+            a.wait()
+
+    def _all(self) -> list[psutil.Process]:
+        """Every live process of the job: the running agents, their descendants, their groups' members."""
+        found: dict[int, psutil.Process] = {}
+        for a in self.agents:
+            if a.poll() is None:
+                try:
+                    found[a.pid] = psutil.Process(a.pid)
+                except psutil.NoSuchProcess:
+                    pass
+        for _, child in self._children(recursive=True):
+            found[child.pid] = child
+        groups = set(self.pgids)
+        if groups:
+            for proc in psutil.process_iter():
+                try:
+                    if proc.pid not in found and os.getpgid(proc.pid) in groups:
+                        found[proc.pid] = proc
+                except (ProcessLookupError, psutil.NoSuchProcess):
+                    continue
+        return [p for p in found.values() if alive(p)]
+
+    def _children(self, recursive: bool) -> list[tuple[int, psutil.Process]]:
+        """(agent index, process) for each child of each agent, or each descendant with `recursive`."""
+        found = []
+        for node, agent in enumerate(self.agents):
+            try:
+                found += [(node, child) for child in psutil.Process(agent.pid).children(recursive=recursive)]
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def send(proc: psutil.Process, sig: signal.Signals) -> str | None:
+    """Send `sig`; the error as text when the process was already gone."""
+    try:
+        proc.send_signal(sig)
+        return None
+    except psutil.NoSuchProcess:
+        return f"process {proc.pid} already gone"
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return {}
