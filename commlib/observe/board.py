@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -62,6 +61,7 @@ class BoardEntry:
     pid: int = 0
     host: str = ""
     dumps_stacks: bool = False  # STACKS_SIGNAL makes it write its stacks (else the signal would kill it)
+    started: int = 0  # the process's start time (`process_start_time`): tells it from a later one with its pid
 
 
 class ProgressBoard:
@@ -70,7 +70,8 @@ class ProgressBoard:
         self._publish_store = _own_client(store, rank)
         self.rank = rank
         self.size = size
-        self.entry = BoardEntry(pid=pid, host=HOST, dumps_stacks=bool(getattr(install_sigusr1, "installed", False)))
+        self.entry = BoardEntry(pid=pid, host=HOST, dumps_stacks=bool(getattr(install_sigusr1, "installed", False)),
+                                started=process_start_time(pid) or 0)
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
@@ -226,6 +227,18 @@ class TimeoutExplanation:
     stale_ranks: list[int]
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field);
+    None where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: count from its closing one.
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
 def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> list[int]:
     """STACKS_SIGNAL (SIGUSR2) to those of `ranks` that run on this host and dump on it; returns whom it reached.
 
@@ -238,9 +251,13 @@ def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> l
         e = entries.get(r)
         if e is None or not e.dumps_stacks or e.host != HOST or e.pid in (0, os.getpid()):
             continue
+        # A dead rank's pid may have been given to another process since: signal only the
+        # process that published the entry (where /proc tells start times apart).
+        if e.started and process_start_time(e.pid) != e.started:
+            continue
         try:
             os.kill(e.pid, STACKS_SIGNAL)
-        except OSError:  # gone meanwhile (a dead rank's pid may even be reused: never retried)
+        except OSError:  # gone meanwhile
             continue
         reached.append(r)
     return reached

@@ -162,3 +162,22 @@ def test_publisher_thread_is_stopped_before_the_interpreter_finalizes() -> None:
     before, at_exit = done.stdout.splitlines()[-2:]
     assert "commlib-board" in before, done.stdout
     assert "commlib-board" not in at_exit, f"expected the publisher stopped and joined at exit; found {at_exit}"
+
+
+def test_stacks_are_asked_only_of_the_process_that_published_the_entry() -> None:
+    # SIGUSR2 ends a process without commlib's handler: a pid reused by another process must
+    # not be signalled on the strength of a dead rank's board entry.
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        started = board_mod.process_start_time(child.pid)
+        assert started, "expected /proc to give the child's start time"
+        entry = BoardEntry(pid=child.pid, host=board_mod.HOST, dumps_stacks=True, started=started + 1)
+        assert board_mod.ask_for_stacks({1: entry}, [1]) == []  # another process's start time: not signalled
+        time.sleep(0.2)
+        assert child.poll() is None
+        entry.started = started
+        assert board_mod.ask_for_stacks({1: entry}, [1]) == [1]
+        assert child.wait(timeout=10) == -board_mod.STACKS_SIGNAL
+    finally:
+        child.kill()
+        child.wait()
