@@ -312,13 +312,20 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
             body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
         if stale:
             body += f"; rank(s) {stale} had stopped sending heartbeats"
-    message = f"{head}: {body}. Arrived: {arrived}."
+    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}. Arrived: {arrived}.",
+                            {"arrived": arrived, "missing": missing,
+                             "board_missing": sorted(board_missing) if board_known else None, "late": late,
+                             "stale": stale, "frozen": frozen, "deadline_s": deadline})
+
+
+def _timeout_problem(att: AttemptLog, comm: CommLog, op: str, seq: int, t: int, reporters: list[int],
+                     culprits: list[int], message: str, details: dict[str, Any]) -> Problem:
+    """A timeout's Problem (collective or send/recv): `message`, then where the culprits were
+    at the deadline, in the text and in the details."""
+    where = _where(att, culprits, t)
     if culprits:
         message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
-    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
-                   {"arrived": arrived, "missing": missing,
-                    "board_missing": sorted(board_missing) if board_known else None, "late": late,
-                    "stale": stale, "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": where})
 
 
 def _frozen(calls: dict[int, Call], t: int) -> list[int]:
@@ -464,13 +471,10 @@ def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str
         body = f"rank {peer} posted the matching {want} and the backend did not complete it"
         if frozen:
             body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
-    message = f"{head}: {body}."
-    if culprits:
-        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
-    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t,
-                   {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
-                    "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
-                    "frozen": frozen, "deadline_s": deadline, "where": _where(att, culprits, t)})
+    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}.",
+                            {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
+                             "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
+                             "frozen": frozen, "deadline_s": deadline})
 
 
 def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
