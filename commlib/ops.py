@@ -95,19 +95,20 @@ class Collective:
 
     def inputs(self) -> list[torch.Tensor]:
         """Tensors the op reads on this rank."""
-        if self.tensor is not None:
-            return [self.tensor] if self.op is not OpName.RECV else []
-        if self.input is not None:
-            return [self.input]
-        return list(self.input_list or [])
+        return self._side(self.input, self.input_list, OpName.RECV)
 
     def outputs(self) -> list[torch.Tensor]:
         """Tensors the op writes on this rank."""
+        return self._side(self.output, self.output_list, OpName.SEND)
+
+    def _side(self, one: torch.Tensor | None, many: list[torch.Tensor] | None, not_of: OpName) -> list[torch.Tensor]:
+        """One side of the op: its in-place tensor (which the op `not_of` only sends or only
+        receives into, so that side has none), else its single tensor, else its list."""
         if self.tensor is not None:
-            return [self.tensor] if self.op is not OpName.SEND else []
-        if self.output is not None:
-            return [self.output]
-        return list(self.output_list or [])
+            return [self.tensor] if self.op is not not_of else []
+        if one is not None:
+            return [one]
+        return list(many or [])
 
     def tensors(self) -> list[torch.Tensor]:
         if self.tensor is not None:
