@@ -52,6 +52,9 @@ class FaultResult:
     in_job_recovery_s: float | None = None  # in_job: last rank entering recovery to last rank rolled back
     detection_to_step_s: float | None = None  # detection to the first completed step after the fault
     fallback_reason: str | None = None  # restart after an in-job recovery failed: why it failed
+    # partition: what it must do against the job's deadline, "survived" or "detected"
+    # (`chaos.plan.partition_outcome`); None where the deadline is not known
+    expected: str | None = None
 
 
 @dataclass

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from chaos.harness import TYPED_ERRORS, Job, JobOutcome, journal, run_job
-from chaos.plan import FaultType, Ledger, Plan, TriggerKind
+from chaos.harness import TYPED_ERRORS, Job, JobOutcome, journal, run_job, trainer_deadline
+from chaos.plan import FaultType, Ledger, PartitionOutcome, Plan, TriggerKind, partition_outcome
 from chaos.report import FaultResult, Report
 from chaos.results import read_results
 from commlib.observe.model import LogDirError, RunLogs, load
@@ -287,11 +287,15 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
         if release is not None:
             r.released_after_s = (release["ts_ns"] - f.ts_ns) / 1e9
             end_ns = release["ts_ns"]
+        # A detection is the latest earlier fault's: one nobody noticed (a survived partition, a
+        # straggler) must not take a later fault's. Faults fired at one step of one attempt share it.
+        detect_until = next((g.ts_ns for g in firings[k + 1:]
+                             if g.step is None or (g.attempt, g.step) != (f.attempt, f.step)), float("inf"))
         survivors_only = f.type != FaultType.CORRUPT.value
-        detection = next((e for e in events if e.get("event") in TYPED_ERRORS and e["ts_ns"] >= f.ts_ns
+        detection = next((e for e in events if e.get("event") in TYPED_ERRORS and f.ts_ns <= e["ts_ns"] < detect_until
                           and procs[e["pid"]].first_ns < f.ts_ns and not (survivors_only and e["pid"] == pid)),
                          None)
-        agent = next((a for a in agents if a[0] >= f.ts_ns), None)
+        agent = next((a for a in agents if f.ts_ns <= a[0] < detect_until), None)
         if detection is not None and (agent is None or detection["ts_ns"] <= agent[0]):
             r.detected_after_s = (detection["ts_ns"] - f.ts_ns) / 1e9
             r.detected_by = {"rank": detection.get("rank"), "event": detection.get("event"),
@@ -398,18 +402,31 @@ def _timeout_deadline(f: FaultResult) -> float | None:
     return None
 
 
-def _partition_survived_unless_past_deadline(f: FaultResult) -> bool:
+def _short_partition_survived(f: FaultResult) -> bool:
     """A partition the job had to survive (the plan check admits only those shorter than the
-    deadline with TCP's resumption, or those past it by a margin) was survived. A failure counts
-    as the other kind only when it came while the node was still cut off and the partition
-    outlasted the deadline of the timeout that reported it (`_timeout_deadline`): a failure after
-    the link came back, or before the deadline, is the job not surviving a short partition."""
+    deadline with TCP's resumption, or those past it by a margin) was survived.
+
+    Where the deadline was known (`FaultResult.expected`), that decides which kind it was.
+    Otherwise (a trainer whose deadline the harness cannot read) a failure counts as the other
+    kind only when it came while the node was still cut off and the partition outlasted the
+    deadline of the timeout that reported it (`_timeout_deadline`): a failure after the link
+    came back, or before the deadline, is the job not surviving a short partition."""
+    if f.expected is not None:
+        return f.expected != PartitionOutcome.SURVIVED or _survived(f)
     if _survived(f):
         return True
     lifted = f.released_after_s
     deadline = _timeout_deadline(f)
     return (f.detected_after_s is not None and (lifted is None or f.detected_after_s <= lifted)
             and deadline is not None and (lifted is None or lifted >= deadline))
+
+
+def _long_partition_named(f: FaultResult) -> bool:
+    """A partition past the deadline was detected (where the deadline was known: else only the
+    ones detected count), and the doctor named the cut-off rank of each detected one."""
+    if f.expected == PartitionOutcome.DETECTED and f.detected_after_s is None:
+        return False
+    return f.detected_after_s is None or names_rank(f.diagnosis, f.rank)
 
 
 def _partition_found(f: FaultResult) -> str:
@@ -457,14 +474,14 @@ _FAULT_CHECKS = (
                 lambda f: f"{f.type} of rank {f.rank}'s node at step {f.step}: detected after {f.detected_after_s} s "
                           f"by {f.detected_by}, recovery {f.recovery}"),
     _FaultCheck("short_partition_survived", frozenset({FaultType.PARTITION.value}),
-                _partition_survived_unless_past_deadline,
+                _short_partition_survived,
                 "each partition shorter than the deadline survived with no error, recovery or restart (a failure "
                 "only while the node was cut off, past the deadline)", _partition_found, doctor=True),
     # Past the deadline: the side that timed out names the cut-off rank.
     _FaultCheck("long_partition_named", frozenset({FaultType.PARTITION.value}),
-                lambda f: _survived(f) or names_rank(f.diagnosis, f.rank),
-                "the doctor to name the cut-off rank of each partition the job detected",
-                lambda f: f"partition of rank {f.rank}'s node (attempt {f.attempt}) detected but rank {f.rank} unnamed",
+                _long_partition_named,
+                "each partition past the deadline detected, and the doctor to name the cut-off rank of each "
+                "partition the job detected", _partition_found,
                 doctor=True),
 )
 
@@ -480,8 +497,12 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
     faults, timeline = analyze(run_dir, outcome, logs)
     attempts, diagnosis_error = diagnose(run_dir, logs)
     by_attempt = {a.get("attempt"): a for a in attempts}
+    deadline_s = trainer_deadline(job)
     for f in faults:
         f.diagnosis = by_attempt.get(f.attempt)
+        duration_s = plan.faults[f.index].duration_s
+        if f.type == FaultType.PARTITION.value and deadline_s is not None and duration_s is not None:
+            f.expected = partition_outcome(duration_s, deadline_s)
 
     checks: dict[str, bool] = {"job_completed": outcome.ok}
     problems: list[str] = []

@@ -8,9 +8,7 @@ emulator (real kernel TCP on both sides; gloo and the rendezvous store cross it)
   ends with steps to go: a fault still on when the job ends would have no step after it;
 - a partition past the 10 s deadline, then one of 3 s: the long one times out on rank 0
   naming rank 1, the job recovers once the node is back (it can only rejoin then), bitwise;
-  the short one is survived in-job with nothing detected. (The long one comes first:
-  detection is measured from a fault to the next failure, which for a short partition
-  followed by a long one would be the long one's.)
+  the short one is survived in-job with nothing detected.
 
 These need root (network namespaces, /dev/net/tun): where they cannot be made the run
 fails, saying so (`chaos.net.NetworkUnavailable`); it never skips.

@@ -298,6 +298,15 @@ def _fault(kind, **fields):
       "diagnosis": {"culprits": [1], "problems": [{"kind": "timeout", "ranks": [1]}]}},
      {"released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
       "diagnosis": {"culprits": [0], "problems": [{"kind": "timeout", "ranks": [0]}]}}),
+    # Where the deadline is known (`expected`), it decides the kind: a short one that failed
+    # even past the deadline was not survived, and a long one that nobody detected is a failure too.
+    ("short_partition_survived", {"expected": "survived", "released_after_s": 3.0},
+     {"expected": "survived", "released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"problems": [{"kind": "timeout", "ranks": [1], "details": {"deadline_s": 10.0}}]}}),
+    ("long_partition_named",
+     {"expected": "detected", "released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"culprits": [1], "problems": [{"kind": "timeout", "ranks": [1]}]}},
+     {"expected": "detected", "released_after_s": 12.0, "recovery": "restart"}),
 ])
 def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good, bad):
     from chaos.verify import _FAULT_CHECKS
