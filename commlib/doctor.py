@@ -114,7 +114,11 @@ def render(d: Diagnosis) -> str:
         lines.append("No problem found.")
     elif d.exit_code == 3:
         failed = [a.attempt for a in d.attempts if a.status != "ok"]
-        lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt is clean.")
+        final = d.final
+        if final is not None and final.status == "recovered":
+            lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt recovered in-job from its own.")
+        else:
+            lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt is clean.")
     else:
         final = d.final
         lines.append(f"PROBLEM: final attempt {final.attempt if final else '?'} {final.status if final else 'missing'}"

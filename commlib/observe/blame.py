@@ -71,7 +71,7 @@ class Problem:
 @dataclass
 class AttemptFinding:
     attempt: int
-    status: str  # ok | failed | incomplete
+    status: str  # ok | failed | incomplete | recovered (in-job: every problem before every rank's last recovery)
     ranks: list[int]
     world_size: int | None
     collectives: int  # distinct (communicator, seq) started
@@ -95,10 +95,13 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Atte
     problems += _dead_ranks(att, problems)
     problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
     slow = _straggler(att)
+    recovered_ns = _recovered_in_job_at(att)
     if all(p.kind is Kind.HANG for p in problems):
         # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
         # torchrun followed with another) a rank that died between collectives.
         status = "incomplete" if problems or not final else "ok"
+    elif recovered_ns is not None and all((p.ts_ns or 0) <= recovered_ns for p in problems):
+        status = "recovered"  # every problem came before every rank went on in a new epoch
     else:
         status = "failed"
     if slow is not None:
@@ -111,6 +114,21 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Atte
         problems=problems, culprits=culprits,
         positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
         p2p_ops=sum(len(c.pairs()) for c in att.comms.values()))
+
+
+def _recovered_in_job_at(att: AttemptLog) -> int | None:
+    """When the last rank logged `recovery.in_job` into the attempt's last epoch, where every
+    rank did (`commlib.Recovery`: all ranks joined it, rebuilt their communicators and met
+    again); None where the attempt never recovered in-job, or not every rank got there."""
+    last: dict[int, dict[str, Any]] = {}
+    for r, rl in att.ranks.items():
+        done = [e for e in rl.events if e.get("event") == "recovery.in_job"]
+        if not done:
+            return None
+        last[r] = done[-1]
+    if len({e.get("epoch") for e in last.values()}) != 1:
+        return None
+    return max(e["ts_ns"] for e in last.values())
 
 
 def _app_errors(att: AttemptLog) -> list[Problem]:

@@ -41,10 +41,11 @@ class Diagnosis:
 
     @property
     def exit_code(self) -> int:
-        """0: no problem; 1: the final attempt has a problem; 3: earlier attempts failed, the last is ok."""
+        """0: no problem; 1: the final attempt has a problem; 3: the job recovered (earlier attempts
+        failed and the last is ok, or the last recovered in-job from every problem it had)."""
         if self.ok:
             return 0
-        return 1 if self.final is None or self.final.status != "ok" else 3
+        return 1 if self.final is None or self.final.status not in ("ok", "recovered") else 3
 
     def to_dict(self) -> dict[str, Any]:
         return {**_plain(asdict(self)), "ok": self.ok, "exit_code": self.exit_code}
