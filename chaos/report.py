@@ -149,7 +149,7 @@ def _describe(f: FaultResult) -> str:
             f"{f.steps_reexecuted} step(s) re-executed{extra}")
 
 
-LABEL_GAP = 1 / 80  # of the time axis: faults injected closer than this share one label
+LABEL_GAP = 1 / 40  # of the time axis: faults injected closer than this share one label (a rotated label is ~1/80 wide)
 
 
 def fault_labels(faults: list[FaultResult], span_s: float) -> list[tuple[float, str]]:
@@ -172,7 +172,7 @@ def plot(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_time) = plt.subplots(2, 1, figsize=(11, 8))
+    fig, (ax_loss, ax_time) = plt.subplots(2, 1, figsize=(13, 8))
     attempts = sorted({t["attempt"] for t in report.timeline})
     colors = plt.get_cmap("tab10")
     if report.reference_losses:
@@ -193,7 +193,7 @@ def plot(report: Report, path: Path) -> None:
     ax_loss.set_ylabel("loss")
     ax_loss.set_title("loss per step (red: fault step, green: resumed after checkpoint)")
     if ax_loss.get_legend_handles_labels()[0]:
-        ax_loss.legend(fontsize=8)
+        ax_loss.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: a soak's attempts are many
 
     marks = (("fault", "injected", "red", "-"), ("detected", "detected_after_s", "orange", "--"),
              ("restart", "restart_after_s", "blue", ":"), ("first step", "first_step_after_s", "green", "-."))
@@ -218,7 +218,7 @@ def plot(report: Report, path: Path) -> None:
     ax_time.set_ylabel("step completed")
     ax_time.set_title("faulted run over time")
     if ax_time.get_legend_handles_labels()[0]:
-        ax_time.legend(fontsize=8, loc="lower right")
+        ax_time.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(f"chaos run: {'PASSED' if report.passed else 'FAILED'}")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
