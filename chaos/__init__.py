@@ -64,7 +64,7 @@ def run(plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | 
     if max_restarts is not None:
         plan = Plan(plan.faults, max_restarts)
     if trainer_args is None:
-        trainer_args = harness.DEFAULT_TRAINER_ARGS if trainer == harness.REFERENCE_TRAINER else ()
+        trainer_args = harness.default_trainer_args(trainer)
     job = harness.Job(trainer=trainer, trainer_args=tuple(trainer_args), nproc_per_node=nproc_per_node,
                       nnodes=nnodes, backend=backend, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank)
     plan = plan.resolve(job.world_size)

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from chaos.harness import DEFAULT_FAULTS, DEFAULT_TRAINER_ARGS, REFERENCE_TRAINER, Job, check_plan
+from chaos.harness import DEFAULT_FAULTS, REFERENCE_TRAINER, Job, check_plan, default_trainer_args
 from chaos.plan import RESTART_MARGIN
 
 
@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
             shorthand = list(DEFAULT_FAULTS)
         plan = Plan(plan.faults + tuple(parse_shorthand(s) for s in shorthand), plan.max_restarts)
-        if not trainer_args and args.trainer == REFERENCE_TRAINER:
-            trainer_args = list(DEFAULT_TRAINER_ARGS)  # chaos.run's default: the job checked is the job run
+        trainer_args = trainer_args or list(default_trainer_args(args.trainer))  # the job checked is the job run
         # Fail here, before anything starts.
         job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
                   nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=args.rdzv_endpoint,

@@ -58,7 +58,8 @@ from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
 __all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "REFERENCE_TRAINER", "RUN_DIR_ENV", "TYPED_ERRORS", "Job",
-           "JobOutcome", "check_plan", "free_port", "journal", "run_job", "torchrun_commands", "trainer_deadline"]
+           "JobOutcome", "check_plan", "default_trainer_args", "free_port", "journal", "run_job", "torchrun_commands",
+           "trainer_deadline"]
 
 REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the
@@ -66,6 +67,12 @@ REFERENCE_TRAINER = "chaos.workload.train"
 # a collective held past that deadline.
 DEFAULT_TRAINER_ARGS = ("--steps", "30", "--ckpt-every", "5", "--timeout", "10")
 DEFAULT_FAULTS = ("kill:rank=1,step=12", "delay:rank=1,step=22")
+
+
+def default_trainer_args(trainer: str) -> tuple[str, ...]:
+    """A trainer's arguments when none are given: `DEFAULT_TRAINER_ARGS` for the reference trainer."""
+    return DEFAULT_TRAINER_ARGS if trainer == REFERENCE_TRAINER else ()
+
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
 JOURNAL = "harness.jsonl"
 POLL_S = 0.02

@@ -29,7 +29,7 @@ On a kernel with netem the same faults are ``tc qdisc add dev <veth> root netem 
 set down (or ``netem loss 100%``).
 
 Everything is root-only: `NetworkUnavailable` says so (and why) before anything starts.
-`close` (also on failure: use it as a context manager) stops the thread, closes the devices'
+`close` (also on failure) stops the thread, closes the devices'
 descriptors (which removes the devices) and deletes the namespaces.
 """
 
@@ -72,10 +72,6 @@ class Impairment:
     delay_s: float = 0.0
     loss: float = 0.0  # probability in [0, 1]
     cut: bool = False  # partitioned: every packet dropped
-
-    @property
-    def clean(self) -> bool:
-        return not self.cut and self.loss == 0.0 and self.delay_s == 0.0
 
 
 @dataclass
@@ -146,8 +142,8 @@ def _alive(pid: int) -> bool:
 
 
 class Network:
-    """`nodes` namespaces joined by the emulator; see the module docstring. Start with `open()`
-    (or ``with Network(n) as net:``), end with `close()`."""
+    """`nodes` namespaces joined by the emulator; see the module docstring. Start with `open()`,
+    end with `close()`."""
 
     def __init__(self, nodes: int, *, seed: int = 0) -> None:
         if not isinstance(nodes, int) or nodes < 1 or nodes > 250:
@@ -226,12 +222,6 @@ class Network:
         for name in self._created:
             _ip("netns", "del", name, check=False)
         self._created = []
-
-    def __enter__(self) -> Network:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- what the harness uses ---------------------------------------------------------
     def exec_prefix(self, node: int) -> list[str]:
