@@ -98,6 +98,7 @@ RESTART_MARGIN = 2
 # this slack, under the deadline; a long one outlasts the deadline by at least
 # PARTITION_PAST_DEADLINE_S, so the step's first collective (which starts half a second
 # after the cut) certainly times out.
+TCP_FIRST_RTO_S = 0.2  # Linux's first retransmission timeout, which the backoff doubles
 TCP_RESUME_SLACK_S = 1.0
 PARTITION_PAST_DEADLINE_S = 1.0
 MAX_LOSS_PCT = 10.0
@@ -311,7 +312,7 @@ class PartitionOutcome(enum.StrEnum):
 
 def partition_outcome(duration_s: float, deadline_s: float) -> PartitionOutcome | None:
     """SURVIVED or DETECTED, or None for a length in between (either may happen: refused)."""
-    if 2 * duration_s + 0.2 + TCP_RESUME_SLACK_S <= deadline_s:
+    if 2 * duration_s + TCP_FIRST_RTO_S + TCP_RESUME_SLACK_S <= deadline_s:
         return PartitionOutcome.SURVIVED
     if duration_s >= deadline_s + PARTITION_PAST_DEADLINE_S:
         return PartitionOutcome.DETECTED
@@ -343,9 +344,9 @@ def check_network(plan: Plan, *, nnodes: int, local: bool, backend: str, deadlin
             continue
         assert f.duration_s is not None  # parse_fault requires it
         if f.type is FaultType.PARTITION and partition_outcome(f.duration_s, deadline_s) is None:
-            short = (deadline_s - 0.2 - TCP_RESUME_SLACK_S) / 2
+            short = (deadline_s - TCP_FIRST_RTO_S - TCP_RESUME_SLACK_S) / 2
             raise PlanError(f"{where}.duration_s", f"expected a partition either survived (at most {short:g} s: "
-                                                   f"TCP may resume only {f.duration_s:g} + 0.2 s after the link is "
+                                                   f"TCP may resume only {f.duration_s:g} + {TCP_FIRST_RTO_S:g} s after the link is "
                                                    f"back) or detected (at least "
                                                    f"{deadline_s + PARTITION_PAST_DEADLINE_S:g} s) with the "
                                                    f"collective deadline of {deadline_s:g} s; found "
