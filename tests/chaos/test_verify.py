@@ -307,6 +307,11 @@ def _fault(kind, **fields):
      {"expected": "detected", "released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
       "diagnosis": {"culprits": [1], "problems": [{"kind": "timeout", "ranks": [1]}]}},
      {"expected": "detected", "released_after_s": 12.0, "recovery": "restart"}),
+    # The gap this closes: a long partition nobody noticed looked like a survived short one.
+    ("long_partition_named",
+     {"expected": "detected", "released_after_s": 12.0, "detected_after_s": 10.0, "recovery": "in_job",
+      "diagnosis": {"culprits": [1], "problems": [{"kind": "timeout", "ranks": [1]}]}},
+     {"expected": "detected", "released_after_s": 12.0}),
 ])
 def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good, bad):
     from chaos.verify import _FAULT_CHECKS
