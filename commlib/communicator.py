@@ -1,7 +1,7 @@
 """`Communicator`: commlib's public API, and the one path every operation takes.
 
     validate -> next sequence number -> (consistency check) -> pre-hooks -> record start
-    -> backend launch -> Work -> wait with deadline (sync) or return Work (async)
+    -> backend launch -> wait with deadline (sync) or return a Work whose wait does (async)
     -> record end -> post-hooks
 
 "Record" means the flight recorder, the progress board and the structured log, together.
@@ -73,7 +73,7 @@ class Work:
     def wait(self, timeout: float | timedelta | None = None) -> None:
         """Block until complete: at most `timeout`, else what is left of the op's deadline."""
         if not self.done:
-            self._comm._complete(self, seconds(timeout))
+            self._comm._complete(self.call, self._entry, self._backend_work, seconds(timeout), self)
 
     def is_completed(self) -> bool:
         return self.done or self._backend_work.is_completed()
@@ -303,33 +303,33 @@ class Communicator:
             backend_work = self._backend.launch(call, _timedelta(call.deadline_s))
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
-        work = Work(self, call, backend_work, entry)
         if call.async_op:
-            return work
-        self._complete(work, None)
+            return Work(self, call, backend_work, entry)
+        self._complete(call, entry, backend_work, None, None)  # a sync call needs no Work
         return None
 
-    def _complete(self, work: Work, timeout: float | None) -> None:
-        call, entry = work.call, work._entry
+    def _complete(self, call: Collective, entry: FlightEntry, backend_work: BackendWork,
+                  timeout: float | None, work: Work | None) -> None:
         # An op still in flight when the communicator broke: its failure was recorded once
         # already, by whichever call broke it.
         if self._dead is not None:
             self._ensure_usable(call.op.value)
         log_on = _log.STATE.enabled
         if log_on and call.async_op:  # how long the caller's wait blocked, and whether the op was already done
-            wait_from_ns, done_before_wait = time.monotonic_ns(), work._backend_work.is_completed()
+            wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
         if timeout is None:
             timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
-            finished = self._wait(call, entry, work._backend_work, max(timeout, 1e-3))
+            finished = self._wait(call, entry, backend_work, max(timeout, 1e-3))
         except CommError:
             raise  # a peer's abort, already recorded by _wait
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
         if not finished:
-            _abandon(work._backend_work, self._backend)
+            _abandon(backend_work, self._backend)
             raise self._timed_out(call, entry, None)
-        work.done = True
+        if work is not None:
+            work.done = True
         FlightRecorder.end(entry, "completed")
         if call.peer is None:
             self.board.finished(call.seq, entry.op)

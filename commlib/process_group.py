@@ -192,10 +192,7 @@ def _communicator(options: EngineOptions, device: torch.device, name: str, store
 
 
 class CommlibWork(dist.Work):
-    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all).
-
-    Every op of the group is issued with `async_op=True`, so each gives a `Work`.
-    """
+    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
 
     def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Any = None) -> None:
         super().__init__()
@@ -257,6 +254,24 @@ def _reduction(opts: Any) -> Reduction:
         if not isinstance(reduction, PremulSum):
             _REDUCTIONS[op] = reduction
     return reduction
+
+
+def _handed_back(opts: Any, works: list[Work | None], result: list[torch.Tensor],
+                 finish: Any = None) -> CommlibWork | None:
+    """What a collective method returns to c10d: a Work when the caller asked for one.
+
+    c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
+    `async_op=False`) and take None as "the backend completed it" (torch's convention for
+    backends that complete synchronously). So a synchronous call is issued to the
+    Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
+    `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
+    Callers that set no options (C++ ones among them) get c10d's default, asyncOp=True.
+    """
+    if opts.asyncOp:
+        return CommlibWork(works, result, finish)  # type: ignore[arg-type]
+    if finish is not None:
+        finish()
+    return None
 
 
 def _one(tensors: list[Any], what: str) -> Any:
@@ -367,74 +382,82 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- collectives: c10d's calling convention in, Communicator calls out ---------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceOptions()
         t = _one(tensors, "allreduce")
-        return CommlibWork([self._on(t).all_reduce(t, _reduction(opts), async_op=True,
-                                                   timeout=_deadline(opts))], tensors)
+        work = self._on(t).all_reduce(t, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], tensors)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
-        op = _reduction(opts)
-        return CommlibWork([self._on(t).all_reduce(t, op, async_op=True, timeout=_deadline(opts)) for t in tensors],
-                           tensors)
+        op, timeout = _reduction(opts), _deadline(opts)
+        works = [self._on(t).all_reduce(t, op, async_op=opts.asyncOp, timeout=timeout) for t in tensors]
+        return _handed_back(opts, works, tensors)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BroadcastOptions()
         t = _one(tensors, "broadcast")
-        return CommlibWork([self._on(t).broadcast(t, opts.rootRank, async_op=True, timeout=_deadline(opts))], tensors)
+        work = self._on(t).broadcast(t, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], tensors)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceOptions()
         t = _one(tensors, "reduce")
-        return CommlibWork([self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=True,
-                                               timeout=_deadline(opts))], tensors)
+        work = self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> CommlibWork:
+                  opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
-        return CommlibWork([self._on(t).all_gather(outputs, t, async_op=True, timeout=_deadline(opts))], outputs)
+        work = self._on(t).all_gather(outputs, t, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts: Any = None) -> CommlibWork:
+                            opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        return CommlibWork([self._on(t).all_gather(outs, t, async_op=True, timeout=_deadline(opts))
-                            for outs, t in zip(output_lists, inputs, strict=True)],
-                           [o for outs in output_lists for o in outs])
+        timeout = _deadline(opts)
+        works = [self._on(t).all_gather(outs, t, async_op=opts.asyncOp, timeout=timeout)
+                 for outs, t in zip(output_lists, inputs, strict=True)]
+        return _handed_back(opts, works, [o for outs in output_lists for o in outs])
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        return CommlibWork([self._on(input).all_gather_single(output, input, async_op=True,
-                                                              timeout=_deadline(opts))], [output])
+        work = self._on(input).all_gather_single(output, input, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], [output])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> CommlibWork:
+                                    opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        return CommlibWork([self._on(i).all_gather_single(o, i, async_op=True, timeout=_deadline(opts))
-                            for o, i in zip(outputs, inputs, strict=True)], outputs)
+        timeout = _deadline(opts)
+        works = [self._on(i).all_gather_single(o, i, async_op=opts.asyncOp, timeout=timeout)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return _handed_back(opts, works, outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                       opts: Any = None) -> CommlibWork:
+                       opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
-        return CommlibWork([self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=True,
-                                                       timeout=_deadline(opts))], outputs)
+        work = self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], outputs)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        return CommlibWork([self._on(input).reduce_scatter_single(output, input, _reduction(opts),
-                                                                  async_op=True, timeout=_deadline(opts))], [output])
+        work = self._on(input).reduce_scatter_single(output, input, _reduction(opts), async_op=opts.asyncOp,
+                                                     timeout=_deadline(opts))
+        return _handed_back(opts, [work], [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> CommlibWork:
+                                        opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        op = _reduction(opts)
-        return CommlibWork([self._on(i).reduce_scatter_single(o, i, op, async_op=True, timeout=_deadline(opts))
-                            for o, i in zip(outputs, inputs, strict=True)], outputs)
+        op, timeout = _reduction(opts), _deadline(opts)
+        works = [self._on(i).reduce_scatter_single(o, i, op, async_op=opts.asyncOp, timeout=timeout)
+                 for o, i in zip(outputs, inputs, strict=True)]
+        return _handed_back(opts, works, outputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                          input_split_sizes: list[int], opts: Any = None) -> CommlibWork:
+                          input_split_sizes: list[int], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
         n = self.size()
         for role, splits, t in (("output", output_split_sizes, output), ("input", input_split_sizes, input)):
@@ -443,10 +466,11 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 raise NotImplementedError(
                     f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
                     f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
-        return CommlibWork([self._on(input).all_to_all_single(output, input, async_op=True,
-                                                              timeout=_deadline(opts))], [output])
+        work = self._on(input).all_to_all_single(output, input, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], [output])
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
         shapes = {tuple(t.shape) for t in [*outputs, *inputs]}
         if len(shapes) > 1:
@@ -456,29 +480,30 @@ class CommlibProcessGroup(dist.ProcessGroup):
         # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
-        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=True, timeout=_deadline(opts))
+        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=opts.asyncOp,
+                                                     timeout=_deadline(opts))
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
                 out.copy_(piece)
 
-        return CommlibWork([work], outputs, copy_out)
+        return _handed_back(opts, [work], outputs, copy_out)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-               opts: Any = None) -> CommlibWork:
+               opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.GatherOptions()
         t = _one(inputs, "gather")
         outputs = _one(output_lists, "gather") if output_lists else None
-        return CommlibWork([self._on(t).gather(outputs, t, opts.rootRank, async_op=True, timeout=_deadline(opts))],
-                           outputs or [])
+        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], outputs or [])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                opts: Any = None) -> CommlibWork:
+                opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ScatterOptions()
         t = _one(outputs, "scatter")
         inputs = _one(input_lists, "scatter") if input_lists else None
-        return CommlibWork([self._on(t).scatter(t, inputs, opts.rootRank, async_op=True, timeout=_deadline(opts))],
-                           outputs)
+        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
+        return _handed_back(opts, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "send")
@@ -494,9 +519,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
         raise NotImplementedError(f"commlib process group rank {self.rank()}: expected recv from a named source; "
                                   f"found recv_anysource (commlib numbers each peer's messages)")
 
-    def barrier(self, opts: Any = None) -> CommlibWork:
+    def barrier(self, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BarrierOptions()
-        return CommlibWork([self.communicator().barrier(async_op=True, timeout=_deadline(opts))], [])
+        return _handed_back(opts, [self.communicator().barrier(async_op=opts.asyncOp, timeout=_deadline(opts))], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:

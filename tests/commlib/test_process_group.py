@@ -118,7 +118,29 @@ def _through_torch_distributed(comm: commlib.Communicator) -> dict[str, Any]:
     out["seq_after_bad_input"] = comm.seq  # rejected before anything was numbered or sent
     dist.barrier()
     out["still_usable"] = comm.seq
+    # A synchronous c10d call completes on the Communicator's sync path and hands back no
+    # Work; an async one, and a direct call without options (c10d's default, asyncOp=True,
+    # what C++ callers send), hands back a Work that waits with the op's deadline.
+    seen: list[bool] = []
+    hook = comm.register_pre_hook(lambda call: seen.append(call.async_op))
+    group = dist.group.WORLD
+    handed = {"sync": group.allreduce([torch.ones(1)], _sync_allreduce_options()),
+              "async": dist.all_reduce(torch.ones(1), async_op=True), "no options": group.allreduce([torch.ones(1)])}
+    for work in handed.values():
+        if work is not None:
+            work.wait()
+    hook.remove()
+    out["handed_back"] = {k: type(w).__name__ for k, w in handed.items()}
+    out["recorded_async"] = seen
     return out
+
+
+def _sync_allreduce_options() -> Any:
+    from torch._C import _distributed_c10d as c10d_opts
+
+    opts = c10d_opts.AllreduceOptions()
+    opts.asyncOp = False  # what dist.all_reduce(async_op=False) sends
+    return opts
 
 
 def test_torch_distributed_calls_take_commlibs_path_and_bad_input_is_commlibs_error() -> None:
@@ -133,6 +155,8 @@ def test_torch_distributed_calls_take_commlibs_path_and_bad_input_is_commlibs_er
         assert "expected input of 2 x 3 = 6 elements" in out["reduce_scatter_size"]
         assert out["seq_after_bad_input"] == out["seq"]
         assert out["still_usable"] == out["seq"] + 1
+        assert out["handed_back"] == {"sync": "NoneType", "async": "CommlibWork", "no options": "CommlibWork"}
+        assert out["recorded_async"] == [False, True, True]
 
 
 def _late_peer(comm: commlib.Communicator, late_s: float, deadline: float, default_s: float) -> float:

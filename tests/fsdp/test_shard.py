@@ -79,18 +79,19 @@ def _check_every_mode(out: dict, steps: int) -> None:
     calls = out["calls"]
     assert {k[2] for k in calls} == {"all_gather_single", "reduce_scatter_single"}, calls
     # Per step: all-gathers of the root (kept through backward) and of every block in forward
-    # and again in backward, all async (prefetch with the unshard knob); one synchronous
-    # reduce-scatter per block and the root.
+    # and again in backward, async where the unshard knob is set (every mode but plain); one
+    # synchronous reduce-scatter per block and the root.
     all_gathers, reduce_scatters = steps * (2 * out["blocks"] + 1), steps * (out["blocks"] + 1)
     # plain and native: FSDP2's own collectives, on the commlib process group (native's
-    # reduce-scatters on the second group FSDP made, a commlib group too).
+    # reduce-scatters on the second group FSDP made, a commlib group too), recorded as the
+    # caller issued them: the process group completes an `async_op=False` call synchronously.
     native_group = next(k[1] for k in calls if k[0] == "native" and k[2] == "reduce_scatter_single")
     assert native_group.startswith("group"), calls
     assert calls == {
-        ("plain", "world", "all_gather_single", True): all_gathers,
-        ("plain", "world", "reduce_scatter_single", True): reduce_scatters,
+        ("plain", "world", "all_gather_single", False): all_gathers,
+        ("plain", "world", "reduce_scatter_single", False): reduce_scatters,
         ("native", "world", "all_gather_single", True): all_gathers,
-        ("native", native_group, "reduce_scatter_single", True): reduce_scatters,
+        ("native", native_group, "reduce_scatter_single", False): reduce_scatters,
         ("single", "world", "all_gather_single", True): all_gathers,
         ("single", "world", "reduce_scatter_single", False): reduce_scatters,
         ("dual", "world", "all_gather_single", True): all_gathers,
