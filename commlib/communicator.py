@@ -100,8 +100,9 @@ class Communicator:
         self._dead: str | None = None  # why the communicator can no longer be used
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
         self.board = ProgressBoard(store, self.rank, self.size, os.getpid())
-        self._log = _log.get_logger().bind(comm=name, backend=backend.name,
-                                           comm_rank=self.rank, comm_size=self.size)
+        bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
+        self._log = _log.get_logger().bind(**bound)
+        self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
         self._log.info("comm.init", timeout_s=timeout, check_consistency=check_consistency)
 
     # -- identity ---------------------------------------------------------------------
@@ -296,9 +297,9 @@ class Communicator:
         if not p2p:
             self.board.started(call.seq, entry.op, call.context)
         if _log.STATE.enabled:
-            self._log.info("collective.start", op=entry.op, seq=call.seq, shapes=entry.shapes,
-                           dtype=entry.dtype, bytes=entry.nbytes, root=entry.root, peer=call.peer,
-                           deadline_s=call.deadline_s, async_op=call.async_op)
+            self._events.info("collective.start", {
+                "op": entry.op, "seq": call.seq, "shapes": entry.shapes, "dtype": entry.dtype, "bytes": entry.nbytes,
+                "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op})
         try:
             backend_work = self._backend.launch(call, _timedelta(call.deadline_s))
         except Exception as exc:
@@ -334,10 +335,12 @@ class Communicator:
         if call.peer is None:
             self.board.finished(call.seq, entry.op)
         if log_on:
-            wait = {} if not call.async_op else {
-                "wait_s": (entry.end_mono_ns - wait_from_ns) / 1e9, "done_before_wait": done_before_wait}
-            self._log.info("collective.end", op=entry.op, seq=call.seq, bytes=entry.nbytes, peer=call.peer,
-                           duration_s=entry.duration_s, status="ok", **wait)
+            fields = {"op": entry.op, "seq": call.seq, "bytes": entry.nbytes, "peer": call.peer,
+                      "duration_s": entry.duration_s, "status": "ok"}
+            if call.async_op:
+                fields["wait_s"] = (entry.end_mono_ns - wait_from_ns) / 1e9
+                fields["done_before_wait"] = done_before_wait
+            self._events.info("collective.end", fields)
         if _PROCESS_HOOKS.post or self.hooks.post:
             run_hooks(self.hooks, "post", call, entry.duration_s)
 

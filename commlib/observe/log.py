@@ -10,14 +10,15 @@ killed mid-write leaves at most one truncated last line, and ranks restarted by 
 append to the same file. `read_events` (a whole file) and `LogTail` (a live log dir) are
 the readers of these files; both skip a truncated line instead of failing.
 
-The pipeline is one structlog processor (`_LineRenderer`, on every collective's path, so
-it is one call and not five): merge the caller's context (`commlib.context(step=...,
+The pipeline is one structlog processor (`_LineRenderer`, one call and not five): merge the caller's context (`commlib.context(step=...,
 phase=...)`, a ContextVar, so threads and asyncio tasks keep their own), add the level and
 wall and monotonic clocks, render JSON, and append the fields of the process (rank, size,
 host, pid, attempt), which are encoded once per `configure` instead of once per event.
 The process's fields, the level and the clocks win over an event's own keys of the same
 name. It belongs to commlib's own logger (`get_logger`), never to structlog's global
 configuration: a library must leave the host application's `structlog.configure` alone.
+A collective's own two events skip structlog and take `EventWriter`, the same steps
+without the generic dispatch, for the same line.
 
 A logger bound before a `configure` keeps writing where the log pointed when it was bound
 (a communicator logs into the directory of its creation); a log file's descriptor is
@@ -72,27 +73,74 @@ class ProcessFields:
     attempt: int  # torchrun restart count: sequence numbers start over in each attempt
 
 
+_STAMPED = ("level", "ts_ns", "mono_ns")  # what the pipeline itself adds to every event
+
+
+def _tail_of(fields: dict[str, Any], then: bytes = b"}\n") -> bytes:
+    """`fields` as the end of a line: `,"rank":0,...,"attempt":0` and `then`."""
+    return (b"," + _encode(fields)[1:-1] if fields else b"") + then
+
+
+def _line(event: dict[str, Any], reserved: frozenset[str], tail: bytes) -> bytes:
+    """The common end of both paths: the caller's context (its keys in `reserved` are the
+    pipeline's own and left out), the clocks, the JSON, and the pre-encoded `tail`."""
+    ctx = _CONTEXT.get()
+    if ctx:
+        for k, v in ctx.items():
+            if k not in reserved:
+                event.setdefault(k, v)
+    event["ts_ns"] = time.time_ns()
+    event["mono_ns"] = time.monotonic_ns()
+    return _encode(event)[:-1] + tail  # never `{}`: the level and clocks are in it
+
+
 class _LineRenderer:
     """commlib's whole processor chain (module docstring): an event dict in, its JSON line out."""
 
     def __init__(self, static: dict[str, Any]) -> None:
+        self.static = static
         self._names = tuple(static)
-        # Each line is the event's JSON with its closing brace replaced by this tail:
-        # `,"rank":0,...,"attempt":0}\n`.
-        self._tail = (b"," + _encode(static)[1:-1] if static else b"") + b"}\n"
+        self._reserved = frozenset(static).union(_STAMPED)
+        # Each line is the event's JSON with its closing brace replaced by this tail.
+        self.tail = _tail_of(static)
 
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> bytes:
-        ctx = _CONTEXT.get()
-        if ctx:
-            for k, v in ctx.items():
-                event.setdefault(k, v)
         for name in self._names:  # the process's own value is the one written
             if name in event:
                 del event[name]
         event = structlog.processors.add_log_level(logger, method, event)
-        event["ts_ns"] = time.time_ns()
-        event["mono_ns"] = time.monotonic_ns()
-        return _encode(event)[:-1] + self._tail  # never `{}`: the level and clocks are in it
+        return _line(event, self._reserved, self.tail)
+
+
+class EventWriter:
+    """The direct path of `get_logger(**bound).info(event, **fields)`, for the two events
+    every collective writes: the same fields in one line, without structlog's generic
+    dispatch (its context copy and update, processor loop and method lookups cost more
+    than encoding and writing the line; scripts/bench_overhead.py). Everything else logs
+    through structlog. Like a bound logger, it writes where the log pointed when it was
+    made; below the INFO level it writes nothing.
+    """
+
+    __slots__ = ("_writer", "_reserved", "_tail", "info")
+
+    def __init__(self, sink: "_Sink", bound: dict[str, Any]) -> None:
+        self._writer = sink.writer
+        renderer = sink.renderer
+        # The line ends with the bound fields, then the process's (their values win, as in
+        # the structlog path, so the caller's context may not repeat them).
+        self._reserved = renderer._reserved.union(bound, ("event",))
+        self._tail = _tail_of({k: v for k, v in bound.items() if k not in renderer.static}, renderer.tail)
+        self.info = self._info if sink.level <= logging.INFO else _write_nothing
+
+    def _info(self, event: str, fields: dict[str, Any]) -> None:
+        """Write `event` with `fields` (this dict is used up: the line's own keys go into it)."""
+        fields["event"] = event
+        fields["level"] = "info"
+        self._writer.msg(_line(fields, self._reserved, self._tail))
+
+
+def _write_nothing(event: str, fields: dict[str, Any]) -> None:
+    pass
 
 
 class LineWriter:
@@ -114,21 +162,32 @@ class LineWriter:
     debug = info = warning = error = critical = exception = msg
 
 
+@dataclass(frozen=True)
+class _Sink:
+    """Where a logger's lines go, and how they end: what an `EventWriter` writes with."""
+
+    writer: LineWriter
+    renderer: _LineRenderer
+    level: int
+
+
 @dataclass
 class _State:
     path: Path | None = None
     enabled: bool = False  # INFO events are written (a log dir is configured)
     logger: Any = None  # commlib's own structlog logger; None until the first use
+    sink: _Sink | None = None  # the logger's writer and renderer
 
 
 # The one piece of global state this module owns: where this process logs.
 STATE = _State()
 
 
-def _build_logger(fd: int, owned: bool, level: int, static: dict[str, Any]) -> Any:
+def _build_logger(fd: int, owned: bool, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
+    sink = _Sink(LineWriter(fd, owned), _LineRenderer(static), level)
     wrapper = structlog.make_filtering_bound_logger(level)
-    return wrapper(LineWriter(fd, owned), processors=[_LineRenderer(static)], context={})
+    return wrapper(sink.writer, processors=[sink.renderer], context={}), sink
 
 
 def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
@@ -136,7 +195,7 @@ def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
     `static` in every line: the events of a process that is not a rank (the chaos harness's
     journal). Its file is closed when the logger is garbage."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    return _build_logger(fd, True, logging.INFO, static)
+    return _build_logger(fd, True, logging.INFO, static)[0]
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -162,7 +221,7 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     )
     # Replacing the logger drops the previous writer: its file is closed once no logger
     # bound to it is left.
-    STATE.logger = _build_logger(fd, path is not None, level, asdict(process))
+    STATE.logger, STATE.sink = _build_logger(fd, path is not None, level, asdict(process))
     STATE.path = path
     STATE.enabled = path is not None
     return path
@@ -195,8 +254,15 @@ def get_logger(**bound: Any) -> Any:
     """commlib's structlog logger, with `bound` fields, writing into this rank's log (the
     trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
     if STATE.logger is None:
-        STATE.logger = _build_logger(sys.stderr.fileno(), False, logging.WARNING, {})
+        STATE.logger, STATE.sink = _build_logger(sys.stderr.fileno(), False, logging.WARNING, {})
     return STATE.logger.bind(**bound) if bound else STATE.logger
+
+
+def event_writer(**bound: Any) -> EventWriter:
+    """The direct path of `get_logger(**bound).info` (`EventWriter`), where the log points now."""
+    get_logger()
+    assert STATE.sink is not None
+    return EventWriter(STATE.sink, bound)
 
 
 def log_dir() -> Path | None:

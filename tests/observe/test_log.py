@@ -90,3 +90,28 @@ def test_reconfiguring_the_log_leaks_no_descriptor(tmp_path: Path) -> None:
         ("app.first", "early"), ("app.late", "early")]
     for i in (1, 25, RECONFIGURES):
         assert [(e["event"], e["i"]) for e in log.read_events(tmp_path / f"d{i}" / "rank0.jsonl")] == [("app.step", i)]
+
+
+def _both_paths(root: str) -> dict[str, Any]:
+    log.configure(0, 2, Path(root))
+    bound = {"comm": "world", "backend": "gloo", "comm_rank": 0, "comm_size": 2}
+    fields = {"op": "all_reduce", "seq": 7, "shapes": [torch.Size([4, 2])], "dtype": "float32", "peer": None,
+              "status": "ok"}
+    # The caller's context, with keys the line owns (the process's rank, a bound field, the
+    # level and a clock): the line's own values must win on both paths.
+    with log.context(step=3, phase="backward", rank=99, comm="other", level="debug", ts_ns=0):
+        log.get_logger(**bound).info("collective.end", **fields)
+        log.event_writer(**bound).info("collective.end", dict(fields))
+    log.configure(0, 2, None)  # stderr, INFO filtered out: the direct path must write nothing either
+    log.event_writer(**bound).info("collective.end", dict(fields))
+    return {"lines": (Path(root) / "rank0.jsonl").read_text().splitlines()}
+
+
+def test_a_collectives_direct_event_path_writes_the_line_structlog_writes(tmp_path: Path) -> None:
+    [out] = testing.run(_both_paths, 1, backend=None, args=(str(tmp_path),), timeout=60)
+    via_structlog, direct = (json.loads(line) for line in out["lines"])  # two lines, and no third
+    for event in (via_structlog, direct):
+        assert event.pop("ts_ns") > 0 and event.pop("mono_ns") > 0
+    assert direct == via_structlog
+    assert (direct["rank"], direct["comm"], direct["level"], direct["step"], direct["shapes"]) == (
+        0, "world", "info", 3, [[4, 2]])
