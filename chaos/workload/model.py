@@ -25,6 +25,8 @@ This module owns:
     ``dq, dk, dv``. The forward is the flex kernel's output, the gradients are those of
     the dense equivalent (they agree to ~1e-6 in fp32).
 
+* ``warm_up_attention`` -- the trainer's compile at startup, once per host with a cold
+  inductor cache (``one_cold_compile_per_host``), in parallel from a warm one.
 * ``set_deterministic`` -- what the trainer calls before building the model so two
   processes with the same seed and inputs produce bitwise-equal losses and gradients.
 
@@ -34,9 +36,11 @@ Everything trains in fp32: in bf16 the chunked loss *value* is off by up to 15% 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -254,10 +258,42 @@ def warm_up_attention(cfg: ModelConfig, block_mask: BlockMask, batch_size: int, 
     middle of a step, after its peers may already be waiting in a collective with a short
     deadline. Forward and backward run, so CUDA compiles flex's backward too; on CPU the
     backward is the dense recompute and compiles nothing. Draws no random numbers.
+    The ranks of one host compile the kernels once between them (`one_cold_compile_per_host`).
     """
     shape = (batch_size, cfg.n_heads, cfg.seq_len, cfg.head_dim)
-    q, k, v = (torch.zeros(shape, device=device, requires_grad=True) for _ in range(3))
-    attention(q, k, v, block_mask).sum().backward()
+    key = "-".join(map(str, (torch.__version__, device.type, *shape, cfg.mask, cfg.window, *block_mask.shape,
+                             *block_mask.BLOCK_SIZE)))
+    with one_cold_compile_per_host(key):
+        q, k, v = (torch.zeros(shape, device=device, requires_grad=True) for _ in range(3))
+        attention(q, k, v, block_mask).sum().backward()
+
+
+@contextlib.contextmanager
+def one_cold_compile_per_host(key: str) -> Iterator[None]:
+    """Run the block alone on this host the first time `key` is compiled, with the others waiting.
+
+    Every rank of a host compiles the same kernels. With a cold inductor cache, N ranks that
+    start together would each compile them from scratch (12 s to minutes of CPU each, the
+    compilers of all N sharing the host's cores); instead the first one compiles while the
+    others wait on a lock, then they load the kernels from the warm cache (under a second).
+    A marker in the cache directory says `key` was compiled on this host before: later
+    processes (a torchrun restart) skip the lock and compile from the cache in parallel.
+    The lock only saves work: a marker whose cache entries are gone costs a parallel cold
+    compile, as without it, never a wrong kernel (inductor's own cache keys decide that).
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # where inductor's own cache is
+
+    root = os.path.join(cache_dir(), "chaos-compiled")
+    marker = os.path.join(root, key)
+    if not os.path.exists(marker):
+        os.makedirs(root, exist_ok=True)
+        with open(f"{marker}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not os.path.exists(marker):  # nobody compiled it while this process waited
+                yield
+                open(marker, "a").close()
+                return
+    yield
 
 
 # ---------------------------------------------------------------------------------------

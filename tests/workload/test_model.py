@@ -5,6 +5,8 @@ Every attention call uses the default ModelConfig's shape ([2, 4, 256, 32]): eac
 would cost another 3-4 s of compile.
 """
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -208,3 +210,26 @@ def test_forward_rejects_wrong_sequence_length() -> None:
     tokens = torch.zeros(BATCH, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="expected seq_len 256, found 8"):
         model(tokens, tokens, build_block_mask(CFG, None, "cpu"))
+
+
+_WARM_UP = textwrap.dedent("""
+    import json, torch
+    from torch._dynamo.utils import counters
+    from chaos.workload.model import ModelConfig, build_block_mask, warm_up_attention
+    cfg = ModelConfig(vocab=64, dim=16, n_layers=1, n_heads=2, seq_len=64)
+    warm_up_attention(cfg, build_block_mask(cfg, None, "cpu"), 1, torch.device("cpu"))
+    print(json.dumps(dict(counters["inductor"])))
+""")
+
+
+def test_ranks_of_one_host_compile_a_cold_kernel_once(tmp_path: Path) -> None:
+    # Two ranks starting together on an empty inductor cache: one compiles, the other waits
+    # and loads the kernel from the cache. Without the host lock both compile (two misses).
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    ranks = [subprocess.Popen([sys.executable, "-c", _WARM_UP], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    counts = [json.loads(out.splitlines()[-1]) for out in outs]
+    assert sorted((c.get("fxgraph_cache_miss", 0), c.get("fxgraph_cache_hit", 0)) for c in counts) == [
+        (0, 1), (1, 0)], counts
