@@ -571,7 +571,9 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
 def _straggler(att: AttemptLog) -> Problem | None:
     """The attempt's straggler finding (see STRAGGLER_LAST_SHARE), or None."""
     stats = straggler_stats([att])
-    top = max(stats, key=lambda s: s.waited_total_s, default=None)
+    # The rank most often last: the rule is a pattern (share and median lag), so one long
+    # wait (ranks reaching the startup barrier seconds apart) must not pick the candidate.
+    top = max(stats, key=lambda s: (s.last_count, s.waited_total_s), default=None)
     if top is None or top.collectives < STRAGGLER_MIN_COLLECTIVES:
         return None
     if top.last_count < STRAGGLER_LAST_SHARE * top.collectives or top.waited_p50_s < STRAGGLER_MIN_LAG_S:

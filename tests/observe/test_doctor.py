@@ -307,3 +307,20 @@ def test_backend_failure_outside_commlib_blames_the_rank_that_went_quiet(tmp_pat
     kinds = {p.kind: p for p in attempt.problems}
     assert kinds[Kind.DEAD_RANK].ranks == [1] and "outside commlib" in kinds[Kind.DEAD_RANK].message
     assert kinds[Kind.ERROR].ranks == [1] and kinds[Kind.ERROR].reporters == [0]
+
+
+def test_the_straggler_is_the_rank_most_often_last_not_the_one_late_once(tmp_path: Path) -> None:
+    # Rank 0 reaches the first collective (the startup barrier) 5 s after rank 1: it compiled
+    # longer. From then on rank 1 is 40 ms late at every collective. The pattern is rank 1's,
+    # though rank 0's one wait is the larger total: the finding must name rank 1.
+    t0, s = 1_000_000_000_000, 1_000_000_000
+    for rank in (0, 1):
+        fields = {"comm": "world", "comm_rank": rank, "comm_size": 2, "rank": rank, "size": 2, "pid": 100 + rank}
+        lines = [{"event": "comm.init", "ts_ns": t0 - 1, **fields}]
+        for seq in range(1, 21):
+            ts = t0 + (5 * s if rank == 0 else 0) if seq == 1 else t0 + seq * 10 * s + (40_000_000 if rank else 0)
+            lines.append({"event": "collective.start", "op": "all_reduce", "seq": seq, "ts_ns": ts, **fields})
+        (tmp_path / f"rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    [attempt] = diagnose(tmp_path).attempts
+    [finding] = [p for p in attempt.problems if p.kind is Kind.STRAGGLER]
+    assert (finding.ranks, finding.details["last_count"]) == ([1], 19), finding
