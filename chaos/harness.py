@@ -57,7 +57,7 @@ from chaos.progress import Progress
 from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
-__all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "REFERENCE_TRAINER", "RUN_DIR_ENV", "TYPED_ERRORS", "Job",
+__all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV", "TYPED_ERRORS", "Job",
            "JobOutcome", "check_plan", "default_trainer_args", "free_port", "journal", "run_job", "torchrun_commands",
            "trainer_deadline"]
 
@@ -67,6 +67,9 @@ REFERENCE_TRAINER = "chaos.workload.train"
 # a collective held past that deadline.
 DEFAULT_TRAINER_ARGS = ("--steps", "30", "--ckpt-every", "5", "--timeout", "10")
 DEFAULT_FAULTS = ("kill:rank=1,step=12", "delay:rank=1,step=22")
+# The reference trainer's flags that only change how it recovers from a fault, so a fault-free
+# run gives the same numbers with or without them: its reference is shared (`chaos.verify.reference_key`).
+RECOVERY_ONLY_FLAGS = ("--no-in-job-recovery",)
 
 
 def default_trainer_args(trainer: str) -> tuple[str, ...]:

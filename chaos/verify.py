@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from chaos.harness import TYPED_ERRORS, Job, JobOutcome, journal, run_job, trainer_deadline
+from chaos.harness import RECOVERY_ONLY_FLAGS, TYPED_ERRORS, Job, JobOutcome, journal, run_job, trainer_deadline
 from chaos.plan import FaultType, Ledger, PartitionOutcome, Plan, TriggerKind, partition_outcome
 from chaos.report import FaultResult, Report
 from chaos.results import read_results
@@ -60,12 +60,15 @@ KEYED_PACKAGES = ("commlib", "fsdp_overlap", "chaos")
 
 def reference_key(job: Job, package_roots: Sequence[Path] | None = None) -> str:
     """What determines the reference run's numbers, hashed. The launch topology is not part of it:
-    the same world size must give the same numbers however it is spread over nodes.
+    the same world size must give the same numbers however it is spread over nodes; nor are
+    the reference trainer's `RECOVERY_ONLY_FLAGS` (a wrong claim there fails the bitwise
+    comparison of every run that shares the reference).
 
     `package_roots`: the package directories whose sources are hashed (default: those of
     `KEYED_PACKAGES` as imported here)."""
     roots = package_roots if package_roots is not None else package_dirs()
-    data = {"trainer": job.trainer, "trainer_args": list(job.trainer_args), "world_size": job.world_size,
+    args = [a for a in job.trainer_args if not (job.is_reference_trainer and a in RECOVERY_ONLY_FLAGS)]
+    data = {"trainer": job.trainer, "trainer_args": args, "world_size": job.world_size,
             "backend": job.backend, "torch": torch.__version__, "sources": _trainer_digest(job),
             "libraries": sources_digest(roots)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,8 +9,10 @@ checkpoint); every attempt resumes from the newest one and logs ``ckpt.resume``.
 end every rank calls `chaos.results.write_results` (model and optimizer digests, the
 losses and the history of steps applied).
 
-``--resume-bug`` breaks the resume, and only the resume (a run that never restarts is
-the same in every mode, so each mode's fault-free reference is the correct run):
+``--resume-bug`` (default: ``$BAD_RESUME_BUG``, else ``none``) breaks the resume, and only
+the resume (a run that never restarts is the same in every mode, so each mode's fault-free
+reference is the correct run; chosen through the environment, the modes share one
+reference, which is keyed on the trainer's arguments):
 
 - ``none``: restore everything (the correct trainer);
 - ``optimizer``: restore the model, the step and the losses, but not the optimizer state;
@@ -49,7 +51,8 @@ def main() -> None:
     # Default: the run directory the harness gives every process (chaos.harness.RUN_DIR_ENV).
     p.add_argument("--run-dir", type=Path, default=os.environ.get("CHAOS_RUN_DIR"),
                    help="where checkpoints and results.json go")
-    p.add_argument("--resume-bug", choices=("none", "optimizer", "skip"), default="none")
+    p.add_argument("--resume-bug", choices=("none", "optimizer", "skip"),
+                   default=os.environ.get("BAD_RESUME_BUG", "none"))
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     comm = commlib.init("gloo", timeout=args.timeout)

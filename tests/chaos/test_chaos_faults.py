@@ -1,6 +1,6 @@
 """Every fault type end to end on the reference trainer through torchrun restarts
 (`--no-in-job-recovery`), verified bitwise against the fault-free reference: on 2 ranks, grouped by how the job finds out (a process dies; a
-collective times out; the rank itself errs), kill plus hang on 4 ranks, and a kill on
+collective times out; the rank itself errs), a hang on 4 ranks, and a kill on
 the second of two torchrun nodes on this machine.
 
 A group's faults fire one after the other, each at a step after a checkpoint, so every
@@ -75,10 +75,13 @@ def test_in_rank_errors_recover_bitwise(tmp_path, tiny_args, reference_dir, left
     assert (torn.type, torn.checkpoint_step, torn.resumed_from) == ("kill_during_checkpoint", 6, 4)
 
 
-def test_kill_and_hang_on_four_ranks(tmp_path, tiny_args, reference_dir, leftovers):
-    report, _ = _run(tmp_path, ["kill:rank=2,step=3", "hang:rank=3,step=5"], tiny_args, reference_dir, leftovers,
+def test_hang_on_four_ranks(tmp_path, tiny_args, reference_dir, leftovers):
+    # The hang, not a kill: three survivors time out and must agree on the one missing rank
+    # (a kill among 4 is detected like one among 2, and each 4-rank restart costs ~20 s here).
+    report, _ = _run(tmp_path, ["hang:rank=3,step=3"], tiny_args, reference_dir, leftovers,
                      nproc_per_node=4, png=False)
-    assert [(f.type, f.rank) for f in report.faults] == [("kill", 2), ("hang", 3)]
+    [hang] = report.faults
+    assert (hang.type, hang.rank, hang.diagnosis["culprits"]) == ("hang", 3, [3])
     assert report.checks["diagnosis_names_faulted_rank"]
 
 

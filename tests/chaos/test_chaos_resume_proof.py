@@ -19,11 +19,12 @@ TRAINER = str(Path(__file__).with_name("bad_resume_trainer.py"))
 FAULT = "kill:rank=1,step=3"  # after the checkpoint of step 2: the restart resumes from it
 
 
-def _run(tmp_path, reference_dir, capsys, resume_bug):
+def _run(tmp_path, reference_dir, capsys, monkeypatch, resume_bug):
     run_dir = tmp_path / "run"
+    # Through the environment, so the three cases share one fault-free reference.
+    monkeypatch.setenv("BAD_RESUME_BUG", resume_bug)
     code = cli(["run", "--run-dir", str(run_dir), "--trainer", TRAINER, "--fault", FAULT,
-                "--reference-dir", str(reference_dir), "--no-png", "--job-timeout", "120",
-                "--", "--resume-bug", resume_bug])
+                "--reference-dir", str(reference_dir), "--no-png", "--job-timeout", "120"])
     out = capsys.readouterr().out
     report = json.loads((run_dir / "report.json").read_text())
     # The job recovered as far as the harness can see: killed, restarted, resumed, finished.
@@ -38,8 +39,8 @@ def _run(tmp_path, reference_dir, capsys, resume_bug):
     return code, out, report, run_dir
 
 
-def test_correct_resume_passes(tmp_path, reference_dir, capsys, leftovers):
-    code, out, report, run_dir = _run(tmp_path, reference_dir, capsys, "none")
+def test_correct_resume_passes(tmp_path, reference_dir, capsys, leftovers, monkeypatch):
+    code, out, report, run_dir = _run(tmp_path, reference_dir, capsys, monkeypatch, "none")
     assert code == 0, out
     assert "PASSED" in out.splitlines()[0]
     assert report["passed"] and report["checks"]["losses_bitwise"] and report["checks"]["history_exact"] \
@@ -51,8 +52,8 @@ def test_correct_resume_passes(tmp_path, reference_dir, capsys, leftovers):
     ("optimizer", {"losses_bitwise", "state_bitwise"}, "optim.state.bias.exp_avg"),
     ("skip", {"losses_bitwise", "history_exact", "state_bitwise"}, "missing [3]"),
 ])
-def test_wrong_resume_fails(tmp_path, reference_dir, capsys, leftovers, resume_bug, failed, problem):
-    code, out, report, run_dir = _run(tmp_path, reference_dir, capsys, resume_bug)
+def test_wrong_resume_fails(tmp_path, reference_dir, capsys, leftovers, monkeypatch, resume_bug, failed, problem):
+    code, out, report, run_dir = _run(tmp_path, reference_dir, capsys, monkeypatch, resume_bug)
     assert code == 1, out
     assert "FAILED" in out.splitlines()[0], out
     assert not report["passed"]

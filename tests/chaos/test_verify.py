@@ -319,3 +319,14 @@ def test_each_new_fault_check_fails_when_its_guarantee_does_not_hold(name, good,
     kind = next(iter(check.kinds))
     assert check.holds(_fault(kind, **good))
     assert not check.holds(_fault(kind, **bad)), check.found(_fault(kind, **bad))
+
+
+def test_recovery_only_flags_share_the_reference_trainers_reference_and_nothing_else():
+    from chaos.harness import RECOVERY_ONLY_FLAGS
+
+    args = ("--steps", "8")
+    reference = Job(trainer_args=args)
+    assert reference_key(Job(trainer_args=(*args, *RECOVERY_ONLY_FLAGS))) == reference_key(reference)
+    assert reference_key(Job(trainer_args=(*args, "--timeout", "5"))) != reference_key(reference)
+    # A user's trainer: its flags are its own, so every one of them keys its reference.
+    assert reference_key(Job(trainer=TOY, trainer_args=RECOVERY_ONLY_FLAGS)) != reference_key(Job(trainer=TOY))
