@@ -57,9 +57,9 @@ from chaos.progress import Progress
 from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
-__all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV", "TYPED_ERRORS", "Job",
-           "JobOutcome", "check_plan", "default_trainer_args", "free_port", "journal", "run_job", "torchrun_commands",
-           "trainer_deadline"]
+__all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV",
+           "TYPED_ERRORS", "Job", "JobOutcome", "check_plan", "default_trainer_args", "free_port", "journal", "run_job",
+           "torchrun_commands", "trainer_deadline"]
 
 REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the

@@ -265,7 +265,7 @@ def _handed_back(opts: Any, works: list[Work | None], result: list[torch.Tensor]
     backends that complete synchronously). So a synchronous call is issued to the
     Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
     `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
-    Callers that set no options (C++ ones among them) get c10d's default, asyncOp=True.
+    Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
     """
     if opts.asyncOp:
         return CommlibWork(works, result, finish)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ recorder + progress board bookkeeping alone (one process, no communication), and
 diagnosis latency: deadline expiry to CollectiveTimeout raised, over 20 timeouts.
 
     .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
+    .venv/bin/python scripts/bench_overhead.py --one-rank   # only the 1-rank figures (a quick rerun)
 """
 
 from __future__ import annotations
@@ -122,11 +123,22 @@ def _bookkeeping_us(calls: int = 20000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def _print_one_rank(configs: dict[str, dict], args: argparse.Namespace) -> None:
+    # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
+    solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
+            for name, kwargs in configs.items()}
+    print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
+          + ", ".join(f"{name} {_cpu(rows['4 KiB']['added_cpu_us'])} us (backend path "
+                      f"{_cpu(rows['4 KiB']['backend_added_cpu_us'])} us, async issue + wait "
+                      f"{_cpu(rows['4 KiB']['async_added_cpu_us'])} us)" for name, rows in solo.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--one-rank", action="store_true", help="only the 1-rank figures")
     args = parser.parse_args()
     logs = tempfile.mkdtemp(prefix="commlib-bench-logs-")
     configs = {
@@ -134,6 +146,9 @@ def main() -> None:
         "JSON logs on": {"log_dir": logs},
         "consistency check on": {"check_consistency": True},
     }
+    if args.one_rank:
+        _print_one_rank(configs, args)
+        return
     print(f"2 ranks, gloo, all_reduce; medians over {args.rounds} interleaved rounds, added CPU as median "
           f"(first..third quartile); torch {torch.__version__}\n")
     print("| configuration | size | raw wall (us) | commlib wall (us) | added wall (us) | raw CPU (us) "
@@ -145,13 +160,7 @@ def main() -> None:
             print(f"| {name} | {label} | {row['raw_us']:.1f} | {row['commlib_us']:.1f} | {row['added_us']:+.1f} "
                   f"| {row['raw_cpu_us']:.1f} | {_cpu(row['added_cpu_us'])} | {_cpu(row['backend_added_cpu_us'])} "
                   f"| {_cpu(row['async_added_cpu_us'])} |")
-    # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
-    solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
-            for name, kwargs in configs.items()}
-    print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
-          + ", ".join(f"{name} {_cpu(rows['4 KiB']['added_cpu_us'])} us (backend path "
-                      f"{_cpu(rows['4 KiB']['backend_added_cpu_us'])} us, async issue + wait "
-                      f"{_cpu(rows['4 KiB']['async_added_cpu_us'])} us)" for name, rows in solo.items()))
+    _print_one_rank(configs, args)
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
     lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)

@@ -10,10 +10,11 @@ killed mid-write leaves at most one truncated last line, and ranks restarted by 
 append to the same file. `read_events` (a whole file) and `LogTail` (a live log dir) are
 the readers of these files; both skip a truncated line instead of failing.
 
-The pipeline is one structlog processor (`_LineRenderer`, one call and not five): merge the caller's context (`commlib.context(step=...,
-phase=...)`, a ContextVar, so threads and asyncio tasks keep their own), add the level and
-wall and monotonic clocks, render JSON, and append the fields of the process (rank, size,
-host, pid, attempt), which are encoded once per `configure` instead of once per event.
+The pipeline is one structlog processor (`_LineRenderer`, one call and not five): merge
+the caller's context (`commlib.context(step=..., phase=...)`, a ContextVar, so threads and
+asyncio tasks keep their own), add the level and wall and monotonic clocks, render JSON,
+and append the fields of the process (rank, size, host, pid, attempt), which are encoded
+once per `configure` instead of once per event.
 The process's fields, the level and the clocks win over an event's own keys of the same
 name. It belongs to commlib's own logger (`get_logger`), never to structlog's global
 configuration: a library must leave the host application's `structlog.configure` alone.
@@ -100,7 +101,7 @@ class _LineRenderer:
     def __init__(self, static: dict[str, Any]) -> None:
         self.static = static
         self._names = tuple(static)
-        self._reserved = frozenset(static).union(_STAMPED)
+        self.reserved = frozenset(static).union(_STAMPED)  # keys the caller's context may not set
         # Each line is the event's JSON with its closing brace replaced by this tail.
         self.tail = _tail_of(static)
 
@@ -109,7 +110,7 @@ class _LineRenderer:
             if name in event:
                 del event[name]
         event = structlog.processors.add_log_level(logger, method, event)
-        return _line(event, self._reserved, self.tail)
+        return _line(event, self.reserved, self.tail)
 
 
 class EventWriter:
@@ -128,7 +129,7 @@ class EventWriter:
         renderer = sink.renderer
         # The line ends with the bound fields, then the process's (their values win, as in
         # the structlog path, so the caller's context may not repeat them).
-        self._reserved = renderer._reserved.union(bound, ("event",))
+        self._reserved = renderer.reserved.union(bound, ("event",))
         self._tail = _tail_of({k: v for k, v in bound.items() if k not in renderer.static}, renderer.tail)
         self.info = self._info if sink.level <= logging.INFO else _write_nothing
 
