@@ -12,8 +12,11 @@ the calling thread (stable where wall time is not; see `_interleaved`).
 
 Configurations: commlib as shipped (flight recorder + progress board on, no log dir),
 with JSON logs (a log dir), and with the consistency check. Also measured: the flight
-recorder + progress board bookkeeping alone (one process, no communication), and the
-diagnosis latency: deadline expiry to CollectiveTimeout raised, over 20 timeouts.
+recorder + progress board bookkeeping alone (one process, no communication), the
+diagnosis latency (deadline expiry to CollectiveTimeout raised, over 20 timeouts), and
+commlib's own layers alone: Communicator and process group calls over an engine whose ops
+complete at launch, which is commlib's CPU per call with no peer or engine thread beside it
+(the same from run to run, where the figures against raw move by more than the targets).
 
     .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
     .venv/bin/python scripts/bench_overhead.py --one-rank   # only the 1-rank figures (a quick rerun)
@@ -22,18 +25,26 @@ diagnosis latency: deadline expiry to CollectiveTimeout raised, over 20 timeouts
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
 
+from collections.abc import Callable
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 import commlib
 from commlib import testing
+from commlib.communicator import Communicator
+from commlib.observe import log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightRecorder
 from commlib.ops import Collective, OpName
+from commlib.process_group import CommlibProcessGroup
 
 SIZES = {"4 B": 1, "4 KiB": 1024, "4 MiB": 1024 * 1024}
 
@@ -123,6 +134,72 @@ def _bookkeeping_us(calls: int = 20000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+class _DoneWork:
+    """An engine's handle for an op that completed at launch."""
+
+    def wait(self, timeout: timedelta) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _InstantEngine:
+    """A backend whose every op completes at launch (only what an issue and a wait touch):
+    under it, a call's CPU is commlib's own layers and nothing else, with no peer and no
+    engine thread to share the cores with, so the figure is the same from run to run."""
+
+    name, rank, size, device, resumable_wait = "gloo", 0, 1, torch.device("cpu"), True
+    _done = _DoneWork()
+
+    def launch(self, call: Collective, timeout: timedelta) -> _DoneWork:
+        return self._done
+
+    def supports(self, device: torch.device, op: object) -> None:
+        return None
+
+
+def _own_layers_us(calls: int = 20000) -> dict[str, float]:
+    """CPU per 4 KiB all_reduce of commlib's layers alone, over `_InstantEngine` (best of 5 runs).
+
+    Run last in this process: turning logs on points this process's log at a temp dir
+    (removed after; its lines are 2 per call, ~60 MB per path measured).
+    """
+    t = torch.ones(1024)
+    sync_opts, async_opts = c10d_opts.AllreduceOptions(), c10d_opts.AllreduceOptions()
+    sync_opts.asyncOp = False  # what dist.all_reduce(t) passes; C++ callers leave it True
+
+    def best(fn: Callable[[], object]) -> float:
+        runs = []
+        for _ in range(5):
+            start = time.thread_time()
+            for _ in range(calls):
+                fn()
+            runs.append((time.thread_time() - start) / calls * 1e6)
+        return min(runs)
+
+    def measure(comm: commlib.Communicator) -> dict[str, float]:
+        group = CommlibProcessGroup({"cpu": comm}, 0, 1)
+        return {"sync": best(lambda: comm.all_reduce(t)),
+                "async issue + wait": best(lambda: comm.all_reduce(t, async_op=True).wait()),
+                "process group, sync": best(lambda: group.allreduce([t], sync_opts)),
+                "process group, async issue + wait": best(lambda: group.allreduce([t], async_opts).wait())}
+
+    figures = measure(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
+    logs = tempfile.mkdtemp(prefix="commlib-bench-own-")
+    log.configure(0, 1, logs)
+    try:
+        logged = measure(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
+    finally:
+        shutil.rmtree(logs)
+    return figures | {f"{name}, JSON logs on": us for name, us in logged.items()}
+
+
+def _print_own_layers() -> None:
+    print("commlib's own layers alone, over an engine that completes at launch (CPU us per 4 KiB all_reduce): "
+          + ", ".join(f"{name} {us:.2f}" for name, us in _own_layers_us().items()))
+
+
 def _print_one_rank(configs: dict[str, dict], args: argparse.Namespace) -> None:
     # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
     solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
@@ -148,6 +225,7 @@ def main() -> None:
     }
     if args.one_rank:
         _print_one_rank(configs, args)
+        _print_own_layers()
         return
     print(f"2 ranks, gloo, all_reduce; medians over {args.rounds} interleaved rounds, added CPU as median "
           f"(first..third quartile); torch {torch.__version__}\n")
@@ -166,6 +244,7 @@ def main() -> None:
     lateness_ms = sorted(x * 1e3 for x in lateness)
     print(f"diagnosis latency (deadline expiry -> CollectiveTimeout raised, {len(lateness_ms)} timeouts, 0.5 s "
           f"deadline): p50 {statistics.median(lateness_ms):.1f} ms, max {max(lateness_ms):.1f} ms")
+    _print_own_layers()
 
 
 if __name__ == "__main__":

@@ -132,6 +132,17 @@ def _through_torch_distributed(comm: commlib.Communicator) -> dict[str, Any]:
     hook.remove()
     out["handed_back"] = {k: type(w).__name__ for k, w in handed.items()}
     out["recorded_async"] = seen
+    # DTensor's functional collectives reach the group from C++ (`_c10d_functional` ops,
+    # which find it by name and call it through torch's trampoline): commlib's path too.
+    import torch.distributed._functional_collectives as funcol
+
+    ops: list[str] = []
+    hook = comm.register_pre_hook(lambda call: ops.append(call.op.value))
+    reduced = funcol.all_reduce(torch.full((2,), float(r + 1)), "sum", group)
+    gathered = funcol.all_gather_tensor(torch.full((2,), float(r)), 0, group)
+    out["funcol"] = {"all_reduce": reduced.tolist(), "all_gather": gathered.tolist()}  # tolist() waits
+    hook.remove()
+    out["funcol_ops"] = ops
     return out
 
 
@@ -157,6 +168,8 @@ def test_torch_distributed_calls_take_commlibs_path_and_bad_input_is_commlibs_er
         assert out["still_usable"] == out["seq"] + 1
         assert out["handed_back"] == {"sync": "NoneType", "async": "CommlibWork", "no options": "CommlibWork"}
         assert out["recorded_async"] == [False, True, True]
+        assert out["funcol"] == {"all_reduce": [3.0, 3.0], "all_gather": [0.0, 0.0, 1.0, 1.0]}
+        assert out["funcol_ops"] == ["all_reduce", "all_gather_single"]
 
 
 def _late_peer(comm: commlib.Communicator, late_s: float, deadline: float, default_s: float) -> float:
