@@ -29,7 +29,6 @@ import shutil
 import statistics
 import tempfile
 import time
-
 from collections.abc import Callable
 from datetime import timedelta
 
