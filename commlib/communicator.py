@@ -15,7 +15,9 @@ A rank that breaks or aborts its communicator says so in the communicator's stor
 same communicator reads that key between slices of its wait and fails with a `PeerFailure`
 naming the rank within a fraction of a second, instead of waiting out its deadline for a
 rank that will never come (an exception in that rank's step, a rank that timed out on
-another collective, a rank recovering in-job). Slices start at `ABORT_POLL_S` and grow with
+another collective, a rank recovering in-job). A peer whose deadline expired in the same
+collective is no culprit: it arrived, like this rank, so this rank fails with the same
+`CollectiveTimeout` naming the ranks that never did (deadlines expire a little apart). Slices start at `ABORT_POLL_S` and grow with
 the time already waited (a tenth of it), so a long wait costs the store one read per ~10%
 of its length; an op that completes within its first slice costs no store read at all.
 Engines whose timed-out wait breaks the op (c10d's NCCL aborts the communicator) wait in
@@ -349,15 +351,15 @@ class Communicator:
         if not self._backend.resumable_wait:
             return backend_work.wait(timedelta(seconds=budget_s))
         outcome = self._wait_in_slices(backend_work.wait, budget_s, entry.start_mono_ns)
-        if isinstance(outcome, tuple):
+        if isinstance(outcome, dict):
             _abandon(backend_work, self._backend)
-            raise self._peer_left(call, entry, *outcome)
+            raise self._peer_left(call, entry, outcome)
         return outcome
 
     def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
-                        since_mono_ns: int) -> bool | tuple[int, str]:
+                        since_mono_ns: int) -> bool | dict[str, Any]:
         """Call `wait(slice)` until it returns True (done), `budget_s` passes (False), or a
-        peer's abort announcement is read between two slices (its rank and reason)."""
+        peer's abort announcement is read between two slices (`_announce_abort`)."""
         until = time.monotonic() + budget_s
         # Most waits end within the first slice, which is the same for all of them.
         slice_td = _FIRST_SLICE if budget_s >= ABORT_POLL_S else timedelta(seconds=budget_s)
@@ -372,23 +374,31 @@ class Communicator:
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
-    def _announce_abort(self, reason: str) -> None:
+    def _announce_abort(self, reason: str, timed_out_in: tuple[str, int] | None = None) -> None:
+        """`timed_out_in`: the collective (op, seq) whose deadline expired here, if that is why."""
+        announcement = {"rank": self.rank, "reason": reason, "timed_out_in": timed_out_in}
         try:
-            self._store.compare_set(ABORT_KEY, "", json.dumps({"rank": self.rank, "reason": reason}))
+            self._store.compare_set(ABORT_KEY, "", json.dumps(announcement))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
             _report_side_failure(self._log, "abort announcement", exc)
 
-    def _peer_abort(self) -> tuple[int, str] | None:
-        """(rank, reason) of the peer that aborted this communicator, if one did."""
+    def _peer_abort(self) -> dict[str, Any] | None:
+        """The announcement of the peer that aborted this communicator (`_announce_abort`), if one did."""
         try:
             if not self._store.check([ABORT_KEY]):
                 return None
             announced = json.loads(self._store.get(ABORT_KEY))
         except Exception:  # an unreachable store tells nothing: the deadline still holds
             return None
-        return (announced["rank"], announced["reason"]) if announced["rank"] != self.rank else None
+        return announced if announced["rank"] != self.rank else None
 
-    def _peer_left(self, call: Collective, entry: FlightEntry, peer: int, reason: str) -> CommError:
+    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any]) -> CommError:
+        peer, reason = announced["rank"], announced["reason"]
+        if call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]:
+            # The peer waited in this same collective and its deadline expired first: this
+            # rank's wait is doomed by the same absent ranks. Blaming the peer, which did
+            # arrive, would send the operator to the wrong rank; this is the same timeout.
+            return self._timed_out(call, entry, None, expired_first_on=peer)
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         error = PeerFailure(f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank} after {elapsed:.1f} s: "
                             f"expected every peer to complete it; found rank {peer} had aborted the communicator "
@@ -404,7 +414,10 @@ class Communicator:
     def _where(self, call: Collective) -> dict[str, Any]:
         return {"op": call.op.value, "seq": call.seq, "comm": self.name, "rank": self.rank}
 
-    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None) -> CommError:
+    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
+                   expired_first_on: int | None = None) -> CommError:
+        """`expired_first_on`: the peer whose deadline for this same collective expired before
+        this rank's, which ends this rank's wait early (`_peer_left`)."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
             board = self.board.read()
@@ -422,6 +435,9 @@ class Communicator:
             message = (f"{call.op} #{call.seq} on {self.name!r} timed out after {elapsed:.1f} s on rank "
                        f"{self.rank}; the progress board could not be read ({exc})")
             missing, stale = None, None
+        if expired_first_on is not None:
+            message += (f" (rank {expired_first_on}'s deadline for it expired first: this rank stopped waiting "
+                        f"before its own {call.deadline_s:g} s)")
         error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s, missing_ranks=missing,
                                   stale_ranks=stale, **self._where(call))
         if cause is not None:
@@ -456,7 +472,8 @@ class Communicator:
         """
         FlightRecorder.end(entry, state)
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        self._announce_abort(self._dead)
+        timed_out = isinstance(error, CollectiveTimeout) and call.peer is None
+        self._announce_abort(self._dead, timed_out_in=(call.op.value, call.seq) if timed_out else None)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
@@ -530,8 +547,8 @@ class Communicator:
             raise self._timed_out(call, failed_entry(), exc) from exc
         if outcome is False:
             raise self._timed_out(call, failed_entry(), None)
-        if isinstance(outcome, tuple):
-            raise self._peer_left(call, failed_entry(), *outcome)
+        if isinstance(outcome, dict):
+            raise self._peer_left(call, failed_entry(), outcome)
         values = [v[len(tag):].decode() for v in values]
         if len(set(values)) == 1:
             return

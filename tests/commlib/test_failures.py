@@ -107,6 +107,33 @@ def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, che
             and f"found rank 1 had aborted the communicator ({reason})" in r0["message"]), r0
 
 
+def _rank2_skips_and_rank0_expires_first(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == 2:
+        time.sleep(4)  # never joins #2, and outlives both peers' waits
+        return {}
+    start = time.monotonic()
+    try:  # rank 0's deadline expires long before rank 1's
+        comm.all_reduce(t, timeout=1.0 if comm.rank == 0 else 30.0)
+    except commlib.CommError as exc:
+        return {"elapsed": time.monotonic() - start, "error": type(exc).__name__, "message": str(exc),
+                "missing": getattr(exc, "missing_ranks", None)}
+    return {"error": None}
+
+
+def test_a_peer_timing_out_first_in_the_same_collective_is_no_culprit() -> None:
+    # Rank 0 arrived like rank 1 did: its announcement ends rank 1's wait, and rank 1 reports
+    # the same timeout naming rank 2 (a PeerFailure naming rank 0 before, when the two
+    # deadlines expired a moment apart; seen in CI on test_doctor_p2p).
+    r0, r1, _ = testing.run(_rank2_skips_and_rank0_expires_first, 3, backend="gloo")
+    assert (r0["error"], r0["missing"]) == ("CollectiveTimeout", [2]), r0
+    assert (r1["error"], r1["missing"]) == ("CollectiveTimeout", [2]), r1
+    assert r1["elapsed"] < 1.0 + 1.5, r1
+    assert "all_reduce #2 on 'world' timed out after 1." in r1["message"] and "rank 2 never started it" in r1["message"]
+    assert "rank 0's deadline for it expired first: this rank stopped waiting before its own 30 s" in r1["message"]
+
+
 def _mismatch(comm: commlib.Communicator) -> str:
     try:
         if comm.rank == 0:
