@@ -16,8 +16,9 @@ same communicator reads that key between slices of its wait and fails with a `Pe
 naming the rank within a fraction of a second, instead of waiting out its deadline for a
 rank that will never come (an exception in that rank's step, a rank that timed out on
 another collective, a rank recovering in-job). A peer whose deadline expired in the same
-collective is no culprit: it arrived, like this rank, so this rank fails with the same
-`CollectiveTimeout` naming the ranks that never did (deadlines expire a little apart). Slices start at `ABORT_POLL_S` and grow with
+collective, which this rank had started by then, is no culprit: it arrived like this rank,
+so this rank fails with the same `CollectiveTimeout` naming the ranks that never did
+(deadlines expire a little apart). Slices start at `ABORT_POLL_S` and grow with
 the time already waited (a tenth of it), so a long wait costs the store one read per ~10%
 of its length; an op that completes within its first slice costs no store read at all.
 Engines whose timed-out wait breaks the op (c10d's NCCL aborts the communicator) wait in
@@ -374,9 +375,12 @@ class Communicator:
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
-    def _announce_abort(self, reason: str, timed_out_in: tuple[str, int] | None = None) -> None:
-        """`timed_out_in`: the collective (op, seq) whose deadline expired here, if that is why."""
-        announcement = {"rank": self.rank, "reason": reason, "timed_out_in": timed_out_in}
+    def _announce_abort(self, reason: str, timed_out: tuple[str, int, list[int]] | None = None) -> None:
+        """`timed_out`: the collective (op, seq) whose deadline expired here, if that is why, and
+        the ranks that had not started it then."""
+        announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
+        if timed_out is not None:
+            announcement["timed_out_in"], announcement["missing"] = list(timed_out[:2]), timed_out[2]
         try:
             self._store.compare_set(ABORT_KEY, "", json.dumps(announcement))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
@@ -394,10 +398,12 @@ class Communicator:
 
     def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any]) -> CommError:
         peer, reason = announced["rank"], announced["reason"]
-        if call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]:
-            # The peer waited in this same collective and its deadline expired first: this
-            # rank's wait is doomed by the same absent ranks. Blaming the peer, which did
-            # arrive, would send the operator to the wrong rank; this is the same timeout.
+        if (call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]
+                and self.rank not in announced["missing"]):
+            # The peer's deadline expired first in this same collective, which this rank had
+            # started by then: its wait is doomed by the same absent ranks. Blaming the peer,
+            # which arrived too, would send the operator to the wrong rank; this is the same
+            # timeout. (A rank that arrived after the peer gave up is the late one: PeerFailure.)
             return self._timed_out(call, entry, None, expired_first_on=peer)
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         error = PeerFailure(f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank} after {elapsed:.1f} s: "
@@ -472,8 +478,10 @@ class Communicator:
         """
         FlightRecorder.end(entry, state)
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        timed_out = isinstance(error, CollectiveTimeout) and call.peer is None
-        self._announce_abort(self._dead, timed_out_in=(call.op.value, call.seq) if timed_out else None)
+        if isinstance(error, CollectiveTimeout) and call.peer is None and error.missing_ranks is not None:
+            self._announce_abort(self._dead, timed_out=(call.op.value, call.seq, error.missing_ranks))
+        else:
+            self._announce_abort(self._dead)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,

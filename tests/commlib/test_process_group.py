@@ -197,9 +197,11 @@ def _late_peer_short_deadline(comm: commlib.Communicator) -> str:
 
 
 def test_a_per_call_deadline_shorter_than_the_communicators_is_honoured() -> None:
-    r0, _ = testing.run(_late_peer_short_deadline, 2, timeout=60)
+    r0, r1 = testing.run(_late_peer_short_deadline, 2, timeout=60)
     deadline, elapsed, missing = r0.split(":")
     assert float(deadline) == 1.0 and float(elapsed) < 1.6 and missing == "[1]"
+    # Rank 1 is the one rank 0 gave up on, not a fellow waiter: told that its peer left.
+    assert r1 == "peer gone", r1
 
 
 def _p2p_then_collective(comm: commlib.Communicator) -> dict[str, Any]:
