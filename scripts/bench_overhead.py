@@ -42,7 +42,7 @@ from commlib.communicator import Communicator
 from commlib.observe import log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightRecorder
-from commlib.ops import Collective, OpName
+from commlib.ops import Collective, OpName, ReduceOp
 from commlib.process_group import CommlibProcessGroup
 
 SIZES = {"4 B": 1, "4 KiB": 1024, "4 MiB": 1024 * 1024}
@@ -114,6 +114,51 @@ def _diagnosis_latency(comm: commlib.Communicator, trials: int, deadline: float)
                 lateness.append(time.monotonic() - start - deadline)
         comm.barrier()  # rank 1 waits here: it never joins the sub-communicator's collective
     return lateness
+
+
+def _layers_in_context(comm: commlib.Communicator, rounds: int, calls: int) -> dict[str, float]:
+    """Median CPU us per 4 KiB all_reduce (1 rank, real gloo) of each layer of the backend
+    path, outermost last, and of raw, interleaved in rounds: where the in-context cost goes."""
+    plain = dist.new_group(backend="gloo")
+    t = torch.ones(1024)
+    engine_opts = c10d_opts.AllreduceOptions()
+    engine_opts.timeout = timedelta(seconds=comm.timeout)
+    sync_opts = c10d_opts.AllreduceOptions()
+    sync_opts.asyncOp = False
+    first_slice = timedelta(seconds=0.1)
+    backend = comm._backend  # the bench reaches past the API on purpose: each layer alone
+    engine, group = backend.engine, dist.distributed_c10d._get_default_group()
+    call = Collective(OpName.ALL_REDUCE, comm.name, 0, 1, False, comm.timeout, tensor=t, reduce_op=ReduceOp.SUM)
+    layers: dict[str, Callable[[], object]] = {
+        "gloo engine alone (its allreduce + wait)": lambda: engine.allreduce([t], engine_opts).wait(first_slice),
+        "+ commlib's engine backend (C10dBackend launch + wait)":
+            lambda: backend.launch(call, engine_opts.timeout).wait(first_slice),
+        "+ Communicator (Communicator.all_reduce)": lambda: comm.all_reduce(t),
+        "+ process group method (CommlibProcessGroup.allreduce)": lambda: group.allreduce([t], sync_opts),
+        "+ torch's dist.all_reduce (the backend path)": lambda: dist.all_reduce(t),
+        "raw: torch's dist.all_reduce on a gloo group": lambda: dist.all_reduce(t, group=plain),
+    }
+    cpu: dict[str, list[float]] = {name: [] for name in layers}
+    for run in layers.values():
+        for _ in range(50):
+            run()
+    for _ in range(rounds):
+        for name, run in layers.items():
+            start = time.thread_time()
+            for _ in range(calls):
+                run()
+            cpu[name].append((time.thread_time() - start) / calls * 1e6)
+    return {name: statistics.median(us) for name, us in cpu.items()}
+
+
+def _print_layers(rounds: int, calls: int) -> None:
+    layers = testing.run(_layers_in_context, 1, timeout=600, args=(rounds, calls))[0]
+    print("\nthe backend path layer by layer, 1 rank, 4 KiB all_reduce, CPU us per call (step from the layer above):")
+    below = None
+    for name, us in layers.items():
+        step = "" if below is None or name.startswith("raw") else f" ({us - below:+.1f})"
+        print(f"  {name}: {us:.1f}{step}")
+        below = us
 
 
 def _bookkeeping_us(calls: int = 20000) -> float:
@@ -231,6 +276,7 @@ def main() -> None:
     }
     if args.one_rank:
         _print_one_rank(configs, args)
+        _print_layers(args.rounds, args.iters * 5)
         _print_own_layers()
         return
     print(f"2 ranks, gloo, all_reduce; medians over {args.rounds} interleaved rounds, added CPU as median "
@@ -245,6 +291,7 @@ def main() -> None:
                   f"| {row['raw_cpu_us']:.1f} | {_cpu(row['added_cpu_us'])} | {_cpu(row['backend_added_cpu_us'])} "
                   f"| {_cpu(row['async_added_cpu_us'])} |")
     _print_one_rank(configs, args)
+    _print_layers(args.rounds, args.iters * 5)
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
     lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)
