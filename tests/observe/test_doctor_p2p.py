@@ -3,7 +3,7 @@ run where torch is not installed.
 
 One 3-rank gloo run plays two scenarios, each on a communicator of its own logging into a
 directory of its own: rank 0 sends to rank 1, every rank all_reduces, then
-- "skip": rank 2 never joins the next all_reduce (ranks 0 and 1 time out);
+- "skip": rank 2 never joins the next all_reduce (ranks 0 and 1 time out, rank 0 first);
 - "pipe": rank 1 posts a second recv from rank 0, which sends to rank 2 instead (rank 1's
   recv times out; a SIGUSR1 dump shows it in that recv). The communicator numbers its
   ranks in another order than the world, and every rank reported must be the global one.
@@ -64,7 +64,9 @@ def _program(world: commlib.Communicator, root: str) -> dict[str, Any]:
     if rank == 2:
         commlib.get_logger().info("train.step", step=5)  # and on to the next scenario
     else:
-        results["skip"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE))
+        # Rank 1's deadline is the longer: rank 0's expiry, announced, ends rank 1's wait early,
+        # and rank 1 must still report the same timeout naming rank 2, not blame rank 0.
+        results["skip"] = outcome(lambda: sub.all_reduce(t, timeout=DEADLINE if rank == 0 else 4 * DEADLINE))
 
     # Communicator ranks differ from global ranks here (global 0 is rank 1 of "pipe"): every
     # rank the doctor and the trace name is global.
@@ -93,6 +95,7 @@ def test_rank_skipping_a_collective_after_send_recv_is_named(logs: tuple[Path, l
     root, results = logs
     for r in (0, 1):
         assert (results[r]["skip"]["error"], results[r]["skip"]["missing_ranks"]) == ("CollectiveTimeout", [2])
+    assert results[1]["skip"]["elapsed"] < 2 * DEADLINE < results[1]["skip"]["deadline"], results[1]
     d = diagnose(root / "skip")
     final = d.final
     assert final is not None and final.status == "failed" and final.culprits == [2]
