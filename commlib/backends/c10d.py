@@ -215,7 +215,7 @@ class C10dBackend:
 
     def _reduction(self, call: Collective) -> tuple[Any, Callable[[], None] | None]:
         """The dist.ReduceOp to launch with, and the emulation step to run on completion."""
-        if call.reduce_op is None:
+        if call.reduce_op is None or call.reduce_op is ReduceOp.SUM:  # most calls: no lookup below
             return dist.ReduceOp.SUM, None
         kind = reduction_kind(call.reduce_op)
         if kind is ReduceOp.PREMUL_SUM:
