@@ -375,12 +375,12 @@ class Communicator:
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
-    def _announce_abort(self, reason: str, timed_out: tuple[str, int, list[int]] | None = None) -> None:
-        """`timed_out`: the collective (op, seq) whose deadline expired here, if that is why, and
-        the ranks that had not started it then."""
+    def _announce_abort(self, reason: str, timeout: CollectiveTimeout | None = None) -> None:
+        """`timeout`: the collective's timeout that broke the communicator, if one did: its op,
+        seq and the ranks that had not started it go in the announcement (`_peer_left`)."""
         announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
-        if timed_out is not None:
-            announcement["timed_out_in"], announcement["missing"] = list(timed_out[:2]), timed_out[2]
+        if timeout is not None and timeout.missing_ranks is not None:
+            announcement.update(timed_out_in=[timeout.op, timeout.seq], missing=timeout.missing_ranks)
         try:
             self._store.compare_set(ABORT_KEY, "", json.dumps(announcement))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
@@ -478,10 +478,7 @@ class Communicator:
         """
         FlightRecorder.end(entry, state)
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        if isinstance(error, CollectiveTimeout) and call.peer is None and error.missing_ranks is not None:
-            self._announce_abort(self._dead, timed_out=(call.op.value, call.seq, error.missing_ranks))
-        else:
-            self._announce_abort(self._dead)
+        self._announce_abort(self._dead, error if isinstance(error, CollectiveTimeout) and call.peer is None else None)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
