@@ -268,7 +268,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--one-rank", action="store_true", help="only the 1-rank figures")
     args = parser.parse_args()
-    logs = tempfile.mkdtemp(prefix="commlib-bench-logs-")
+    logs = tempfile.mkdtemp(prefix="commlib-bench-logs-")  # the JSON logs' runs and the diagnosis runs
+    try:
+        _report(args, logs)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _report(args: argparse.Namespace, logs: str) -> None:
     configs = {
         "default (flight recorder + board)": {},
         "JSON logs on": {"log_dir": logs},
@@ -293,7 +300,8 @@ def main() -> None:
     _print_one_rank(configs, args)
     _print_layers(args.rounds, args.iters * 5)
     print(f"flight recorder + progress board bookkeeping alone: {_bookkeeping_us():.2f} us per collective")
-    lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5))[0]
+    # With a log dir, the stacks the timed-out rank asks of its peer go there, not to stderr.
+    lateness = testing.run(_diagnosis_latency, 2, timeout=300, args=(args.trials, 0.5), log_dir=logs)[0]
     lateness_ms = sorted(x * 1e3 for x in lateness)
     print(f"diagnosis latency (deadline expiry -> CollectiveTimeout raised, {len(lateness_ms)} timeouts, 0.5 s "
           f"deadline): p50 {statistics.median(lateness_ms):.1f} ms, max {max(lateness_ms):.1f} ms")
