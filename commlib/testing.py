@@ -9,6 +9,14 @@ environment). It returns each rank's result in rank order, re-raises the first f
 rank's exception as `RankError` with that rank and its traceback, and never outlives its
 timeout: ranks still running then are killed and `RankTimeout` says which.
 
+Ranks fork from a server process that imported torch once (multiprocessing's forkserver),
+so a rank costs a fork, not a fresh interpreter importing torch (about 2 s of CPU each,
+most of a small test's time). torch reads part of the environment when it is imported
+(whether to route through torchcomms, and whether torchcomms imports from PYTHONPATH), so
+the server is used only while the environment is the one it started in; a call made under
+another one (a test that set a variable) spawns fresh interpreters, as before. Each rank
+gets the caller's environment either way.
+
 `outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
 
@@ -25,6 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+# Read by nothing at import, and set anew for every test: no reason to leave the fork server.
+_NOT_IMPORT_TIME = frozenset({"PYTEST_CURRENT_TEST"})
+_server_env: dict[str, str] | None = None  # the environment the fork server started in
 
 
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -65,8 +77,21 @@ class _Outcome:
     tb: str = ""
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    """The fork server while this process's environment is the one it started in (module
+    docstring); fresh interpreters otherwise."""
+    global _server_env
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_IMPORT_TIME}
+    if _server_env is None:  # the server starts with the first rank, in this environment
+        multiprocessing.set_forkserver_preload(["torch"])
+        _server_env = env
+    return multiprocessing.get_context("forkserver" if env == _server_env else "spawn")
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str | None,
-           args: tuple[Any, ...], init_kwargs: dict[str, Any], results: Any) -> None:
+           args: tuple[Any, ...], init_kwargs: dict[str, Any], env: dict[str, str], results: Any) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -104,9 +129,10 @@ def run(fn: Callable[..., Any], world_size: int = 2, backend: str | None = "gloo
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; found {world_size}")
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, backend, args, init_kwargs, results),
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, backend, args, init_kwargs, env, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
