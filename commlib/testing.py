@@ -13,9 +13,9 @@ Ranks fork from a server process that imported torch once (multiprocessing's for
 so a rank costs a fork, not a fresh interpreter importing torch (about 2 s of CPU each,
 most of a small test's time). torch reads part of the environment when it is imported
 (whether to route through torchcomms, and whether torchcomms imports from PYTHONPATH), so
-the server is used only while the environment is the one it started in; a call made under
-another one (a test that set a variable) spawns fresh interpreters, as before. Each rank
-gets the caller's environment either way.
+the server is used only while the environment is the one this module was imported in (the
+server starts in it); a call made under another one (a test that set a variable) spawns
+fresh interpreters, as before. Each rank gets the caller's environment either way.
 
 `outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
@@ -36,7 +36,16 @@ import torch.distributed as dist
 
 # Read by nothing at import, and set anew for every test: no reason to leave the fork server.
 _NOT_IMPORT_TIME = frozenset({"PYTEST_CURRENT_TEST"})
-_server_env: dict[str, str] | None = None  # the environment the fork server started in
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _NOT_IMPORT_TIME}
+
+
+# The fork server's environment: this process's as this module was imported (before any
+# test set a variable), whichever call starts the server.
+_SERVER_ENV = _import_time_env()
+multiprocessing.set_forkserver_preload(["torch"])
 
 
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -78,14 +87,10 @@ class _Outcome:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    """The fork server while this process's environment is the one it started in (module
-    docstring); fresh interpreters otherwise."""
-    global _server_env
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_IMPORT_TIME}
-    if _server_env is None:  # the server starts with the first rank, in this environment
-        multiprocessing.set_forkserver_preload(["torch"])
-        _server_env = env
-    return multiprocessing.get_context("forkserver" if env == _server_env else "spawn")
+    """The fork server while this process's environment is `_SERVER_ENV` (module docstring;
+    the server starts with the first rank it forks, so in that environment); fresh
+    interpreters otherwise."""
+    return multiprocessing.get_context("forkserver" if _import_time_env() == _SERVER_ENV else "spawn")
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str | None,

@@ -1,7 +1,9 @@
-"""commlib.testing.run: results in rank order, a rank's exception with its rank, a hard timeout."""
+"""commlib.testing.run: results in rank order, a rank's exception with its rank, a hard timeout, ranks
+forked from the server while the environment allows."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -32,3 +34,19 @@ def test_never_outlives_its_timeout() -> None:
         testing.run(_sleeps, 2, backend=None, timeout=3)
     assert info.value.ranks == [0, 1]
     assert time.monotonic() - start < 10
+
+
+def _started_how() -> dict[str, object]:
+    return {"parent": os.getppid(), "var": os.environ.get("COMMLIB_TESTING_PROBE"), "rank": os.environ["RANK"]}
+
+
+def test_ranks_fork_from_the_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment this module was imported in: ranks are the fork server's children.
+    forked = testing.run(_started_how, 2, backend=None)
+    assert [r["rank"] for r in forked] == ["0", "1"]
+    assert all(r["parent"] != os.getpid() and r["var"] is None for r in forked), forked
+    # A variable torch might read at import: fresh interpreters, children of this process,
+    # which see it.
+    monkeypatch.setenv("COMMLIB_TESTING_PROBE", "set by the test")
+    spawned = testing.run(_started_how, 2, backend=None)
+    assert all(r["parent"] == os.getpid() and r["var"] == "set by the test" for r in spawned), spawned
