@@ -13,9 +13,10 @@ Ranks fork from a server process that imported torch once (multiprocessing's for
 so a rank costs a fork, not a fresh interpreter importing torch (about 2 s of CPU each,
 most of a small test's time). torch reads part of the environment when it is imported
 (whether to route through torchcomms, and whether torchcomms imports from PYTHONPATH), so
-the server is used only while the environment is the one this module was imported in (the
-server starts in it); a call made under another one (a test that set a variable) spawns
-fresh interpreters, as before. Each rank gets the caller's environment either way.
+the server is used only while the variables read at import (`_READ_AT_IMPORT`) are as they
+were when this module was imported (the server starts with them); a call made under others
+(a test that set one) spawns fresh interpreters, as before. Each rank gets the caller's
+whole environment either way.
 
 `outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
@@ -34,12 +35,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-# Read by nothing at import, and set anew for every test: no reason to leave the fork server.
-_NOT_IMPORT_TIME = frozenset({"PYTEST_CURRENT_TEST"})
+# The variables the fork server's imports may have read (the interpreter, torch, the OpenMP
+# and MKL runtimes torch loads, the dynamic loader): a rank forked from it has what they
+# made of them then.
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_")
+# Except inductor's: the server does not import inductor (a rank that does reads them from
+# its own environment), and torch.compile writes its cache dir into this process's.
+_READ_LATER = ("TORCHINDUCTOR_",)
 
 
 def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _NOT_IMPORT_TIME}
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT) and not k.startswith(_READ_LATER)}
 
 
 # The fork server's environment: this process's as this module was imported (before any

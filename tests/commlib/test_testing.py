@@ -37,16 +37,18 @@ def test_never_outlives_its_timeout() -> None:
 
 
 def _started_how() -> dict[str, object]:
-    return {"parent": os.getppid(), "var": os.environ.get("COMMLIB_TESTING_PROBE"), "rank": os.environ["RANK"]}
+    return {"parent": os.getppid(), "rank": os.environ["RANK"],
+            "vars": [os.environ.get("COMMLIB_TESTING_PROBE"), os.environ.get("TORCH_COMMLIB_TESTING_PROBE")]}
 
 
-def test_ranks_fork_from_the_server_unless_the_environment_changed(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The environment this module was imported in: ranks are the fork server's children.
+def test_ranks_fork_from_the_server_unless_an_import_time_variable_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A variable nothing reads at import: ranks are the fork server's children, and see it.
+    monkeypatch.setenv("COMMLIB_TESTING_PROBE", "read at run time")
     forked = testing.run(_started_how, 2, backend=None)
     assert [r["rank"] for r in forked] == ["0", "1"]
-    assert all(r["parent"] != os.getpid() and r["var"] is None for r in forked), forked
-    # A variable torch might read at import: fresh interpreters, children of this process,
-    # which see it.
-    monkeypatch.setenv("COMMLIB_TESTING_PROBE", "set by the test")
+    assert all(r["parent"] != os.getpid() and r["vars"] == ["read at run time", None] for r in forked), forked
+    # One torch might read at import: fresh interpreters, children of this process.
+    monkeypatch.setenv("TORCH_COMMLIB_TESTING_PROBE", "read at import")
     spawned = testing.run(_started_how, 2, backend=None)
-    assert all(r["parent"] == os.getpid() and r["var"] == "set by the test" for r in spawned), spawned
+    assert all(r["parent"] == os.getpid() and r["vars"] == ["read at run time", "read at import"]
+               for r in spawned), spawned
