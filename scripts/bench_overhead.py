@@ -38,7 +38,7 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 
 import commlib
 from commlib import testing
-from commlib.communicator import Communicator
+from commlib.communicator import ABORT_POLL_S, Communicator
 from commlib.observe import log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightRecorder
@@ -125,7 +125,7 @@ def _layers_in_context(comm: commlib.Communicator, rounds: int, calls: int) -> d
     engine_opts.timeout = timedelta(seconds=comm.timeout)
     sync_opts = c10d_opts.AllreduceOptions()
     sync_opts.asyncOp = False
-    first_slice = timedelta(seconds=0.1)
+    first_slice = timedelta(seconds=ABORT_POLL_S)  # what the Communicator's sync wait starts with
     backend = comm._backend  # the bench reaches past the API on purpose: each layer alone
     engine, group = backend.engine, dist.distributed_c10d._get_default_group()
     call = Collective(OpName.ALL_REDUCE, comm.name, 0, 1, False, comm.timeout, tensor=t, reduce_op=ReduceOp.SUM)
