@@ -16,7 +16,10 @@ most of a small test's time). torch reads part of the environment when it is imp
 the server is used only while the variables read at import (`_READ_AT_IMPORT`) are as they
 were when this module was imported (the server starts with them); a call made under others
 (a test that set one) spawns fresh interpreters, as before. Each rank gets the caller's
-whole environment either way.
+whole environment either way. A forked rank's stdout and stderr are the server's, those
+of the call that started it (under pytest, that test's captured output): a rank's
+exception still comes back whole in `RankError`, but what it printed shows in no later
+test's report.
 
 `outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
