@@ -28,6 +28,7 @@ one piece, as before (`Backend.resumable_wait`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import time
@@ -93,7 +94,12 @@ class Communicator:
         self.rank = backend.rank
         self.size = backend.size
         self.timeout = timeout
-        self.check_consistency = check_consistency
+        self._check_consistency = check_consistency
+        # Where the consistency check compares digests: the engine where that costs no device sync (`_agree`).
+        self._fingerprints_via_engine = backend.device.type == "cpu"
+        # The digests it exchanges there, written and read through a numpy view (cheaper than torch's indexing).
+        self._digest_tensor = torch.zeros(2, dtype=torch.int64)
+        self._digest_pair = self._digest_tensor.numpy()
         self.world_rank = backend.rank if world_rank is None else world_rank
         self.hooks = HookRegistry()
         self._check = CallChecker(backend.supports)
@@ -101,12 +107,38 @@ class Communicator:
         self._p2p_seq: dict[int, int] = {}  # send/recv, per peer
         self._splits = 0
         self._dead: str | None = None  # why the communicator can no longer be used
+        self._agree_on_settings()  # before the board, whose publisher would outlive a failed creation
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
         self.board = ProgressBoard(store, self.rank, self.size, os.getpid())
         bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
         self._log = _log.get_logger().bind(**bound)
         self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
         self._log.info("comm.init", timeout_s=timeout, check_consistency=check_consistency)
+
+    def _agree_on_settings(self) -> None:
+        """Raise unless every rank has the consistency check on, or every rank has it off.
+
+        A checked call issues one collective of its own on the engine (`_digests_agree`): a
+        rank without the check would pair it with its real collective, and the two would mix
+        each other's data instead of failing. So the setting is compared once, here, through
+        the store, which makes creating a communicator wait for every rank to create it (as
+        the engine's own rendezvous mostly does anyway), at most the default deadline.
+        """
+        keys = [f"settings/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], "on" if self._check_consistency else "off")
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as exc:
+            absent = [r for r, key in enumerate(keys) if not self._store.check([key])]
+            raise CommError(f"creating {self.name!r} on rank {self.rank}: expected every rank to create it within "
+                            f"{self.timeout:g} s; found ranks {absent} did not", op="init", comm=self.name,
+                            rank=self.rank) from exc
+        settings = [value.decode() for value in self._store.multi_get(keys)]
+        if len(set(settings)) > 1:
+            by_setting = {s: [r for r, v in enumerate(settings) if v == s] for s in ("on", "off")}
+            raise ValueError(f"creating {self.name!r} on rank {self.rank}: expected every rank to create it with the "
+                             f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
+                             f"{by_setting['on']} and off for ranks {by_setting['off']}")
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -116,6 +148,11 @@ class Communicator:
     @property
     def device(self) -> torch.device:
         return self._backend.device
+
+    @property
+    def check_consistency(self) -> bool:
+        """Fixed at creation, and the same on every rank (`_agree_on_settings`)."""
+        return self._check_consistency
 
     @property
     def seq(self) -> int:
@@ -285,7 +322,7 @@ class Communicator:
             self._seq += 1
             call.seq = self._seq
         call.context = _log.current_context()
-        if self.check_consistency and not p2p:
+        if self._check_consistency and not p2p:
             self._agree(call)
         if _PROCESS_HOOKS.pre or self.hooks.pre:
             try:
@@ -502,22 +539,45 @@ class Communicator:
         if directory is not None:
             self.recorder.dump(directory, reason)
 
-    def _agree(self, call: Collective) -> None:
-        """Compare this call's fingerprint with every rank's through the store.
+    def _digests_agree(self, call: Collective, fingerprint: dict[str, object], started: tuple[int, int]) -> bool:
+        """Whether every rank's fingerprint has the digest of this rank's: an all_reduce(MAX)
+        of (digest, -digest) on the engine, which every rank issues for every checked call (the
+        setting is agreed at creation, `_agree_on_settings`), so it pairs with nothing else."""
+        # repr, not JSON: the fingerprint is built in one order on every rank, and this is cheaper.
+        digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest(), "little") >> 2
+        both = self._digest_pair
+        both[0], both[1] = digest, -digest  # after MAX: the largest digest, and minus the smallest
+        exchange = Collective(op=OpName.ALL_REDUCE, comm=self.name, rank=self.rank, size=self.size, async_op=False,
+                              deadline_s=call.deadline_s, seq=call.seq, tensor=self._digest_tensor,
+                              reduce_op=ReduceOp.MAX)
+        try:
+            work = self._backend.launch(exchange, _timedelta(call.deadline_s))
+            resumable = self._backend.resumable_wait
+            outcome = (self._wait_in_slices(work.wait, call.deadline_s, started[1]) if resumable
+                       else work.wait(_timedelta(call.deadline_s)))
+        except Exception as exc:
+            raise self._fail(call, self._check_entry(call, started), exc) from exc
+        if outcome is not True:
+            _abandon(work, self._backend)
+            self._check_failed(call, started, outcome)
+        return int(both[0]) == digest == -int(both[1])
+
+    def _fingerprints_through_store(self, call: Collective, mine: str, started: tuple[int, int]) -> list[str]:
+        """Every rank's fingerprint, in rank order, through the store.
 
         Each rank's fingerprint goes to one of `CONSISTENCY_SLOTS` keys of its own, in turn,
-        tagged with the call's number, so a check costs two store round trips (set, then
+        tagged with the call's number, so an exchange costs two store round trips (set, then
         one multi_get that finds every peer's value already there) and leaves nothing to
         delete. Two slots suffice: no rank passes check n+1 before every rank has set n+1,
-        so a peer's slot holds either this call's value or one from `CONSISTENCY_SLOTS`
-        calls ago (that peer has not arrived yet: read again until it has, in slices, like
-        an op's wait).
+        so a peer's slot holds either this call's value or one of an earlier call (that
+        peer has not arrived yet: read again until it has, in slices, like an op's wait).
         """
-        mine = json.dumps(call.fingerprint(), sort_keys=True)
         tag = f"{call.seq}|".encode()
         keys = [f"fp/{call.seq % CONSISTENCY_SLOTS}/{r}" for r in range(self.size)]
         self._store.set(keys[self.rank], tag + mine.encode())
-        started_ns, started_mono_ns = time.time_ns(), time.monotonic_ns()
+        # A peer's key may not exist yet: in its first calls, or at all where only a
+        # mismatch of digests brings the ranks here.
+        may_be_unset = self._fingerprints_via_engine or call.seq <= CONSISTENCY_SLOTS
         values: list[bytes] = []
 
         def every_rank_set(slice_td: timedelta) -> bool:
@@ -525,7 +585,7 @@ class Communicator:
             until = time.monotonic() + slice_td.total_seconds()
             pause_s = 0.0005
             while True:
-                if call.seq <= CONSISTENCY_SLOTS:  # a peer's key may not exist yet
+                if may_be_unset:
                     try:
                         self._store.wait(keys, timedelta(seconds=max(until - time.monotonic(), 1e-3)))
                     except Exception as exc:
@@ -541,20 +601,44 @@ class Communicator:
                 time.sleep(min(pause_s, left))
                 pause_s = min(pause_s * 2, ABORT_POLL_S / 2)
 
-        def failed_entry() -> FlightEntry:
-            entry = self.recorder.start(call)
-            entry.start_ns, entry.start_mono_ns = started_ns, started_mono_ns  # the wait is what failed
-            return entry
-
         try:  # in slices, like an op's wait: a peer that aborted meanwhile ends it at once
-            outcome = self._wait_in_slices(every_rank_set, call.deadline_s, started_mono_ns)
+            outcome = self._wait_in_slices(every_rank_set, call.deadline_s, started[1])
         except Exception as exc:
-            raise self._timed_out(call, failed_entry(), exc) from exc
+            raise self._timed_out(call, self._check_entry(call, started), exc) from exc
+        if outcome is not True:
+            self._check_failed(call, started, outcome)
+        return [v[len(tag):].decode() for v in values]
+
+    def _check_entry(self, call: Collective, started: tuple[int, int]) -> FlightEntry:
+        """The flight entry of a call whose consistency check failed: the check's wait is what
+        failed, so the entry starts when it did (the call itself never started)."""
+        entry = self.recorder.start(call)
+        entry.start_ns, entry.start_mono_ns = started
+        return entry
+
+    def _check_failed(self, call: Collective, started: tuple[int, int], outcome: bool | dict[str, Any]) -> None:
+        """Raise for a consistency check's wait that ended without every rank: its deadline
+        expired (False), or a peer's abort announcement was read (`_wait_in_slices`)."""
         if outcome is False:
-            raise self._timed_out(call, failed_entry(), None)
-        if isinstance(outcome, dict):
-            raise self._peer_left(call, failed_entry(), outcome)
-        values = [v[len(tag):].decode() for v in values]
+            raise self._timed_out(call, self._check_entry(call, started), None)
+        raise self._peer_left(call, self._check_entry(call, started), outcome)
+
+    def _agree(self, call: Collective) -> None:
+        """Raise `CollectiveMismatch` on every rank unless every rank issues the same collective.
+
+        On a CPU engine the ranks first compare a digest of their fingerprints with one small
+        collective of the engine's own (`_digests_agree`): one all_reduce, where the store
+        exchange costs two TCP round trips. Elsewhere that exchange would sync the device on
+        every call (its result is read on the host), so GPU communicators compare through the
+        store alone. Only when the digests differ, which every rank then sees, do the ranks
+        swap whole fingerprints through the store, to say who issued what.
+        """
+        fingerprint = call.fingerprint()
+        started = time.time_ns(), time.monotonic_ns()
+        if self._fingerprints_via_engine and self._digests_agree(call, fingerprint, started):
+            return
+        mine = json.dumps(fingerprint, sort_keys=True)
+        values = self._fingerprints_through_store(call, mine, started)
         if len(set(values)) == 1:
             return
         groups: dict[str, list[int]] = {}

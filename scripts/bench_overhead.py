@@ -11,7 +11,8 @@ rounds of (path - raw) per call, async against raw async, in wall time and in CP
 the calling thread (stable where wall time is not; see `_interleaved`).
 
 Configurations: commlib as shipped (flight recorder + progress board on, no log dir),
-with JSON logs (a log dir), and with the consistency check. Also measured: the flight
+with JSON logs (a log dir), and with the consistency check, as a CPU engine runs it (digests
+on the engine) and as a GPU one does (fingerprints through the store). Also measured: the flight
 recorder + progress board bookkeeping alone (one process, no communication), the
 diagnosis latency (deadline expiry to CollectiveTimeout raised, over 20 timeouts), and
 commlib's own layers alone: Communicator and process group calls over an engine whose ops
@@ -48,16 +49,21 @@ from commlib.process_group import CommlibProcessGroup
 SIZES = {"4 B": 1, "4 KiB": 1024, "4 MiB": 1024 * 1024}
 
 
-def _interleaved(comm: commlib.Communicator, rounds: int, iters: int) -> dict[str, dict[str, float]]:
+def _interleaved(comm: commlib.Communicator, rounds: int, iters: int,
+                 check_through_store: bool = False) -> dict[str, dict[str, float]]:
     """Per size: median per-call wall time and calling-thread CPU time of the paths, and their differences.
 
     Each added CPU figure is (median, first quartile, third quartile) over rounds.
+    `check_through_store`: the consistency check compares fingerprints through the store
+    alone, as on a GPU (and as every check did before digests went through the engine).
 
     The wall-time difference is what a trainer feels, but on a 2-core machine two ranks'
     scheduling noise is hundreds of microseconds; the CPU time the calling thread spends
     per call (gloo waits on a condition variable, which costs none) is stable to a few
     microseconds, and commlib's whole added cost is CPU work on that thread.
     """
+    if check_through_store:
+        comm._fingerprints_via_engine = False
     out: dict[str, dict[str, float]] = {}
     plain = dist.new_group(backend="gloo")  # torch's own gloo group, beside commlib's default one
     for label, numel in SIZES.items():
@@ -251,10 +257,10 @@ def _print_own_layers() -> None:
           + ", ".join(f"{name} {us:.2f}" for name, us in _own_layers_us().items()))
 
 
-def _print_one_rank(configs: dict[str, dict], args: argparse.Namespace) -> None:
+def _print_one_rank(configs: dict[str, tuple[dict, bool]], args: argparse.Namespace) -> None:
     # One rank: no peer on the same 2 cores, so no scheduling noise; this resolves a few microseconds.
-    solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5), **kwargs)[0]
-            for name, kwargs in configs.items()}
+    solo = {name: testing.run(_interleaved, 1, timeout=600, args=(args.rounds, args.iters * 5, store), **kwargs)[0]
+            for name, (kwargs, store) in configs.items()}
     print("\ncommlib's own CPU per 4 KiB all_reduce on 1 rank (no peer, no noise): "
           + ", ".join(f"{name} {_cpu(rows['4 KiB']['added_cpu_us'])} us (backend path "
                       f"{_cpu(rows['4 KiB']['backend_added_cpu_us'])} us, async issue + wait "
@@ -276,10 +282,11 @@ def main() -> None:
 
 
 def _report(args: argparse.Namespace, logs: str) -> None:
-    configs = {
-        "default (flight recorder + board)": {},
-        "JSON logs on": {"log_dir": logs},
-        "consistency check on": {"check_consistency": True},
+    configs = {  # name: (commlib.init's arguments, whether the consistency check goes through the store alone)
+        "default (flight recorder + board)": ({}, False),
+        "JSON logs on": ({"log_dir": logs}, False),
+        "consistency check on": ({"check_consistency": True}, False),
+        "consistency check through the store (a GPU's)": ({"check_consistency": True}, True),
     }
     if args.one_rank:
         _print_one_rank(configs, args)
@@ -291,8 +298,8 @@ def _report(args: argparse.Namespace, logs: str) -> None:
     print("| configuration | size | raw wall (us) | commlib wall (us) | added wall (us) | raw CPU (us) "
           "| added CPU (us) | added CPU, backend path (us) | added CPU, async issue + wait (us) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, kwargs in configs.items():
-        r0 = testing.run(_interleaved, 2, timeout=600, args=(args.rounds, args.iters), **kwargs)[0]
+    for name, (kwargs, store) in configs.items():
+        r0 = testing.run(_interleaved, 2, timeout=600, args=(args.rounds, args.iters, store), **kwargs)[0]
         for label, row in r0.items():
             print(f"| {name} | {label} | {row['raw_us']:.1f} | {row['commlib_us']:.1f} | {row['added_us']:+.1f} "
                   f"| {row['raw_cpu_us']:.1f} | {_cpu(row['added_cpu_us'])} | {_cpu(row['backend_added_cpu_us'])} "

@@ -12,8 +12,8 @@ peer outside the pair can compare with.
 
 The publisher writes through a store client of its own (`Store.clone()`): a TCPStore client
 serializes its operations, so sharing the communicator's would stop the heartbeat while the
-main thread blocks in a `store.wait` (the consistency check), and peers would call a live
-rank dead. A failed publication is retried at the next interval and logged (rate-limited);
+main thread blocks in a `store.wait` (the consistency check's store exchange), and peers
+would call a live rank dead. A failed publication is retried at the next interval and logged (rate-limited);
 the board stops publishing only once the store has failed `GIVE_UP_FAILURES` times in a
 row over at least `GIVE_UP_S` (the job is ending, or the store's host is gone).
 

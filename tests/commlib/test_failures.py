@@ -67,7 +67,15 @@ def test_killed_peer_gives_peer_failure_within_a_second(backend: str) -> None:
     assert "closed by peer" in r0["cause"] or "reset by peer" in r0["cause"]
 
 
-def _rank1_leaves(comm: commlib.Communicator, how: str) -> dict[str, object]:
+def _check_through(comm: commlib.Communicator, transport: str) -> None:
+    """"store": compare fingerprints through the store alone, as a communicator on a GPU
+    does; "engine": first as digests on the engine, as a CPU one does (`Communicator._agree`)."""
+    comm._fingerprints_via_engine = transport == "engine"
+
+
+def _rank1_leaves(comm: commlib.Communicator, how: str, check: str | None) -> dict[str, object]:
+    if check is not None:
+        _check_through(comm, check)
     t = torch.ones(2)
     comm.all_reduce(t)
     if comm.rank == 1:
@@ -92,12 +100,14 @@ def _rank1_leaves(comm: commlib.Communicator, how: str) -> dict[str, object]:
     return {"elapsed": time.monotonic() - start, "message": "no error"}
 
 
-@pytest.mark.parametrize(("how", "checked"), [("abort", False), ("broken", False), ("abort", True)])
-def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, checked: bool) -> None:
+@pytest.mark.parametrize(("how", "check"), [("abort", None), ("broken", None), ("abort", "engine"),
+                                           ("abort", "store")])
+def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, check: str | None) -> None:
     # gloo only: the torchcomms engine waits in one piece (TorchcommsBackend.resumable_wait).
-    # `checked`: rank 0 waits in the consistency check's store wait for rank 1's fingerprint
-    # of #2, which never comes, instead of in the engine.
-    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how,), check_consistency=checked)
+    # `check`: rank 0 waits in the consistency check for rank 1's part of #2, which never
+    # comes (the digest exchange on the engine, or the store wait for its fingerprint),
+    # instead of in the op.
+    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how, check), check_consistency=check is not None)
     # Its deadline is 30 s; the announcement is read between slices of the wait.
     assert r0["elapsed"] < 0.5 + 1.5, r0
     assert r0["failed"] == [1], r0
@@ -134,7 +144,8 @@ def test_a_peer_timing_out_first_in_the_same_collective_is_no_culprit() -> None:
     assert "rank 0's deadline for it expired first: this rank stopped waiting before its own 30 s" in r1["message"]
 
 
-def _mismatch(comm: commlib.Communicator) -> str:
+def _mismatch(comm: commlib.Communicator, transport: str) -> str:
+    _check_through(comm, transport)
     try:
         if comm.rank == 0:
             comm.all_reduce(torch.ones(4))
@@ -146,8 +157,9 @@ def _mismatch(comm: commlib.Communicator) -> str:
     return "no error"
 
 
-def test_consistency_check_names_mismatch_on_every_rank(backend: str) -> None:
-    r0, r1 = testing.run(_mismatch, 2, backend=backend, check_consistency=True)
+@pytest.mark.parametrize("transport", ["engine", "store"])
+def test_consistency_check_names_mismatch_on_every_rank(backend: str, transport: str) -> None:
+    r0, r1 = testing.run(_mismatch, 2, backend=backend, args=(transport,), check_consistency=True)
     assert r0.startswith("[1]|") and r1.startswith("[0]|")
     for message in (r0, r1):
         assert "expected every rank to issue the same collective" in message
@@ -170,6 +182,7 @@ def test_shape_mismatch_caught_before_launch(backend: str, monkeypatch: pytest.M
 
 
 def _rank1_late_for_a_reused_slot(comm: commlib.Communicator) -> dict[str, object]:
+    _check_through(comm, "store")  # the slots are the store exchange's, which GPU communicators use for every call
     for _ in range(3):  # both fingerprint slots now hold values of earlier calls, of 3 elements
         comm.all_reduce(torch.ones(3))
     if comm.rank == 1:
@@ -191,10 +204,11 @@ def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(backend: str) 
     assert r1 == {"sum": [2.0, 2.0], "differing": [0], "seq": 5}, r1
 
 
-def _rank1_skips_a_checked_collective(comm: commlib.Communicator) -> dict[str, object]:
+def _rank1_skips_a_checked_collective(comm: commlib.Communicator, transport: str) -> dict[str, object]:
+    _check_through(comm, transport)
     comm.all_reduce(torch.ones(2))
     if comm.rank == 1:
-        time.sleep(3)  # never posts its fingerprint for #2
+        time.sleep(3)  # never posts its part of #2's check
         return {}
     start = time.monotonic()
     with pytest.raises(commlib.CollectiveTimeout) as info:
@@ -203,9 +217,58 @@ def _rank1_skips_a_checked_collective(comm: commlib.Communicator) -> dict[str, o
             "reported": info.value.elapsed}
 
 
-def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(backend: str) -> None:
+@pytest.mark.parametrize("transport", ["engine", "store"])
+def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(backend: str, transport: str) -> None:
     # The flight entry used to be created after the store wait failed: "timed out after 0.0 s".
-    r0 = testing.run(_rank1_skips_a_checked_collective, 2, backend=backend, check_consistency=True)[0]
+    r0 = testing.run(_rank1_skips_a_checked_collective, 2, backend=backend, args=(transport,),
+                     check_consistency=True)[0]
     assert 1.0 <= r0["elapsed"] < 2.0 and 0.9 <= r0["reported"] <= r0["elapsed"], r0
     assert "all_reduce #2 on 'world' timed out after 1.0 s on rank 0" in r0["message"], r0
     assert r0["missing"] == [1]
+
+
+def _fingerprints_written(comm: commlib.Communicator) -> list[bool]:
+    return [comm._store.check([f"fp/{slot}/{r}"]) for slot in range(2) for r in range(comm.size)]
+
+
+def _agree_then_differ(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.ones(3)
+    for _ in range(4):
+        comm.all_reduce(t)
+    agreed = _fingerprints_written(comm)
+    try:
+        comm.all_reduce(torch.ones(2 + comm.rank))
+    except commlib.CollectiveMismatch as exc:
+        return {"sum": t.tolist(), "agreed": agreed, "differing": exc.differing_ranks, "message": str(exc),
+                "after": _fingerprints_written(comm)}
+    return {"sum": t.tolist(), "agreed": agreed, "differing": None}
+
+
+def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch(backend: str) -> None:
+    # Agreeing calls cost one small all_reduce on the engine and no store round trip; a
+    # mismatch of digests sends every rank to the store, for the fingerprints that say who differs.
+    r0, r1 = testing.run(_agree_then_differ, 2, backend=backend, check_consistency=True)
+    for r, other in ((r0, 1), (r1, 0)):
+        assert r["sum"] == [16.0] * 3 and r["agreed"] == [False] * 4, r
+        assert r["differing"] == [other] and r["after"] == [False, False, True, True], r  # #5: slot 1, both ranks
+        assert "all_reduce #5 on 'world'" in r["message"] and '"shapes": [[2]]' in r["message"], r
+        assert '"shapes": [[3]]' in r["message"], r
+
+
+def _half_checked_group(comm: commlib.Communicator) -> str:
+    import torch.distributed as dist
+    from commlib.process_group import EngineOptions
+
+    try:  # COMMLIB_CHECK_CONSISTENCY set on one rank only, say
+        dist.new_group(backend="commlib", pg_options=EngineOptions(engine="gloo", check_consistency=comm.rank == 0))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_the_check_fail_at_creation() -> None:
+    # A checked rank's digest exchange would otherwise pair with an unchecked peer's real
+    # collective on the engine, and mix their data.
+    for rank, message in enumerate(testing.run(_half_checked_group, 2, backend="gloo")):
+        assert f"on rank {rank}: expected every rank to create it with the same check_consistency" in message, message
+        assert "found it on for ranks [0] and off for ranks [1]" in message, message
