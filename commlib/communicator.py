@@ -305,8 +305,8 @@ class Communicator:
             raise TypeError(f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "
                             f"found {type(async_op).__name__}")
         deadline = self.timeout if timeout is None else seconds(timeout)
-        return Collective(op=op, comm=self.name, rank=self.rank, size=self.size, async_op=async_op,
-                          deadline_s=deadline, **fields)
+        return Collective(op, self.name, self.rank, self.size, async_op, deadline, context=_log.current_context(),
+                          **fields)
 
     def _issue(self, call: Collective) -> Work | None:
         # The hot path: every collective runs it, so what is fixed per communicator is
@@ -321,7 +321,6 @@ class Communicator:
         else:
             self._seq += 1
             call.seq = self._seq
-        call.context = _log.current_context()
         if self._check_consistency and not p2p:
             self._agree(call)
         if _PROCESS_HOOKS.pre or self.hooks.pre:
@@ -360,15 +359,16 @@ class Communicator:
             wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
         if timeout is None:
             timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
-        try:
-            finished = self._wait(call, entry, backend_work, max(timeout, 1e-3))
-        except CommError:
-            raise  # a peer's abort, already recorded by _wait
+        try:  # in slices where the backend allows (module docstring)
+            finished = (self._wait_in_slices(backend_work.wait, max(timeout, 1e-3), entry.start_mono_ns)
+                        if self._backend.resumable_wait else backend_work.wait(timedelta(seconds=max(timeout, 1e-3))))
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
-        if not finished:
+        if finished is not True:
             _abandon(backend_work, self._backend)
-            raise self._timed_out(call, entry, None)
+            if finished is False:
+                raise self._timed_out(call, entry, None)
+            raise self._peer_left(call, entry, finished)  # a peer's abort announcement, read between slices
         if work is not None:
             work.done = True
         FlightRecorder.end(entry, "completed")
@@ -383,16 +383,6 @@ class Communicator:
             self._events.info("collective.end", fields)
         if _PROCESS_HOOKS.post or self.hooks.post:
             run_hooks(self.hooks, "post", call, entry.duration_s)
-
-    def _wait(self, call: Collective, entry: FlightEntry, backend_work: BackendWork, budget_s: float) -> bool:
-        """Wait up to `budget_s` for the op; in slices where the backend allows (module docstring)."""
-        if not self._backend.resumable_wait:
-            return backend_work.wait(timedelta(seconds=budget_s))
-        outcome = self._wait_in_slices(backend_work.wait, budget_s, entry.start_mono_ns)
-        if isinstance(outcome, dict):
-            _abandon(backend_work, self._backend)
-            raise self._peer_left(call, entry, outcome)
-        return outcome
 
     def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
                         since_mono_ns: int) -> bool | dict[str, Any]:

@@ -256,7 +256,7 @@ def _reduction(opts: Any) -> Reduction:
     return reduction
 
 
-def _handed_back(opts: Any, works: list[Work | None], result: list[torch.Tensor],
+def _handed_back(async_op: bool, works: list[Work | None], result: list[torch.Tensor],
                  finish: Any = None) -> CommlibWork | None:
     """What a collective method returns to c10d: a Work when the caller asked for one.
 
@@ -267,7 +267,7 @@ def _handed_back(opts: Any, works: list[Work | None], result: list[torch.Tensor]
     `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
     Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
     """
-    if opts.asyncOp:
+    if async_op:
         return CommlibWork(works, result, finish)  # type: ignore[arg-type]
     if finish is not None:
         finish()
@@ -384,81 +384,93 @@ class CommlibProcessGroup(dist.ProcessGroup):
     # -- collectives: c10d's calling convention in, Communicator calls out ---------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceOptions()
+        async_op = opts.asyncOp
         t = _one(tensors, "allreduce")
-        work = self._on(t).all_reduce(t, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], tensors)
+        work = self._on(t).all_reduce(t, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
+        async_op = opts.asyncOp
         op, timeout = _reduction(opts), _deadline(opts)
-        works = [self._on(t).all_reduce(t, op, async_op=opts.asyncOp, timeout=timeout) for t in tensors]
-        return _handed_back(opts, works, tensors)
+        works = [self._on(t).all_reduce(t, op, async_op=async_op, timeout=timeout) for t in tensors]
+        return _handed_back(async_op, works, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BroadcastOptions()
+        async_op = opts.asyncOp
         t = _one(tensors, "broadcast")
-        work = self._on(t).broadcast(t, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], tensors)
+        work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceOptions()
+        async_op = opts.asyncOp
         t = _one(tensors, "reduce")
-        work = self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], tensors)
+        work = self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
+        async_op = opts.asyncOp
         t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
-        work = self._on(t).all_gather(outputs, t, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], outputs)
+        work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
+        async_op = opts.asyncOp
         timeout = _deadline(opts)
-        works = [self._on(t).all_gather(outs, t, async_op=opts.asyncOp, timeout=timeout)
+        works = [self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
                  for outs, t in zip(output_lists, inputs, strict=True)]
-        return _handed_back(opts, works, [o for outs in output_lists for o in outs])
+        return _handed_back(async_op, works, [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        work = self._on(input).all_gather_single(output, input, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], [output])
+        async_op = opts.asyncOp
+        work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], [output])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
+        async_op = opts.asyncOp
         timeout = _deadline(opts)
-        works = [self._on(i).all_gather_single(o, i, async_op=opts.asyncOp, timeout=timeout)
+        works = [self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return _handed_back(opts, works, outputs)
+        return _handed_back(async_op, works, outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
+        async_op = opts.asyncOp
         t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
-        work = self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], outputs)
+        work = self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        work = self._on(input).reduce_scatter_single(output, input, _reduction(opts), async_op=opts.asyncOp,
+        async_op = opts.asyncOp
+        work = self._on(input).reduce_scatter_single(output, input, _reduction(opts), async_op=async_op,
                                                      timeout=_deadline(opts))
-        return _handed_back(opts, [work], [output])
+        return _handed_back(async_op, [work], [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
+        async_op = opts.asyncOp
         op, timeout = _reduction(opts), _deadline(opts)
-        works = [self._on(i).reduce_scatter_single(o, i, op, async_op=opts.asyncOp, timeout=timeout)
+        works = [self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return _handed_back(opts, works, outputs)
+        return _handed_back(async_op, works, outputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
+        async_op = opts.asyncOp
         n = self.size()
         for role, splits, t in (("output", output_split_sizes, output), ("input", input_split_sizes, input)):
             even = t.shape[0] // n if t.dim() else 0
@@ -466,12 +478,13 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 raise NotImplementedError(
                     f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
                     f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
-        work = self._on(input).all_to_all_single(output, input, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], [output])
+        work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], [output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
+        async_op = opts.asyncOp
         shapes = {tuple(t.shape) for t in [*outputs, *inputs]}
         if len(shapes) > 1:
             raise NotImplementedError(
@@ -480,30 +493,32 @@ class CommlibProcessGroup(dist.ProcessGroup):
         # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
-        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=opts.asyncOp,
+        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=async_op,
                                                      timeout=_deadline(opts))
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
                 out.copy_(piece)
 
-        return _handed_back(opts, [work], outputs, copy_out)
+        return _handed_back(async_op, [work], outputs, copy_out)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.GatherOptions()
+        async_op = opts.asyncOp
         t = _one(inputs, "gather")
         outputs = _one(output_lists, "gather") if output_lists else None
-        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], outputs or [])
+        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], outputs or [])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                 opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ScatterOptions()
+        async_op = opts.asyncOp
         t = _one(outputs, "scatter")
         inputs = _one(input_lists, "scatter") if input_lists else None
-        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=opts.asyncOp, timeout=_deadline(opts))
-        return _handed_back(opts, [work], outputs)
+        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
+        return _handed_back(async_op, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "send")
@@ -521,7 +536,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BarrierOptions()
-        return _handed_back(opts, [self.communicator().barrier(async_op=opts.asyncOp, timeout=_deadline(opts))], [])
+        async_op = opts.asyncOp
+        return _handed_back(async_op, [self.communicator().barrier(async_op=async_op, timeout=_deadline(opts))], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:

@@ -226,11 +226,13 @@ def _signature(call: Collective) -> tuple[object, ...] | None:
         red = red.kind  # the factor is no rule's concern
     elif red is not None and red_type is not ReduceOp:
         return None
-    root, peer = call.root, call.peer
-    head = (call.op, red_type, red, type(root), root, type(peer), peer)
-    t = call.tensor
+    root, peer, t = call.root, call.peer, call.tensor
     if t is not None:  # the common case, built in one go
-        return (*head, type(t), t.dtype, t.device, t.is_contiguous()) if isinstance(t, torch.Tensor) else None
+        if not isinstance(t, torch.Tensor):
+            return None
+        return (call.op, red_type, red, type(root), root, type(peer), peer, type(t), t.dtype, t.device,
+                t.is_contiguous())
+    head = (call.op, red_type, red, type(root), root, type(peer), peer)
     sized = call.op in _SIZED
     tensors: list[object] = []
     for t in (call.input, call.output):

@@ -16,8 +16,10 @@ on the engine) and as a GPU one does (fingerprints through the store). Also meas
 recorder + progress board bookkeeping alone (one process, no communication), the
 diagnosis latency (deadline expiry to CollectiveTimeout raised, over 20 timeouts), and
 commlib's own layers alone: Communicator and process group calls over an engine whose ops
-complete at launch, which is commlib's CPU per call with no peer or engine thread beside it
-(the same from run to run, where the figures against raw move by more than the targets).
+complete at launch, which is commlib's CPU per call with no peer or engine thread beside it,
+warm (tight loops) and cold (each call after the L2 cache was evicted, the model of a call
+made between collectives; see `_own_layers_us`). Both hold from run to run far better than
+the figures against raw, which move by more than the targets.
 
     .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
     .venv/bin/python scripts/bench_overhead.py --one-rank   # only the 1-rank figures (a quick rerun)
@@ -26,6 +28,7 @@ complete at launch, which is commlib's CPU per call with no peer or engine threa
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import statistics
 import tempfile
@@ -216,8 +219,19 @@ class _InstantEngine:
         return None
 
 
-def _own_layers_us(calls: int = 20000) -> dict[str, float]:
-    """CPU per 4 KiB all_reduce of commlib's layers alone, over `_InstantEngine` (best of 5 runs).
+def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dict[str, float]]:
+    """CPU per 4 KiB all_reduce of commlib's layers alone, over `_InstantEngine`: warm (the
+    best of 5 tight loops) and cold (each call alone, after the L2 cache was evicted).
+
+    Cold is the in-context model: a rank's calling thread resumes after each collective on
+    caches the engine's threads, the peer and the message itself have filled, so what a call
+    costs there follows from how much code and data it touches, not from how fast it runs in
+    a tight loop. Before each timed call a 4 MiB buffer is written (as a 4 MiB message's data
+    passes through the cache), and the call is timed alone (wall time; nothing else runs on
+    this thread and no peer waits), median over `cold_samples` calls per path, the paths in
+    random order each round, less the same measure of an empty call. torch's own
+    `dist.all_reduce` over the process group is measured alongside: what its Python wrapper
+    adds on top of the process group is what the raw baseline pays too.
 
     Run last in this process: turning logs on points this process's log at a temp dir
     (removed after; its lines are 2 per call, ~60 MB per path measured).
@@ -225,36 +239,64 @@ def _own_layers_us(calls: int = 20000) -> dict[str, float]:
     t = torch.ones(1024)
     sync_opts, async_opts = c10d_opts.AllreduceOptions(), c10d_opts.AllreduceOptions()
     sync_opts.asyncOp = False  # what dist.all_reduce(t) passes; C++ callers leave it True
+    evicting = torch.empty(4 << 20, dtype=torch.uint8)
 
-    def best(fn: Callable[[], object]) -> float:
-        runs = []
-        for _ in range(5):
-            start = time.thread_time()
-            for _ in range(calls):
+    def hot(paths: dict[str, Callable[[], object]]) -> dict[str, float]:
+        figures = {}
+        for name, fn in paths.items():
+            runs = []
+            for _ in range(5):
+                start = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                runs.append((time.thread_time() - start) / calls * 1e6)
+            figures[name] = min(runs)
+        return figures
+
+    def cold(paths: dict[str, Callable[[], object]]) -> dict[str, float]:
+        paths = {"(empty call)": lambda: None, **paths}
+        samples: dict[str, list[int]] = {name: [] for name in paths}
+        order = list(paths.items())
+        for _ in range(cold_samples):
+            random.shuffle(order)
+            for name, fn in order:
+                evicting.add_(1)
+                start = time.perf_counter_ns()
                 fn()
-            runs.append((time.thread_time() - start) / calls * 1e6)
-        return min(runs)
+                samples[name].append(time.perf_counter_ns() - start)
+        empty = statistics.median(samples.pop("(empty call)"))
+        return {name: (statistics.median(ns) - empty) / 1e3 for name, ns in samples.items()}
 
-    def measure(comm: commlib.Communicator) -> dict[str, float]:
+    def paths(comm: commlib.Communicator) -> dict[str, Callable[[], object]]:
         group = CommlibProcessGroup({"cpu": comm}, 0, 1)
-        return {"sync": best(lambda: comm.all_reduce(t)),
-                "async issue + wait": best(lambda: comm.all_reduce(t, async_op=True).wait()),
-                "process group, sync": best(lambda: group.allreduce([t], sync_opts)),
-                "process group, async issue + wait": best(lambda: group.allreduce([t], async_opts).wait())}
+        return {"sync": lambda: comm.all_reduce(t),
+                "async issue + wait": lambda: comm.all_reduce(t, async_op=True).wait(),
+                "process group, sync": lambda: group.allreduce([t], sync_opts),
+                "process group, async issue + wait": lambda: group.allreduce([t], async_opts).wait(),
+                "torch's dist.all_reduce over the process group": lambda: dist.all_reduce(t, group=group)}
 
-    figures = measure(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
+    def measure() -> dict[str, dict[str, float]]:
+        run = paths(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
+        return {"warm": hot(run), "cold": cold(run)}
+
+    figures = measure()
     logs = tempfile.mkdtemp(prefix="commlib-bench-own-")
     log.configure(0, 1, logs)
     try:
-        logged = measure(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
+        logged = measure()
     finally:
         shutil.rmtree(logs)
-    return figures | {f"{name}, JSON logs on": us for name, us in logged.items()}
+    return {kind: figures[kind] | {f"{name}, JSON logs on": us for name, us in logged[kind].items()}
+            for kind in figures}
 
 
 def _print_own_layers() -> None:
-    print("commlib's own layers alone, over an engine that completes at launch (CPU us per 4 KiB all_reduce): "
-          + ", ".join(f"{name} {us:.2f}" for name, us in _own_layers_us().items()))
+    for kind, figures in _own_layers_us().items():
+        how = ("best of 5 tight loops" if kind == "warm" else
+               "each call alone after a 4 MiB write evicted L2: the in-context model")
+        unit = "this thread's CPU" if kind == "warm" else "the call's wall time, nothing else running"
+        print(f"commlib's own layers alone, {kind} ({how}), over an engine that completes at launch (us per "
+              f"4 KiB all_reduce, {unit}): " + ", ".join(f"{name} {us:.2f}" for name, us in figures.items()))
 
 
 def _print_one_rank(configs: dict[str, tuple[dict, bool]], args: argparse.Namespace) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from commlib.observe import log as _log
-from commlib.ops import Collective
+from commlib.ops import PLAIN_NAMES, Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
 STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
@@ -104,7 +104,7 @@ class FlightRecorder:
         context = call.context
         step, phase = (context.get("step"), context.get("phase")) if context else (None, None)
         entry = FlightEntry(
-            call.seq, call.op.value, self.comm, shapes, dtype, call.nbytes(), call.root, call.async_op,
+            call.seq, PLAIN_NAMES[call.op], self.comm, shapes, dtype, call.nbytes(), call.root, call.async_op,
             call.deadline_s, time.time_ns(), time.monotonic_ns(), step, phase, call.peer, "started", None,
             traceback.format_stack()[:-3] if self.with_stacks else None,
         )
