@@ -23,6 +23,10 @@ the figures against raw, which move by more than the targets.
 
     .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
     .venv/bin/python scripts/bench_overhead.py --one-rank   # only the 1-rank figures (a quick rerun)
+    .venv/bin/python scripts/bench_overhead.py --own-layers  # only commlib's own layers, warm and cold (1 min)
+
+`--own-layers` measures whichever commlib is imported, so another checkout's can be measured
+by the same script: `PYTHONPATH=OTHER_CHECKOUT .venv/bin/python scripts/bench_overhead.py --own-layers`.
 """
 
 from __future__ import annotations
@@ -315,6 +319,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--one-rank", action="store_true", help="only the 1-rank figures")
+    parser.add_argument("--own-layers", action="store_true", help="only commlib's own layers, warm and cold")
     args = parser.parse_args()
     logs = tempfile.mkdtemp(prefix="commlib-bench-logs-")  # the JSON logs' runs and the diagnosis runs
     try:
@@ -330,6 +335,9 @@ def _report(args: argparse.Namespace, logs: str) -> None:
         "consistency check on": ({"check_consistency": True}, False),
         "consistency check through the store (a GPU's)": ({"check_consistency": True}, True),
     }
+    if args.own_layers:
+        _print_own_layers()
+        return
     if args.one_rank:
         _print_one_rank(configs, args)
         _print_layers(args.rounds, args.iters * 5)
