@@ -46,6 +46,7 @@ _DIST_OPS = {
 }
 _SUM = ReduceOp.SUM  # most calls' reduction, tested per call: a module global reads faster than the enum member
 
+
 def classify_exception(exc: BaseException) -> Failure:
     """What a raw torch.distributed failure means (`commlib.failures.classify`)."""
     if isinstance(exc, dist.DistNetworkError):
