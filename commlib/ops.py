@@ -82,6 +82,7 @@ class Collective:
     send/recv; `root` the root of a rooted collective; both are communicator ranks.
     """
 
+    # `Communicator._call` passes every field in this order (positional: cheaper per call).
     op: OpName
     comm: str
     rank: int
