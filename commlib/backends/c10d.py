@@ -92,7 +92,7 @@ class C10dWork:
         # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite timeout,
         # and its is_completed() only turns True inside wait(): the op's deadline is the
         # timeout launch put in its c10d options, so an untimed wait() ends then.
-        if not (wait_or_time_out(self.work.wait, timeout) if self.timed_wait else wait_or_time_out(self.work.wait)):
+        if not wait_or_time_out(self.work.wait, *((timeout,) if self.timed_wait else ())):
             return False
         if self.finish is not None:
             self.finish()
@@ -125,7 +125,6 @@ class C10dBackend:
         self._splits = 0
         self._native_avg = self.name == "nccl"
         self._routed = _routed_through_torchcomms(engine, device)
-        self._timed_wait = not self._routed  # see C10dWork.timed_wait
         # gloo's Work.wait(timeout) only stops waiting; NCCL's aborts the communicator, and a
         # torchcomms-routed group's takes no finite timeout at all.
         self.resumable_wait = self.name == "gloo" and not self._routed
@@ -156,7 +155,7 @@ class C10dBackend:
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
         reduce_op = call.reduce_op
         finish = None if reduce_op is None or reduce_op is _SUM else self._emulate(call)
-        return C10dWork(_LAUNCH[call.op](self, call, timeout), finish, self._timed_wait)
+        return C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
 
     # One function per op, looked up by op (`_LAUNCH`, below the class): an if-chain over
     # OpName members would read up to a dozen of them per call, and reading an enum member
