@@ -18,8 +18,10 @@ diagnosis latency (deadline expiry to CollectiveTimeout raised, over 20 timeouts
 commlib's own layers alone: Communicator and process group calls over an engine whose ops
 complete at launch, which is commlib's CPU per call with no peer or engine thread beside it,
 warm (tight loops) and cold (each call after the L2 cache was evicted, the model of a call
-made between collectives; see `_own_layers_us`). Both hold from run to run far better than
-the figures against raw, which move by more than the targets.
+made between collectives; see `_own_layers_us`), with the Python bytecodes each path executes
+per call (the same in every run). These hold from run to run far better than the figures
+against raw, which move by more than the targets. The backend path's layer-by-layer split (1
+rank, real gloo) also counts context switches per call: whether a layer blocks more than raw.
 
     .venv/bin/python scripts/bench_overhead.py [--rounds 30] [--iters 200] [--trials 20]
     .venv/bin/python scripts/bench_overhead.py --one-rank   # only the 1-rank figures (a quick rerun)
@@ -35,10 +37,12 @@ import argparse
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,9 +133,19 @@ def _diagnosis_latency(comm: commlib.Communicator, trials: int, deadline: float)
     return lateness
 
 
-def _layers_in_context(comm: commlib.Communicator, rounds: int, calls: int) -> dict[str, float]:
-    """Median CPU us per 4 KiB all_reduce (1 rank, real gloo) of each layer of the backend
-    path, outermost last, and of raw, interleaved in rounds: where the in-context cost goes."""
+def _switches() -> int:
+    """Context switches of the calling thread so far, voluntary and not (Linux's /proc)."""
+    with open("/proc/thread-self/status") as status:
+        return sum(int(line.split(":")[1]) for line in status if "ctxt_switches:" in line)
+
+
+def _layers_in_context(comm: commlib.Communicator, rounds: int,
+                       calls: int) -> dict[str, tuple[float, float]]:
+    """Per layer of the backend path (1 rank, real gloo, 4 KiB all_reduce), outermost last,
+    and raw, interleaved in rounds: median CPU us per call, and context switches per call.
+
+    The switches say whether a layer makes its thread block and resume more often than raw:
+    where they are equal, what a layer adds in context is CPU work on its own code and data."""
     plain = dist.new_group(backend="gloo")
     t = torch.ones(1024)
     engine_opts = c10d_opts.AllreduceOptions()
@@ -152,25 +166,28 @@ def _layers_in_context(comm: commlib.Communicator, rounds: int, calls: int) -> d
         "raw: torch's dist.all_reduce on a gloo group": lambda: dist.all_reduce(t, group=plain),
     }
     cpu: dict[str, list[float]] = {name: [] for name in layers}
+    switched: dict[str, int] = dict.fromkeys(layers, 0)
     for run in layers.values():
         for _ in range(50):
             run()
     for _ in range(rounds):
         for name, run in layers.items():
-            start = time.thread_time()
+            switches, start = _switches(), time.thread_time()
             for _ in range(calls):
                 run()
             cpu[name].append((time.thread_time() - start) / calls * 1e6)
-    return {name: statistics.median(us) for name, us in cpu.items()}
+            switched[name] += _switches() - switches
+    return {name: (statistics.median(us), switched[name] / (rounds * calls)) for name, us in cpu.items()}
 
 
 def _print_layers(rounds: int, calls: int) -> None:
     layers = testing.run(_layers_in_context, 1, timeout=600, args=(rounds, calls))[0]
-    print("\nthe backend path layer by layer, 1 rank, 4 KiB all_reduce, CPU us per call (step from the layer above):")
+    print("\nthe backend path layer by layer, 1 rank, 4 KiB all_reduce, CPU us per call (step from the layer above), "
+          "context switches per call:")
     below = None
-    for name, us in layers.items():
+    for name, (us, switches) in layers.items():
         step = "" if below is None or name.startswith("raw") else f" ({us - below:+.1f})"
-        print(f"  {name}: {us:.1f}{step}")
+        print(f"  {name}: {us:.1f}{step}, {switches:.2f} switches")
         below = us
 
 
@@ -225,7 +242,8 @@ class _InstantEngine:
 
 def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dict[str, float]]:
     """CPU per 4 KiB all_reduce of commlib's layers alone, over `_InstantEngine`: warm (the
-    best of 5 tight loops) and cold (each call alone, after the L2 cache was evicted).
+    best of 5 tight loops) and cold (each call alone, after the L2 cache was evicted); and
+    the Python bytecodes each path executes per call (`_bytecodes`).
 
     Cold is the in-context model: a rank's calling thread resumes after each collective on
     caches the engine's threads, the peer and the message itself have filled, so what a call
@@ -281,7 +299,7 @@ def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dic
 
     def measure() -> dict[str, dict[str, float]]:
         run = paths(Communicator(_InstantEngine(), dist.HashStore(), "bench", 30.0))
-        return {"warm": hot(run), "cold": cold(run)}
+        return {"warm": hot(run), "cold": cold(run), "bytecodes": {name: _bytecodes(fn) for name, fn in run.items()}}
 
     figures = measure()
     logs = tempfile.mkdtemp(prefix="commlib-bench-own-")
@@ -294,8 +312,40 @@ def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dic
             for kind in figures}
 
 
+def _bytecodes(fn: Callable[[], object]) -> int:
+    """Python bytecodes one call of `fn` executes, once warmed up, less those of an empty call.
+
+    Unlike a time, the count is the same from run to run and machine to machine (for one
+    Python version): what a change to the hot path costs, free of this machine's noise. A
+    call into C (pybind, a builtin) counts as the one instruction that makes it.
+    """
+    def count(call: Callable[[], object]) -> int:
+        executed = 0
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal executed
+            frame.f_trace_opcodes = True
+            executed += event == "opcode"
+            return trace
+
+        for _ in range(3):
+            call()
+        sys.settrace(trace)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+        return executed
+
+    return count(fn) - count(lambda: None)
+
+
 def _print_own_layers() -> None:
     for kind, figures in _own_layers_us().items():
+        if kind == "bytecodes":
+            print("commlib's own layers alone, Python bytecodes per 4 KiB all_reduce (the same every run): "
+                  + ", ".join(f"{name} {count}" for name, count in figures.items()))
+            continue
         how = ("best of 5 tight loops" if kind == "warm" else
                "each call alone after a 4 MiB write evicted L2: the in-context model")
         unit = "this thread's CPU" if kind == "warm" else "the call's wall time, nothing else running"
