@@ -429,19 +429,32 @@ class Communicator:
             return None
         return announced if announced["rank"] != self.rank else None
 
-    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any]) -> CommError:
+    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any],
+                   cause: BaseException | None = None) -> CommError:
+        """The error for `call` once a peer's abort announcement was read (`_announce_abort`).
+
+        `cause`: the engine's own failure, when the peer's abort reached this rank as a
+        broken connection rather than between two wait slices.
+        """
         peer, reason = announced["rank"], announced["reason"]
-        if (call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]
-                and self.rank not in announced["missing"]):
+        in_this_call = call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]
+        if in_this_call and self.rank not in announced["missing"]:
             # The peer's deadline expired first in this same collective, which this rank had
             # started by then: its wait is doomed by the same absent ranks. Blaming the peer,
             # which arrived too, would send the operator to the wrong rank; this is the same
-            # timeout. (A rank that arrived after the peer gave up is the late one: PeerFailure.)
-            return self._timed_out(call, entry, None, expired_first_on=peer)
+            # timeout.
+            return self._timed_out(call, entry, cause, expired_first_on=peer)
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
+            found = (f"found rank {peer} had stopped waiting for it at its deadline and aborted the communicator, "
+                     f"naming ranks {announced['missing']} (this one among them) as never having started it: "
+                     f"this rank arrived late")
+        else:
+            found = f"found rank {peer} had aborted the communicator ({reason})"
         error = PeerFailure(f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank} after {elapsed:.1f} s: "
-                            f"expected every peer to complete it; found rank {peer} had aborted the communicator "
-                            f"({reason})", failed_ranks=[peer], **self._where(call))
+                            f"expected every peer to complete it; {found}", failed_ranks=[peer], **self._where(call))
+        if cause is not None:
+            error.__cause__ = cause
         return self._die(call, entry, error, "peer.failure", "failed")
 
     def _ensure_usable(self, what: str) -> None:
@@ -490,6 +503,11 @@ class Communicator:
         where = self._where(call)
         head = f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank}"
         if kind is Failure.PEER:
+            # A peer that aborted on purpose said why before it closed its connections: that,
+            # not the broken connection, is what this rank's error has to say.
+            announced = self._peer_abort()
+            if announced is not None:
+                return self._peer_left(call, entry, announced, exc)
             error: CommError = PeerFailure(f"{head}: expected every peer alive; found a peer gone "
                                            f"(the backend said: {exc})", **where)
             event = "peer.failure"

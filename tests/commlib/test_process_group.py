@@ -191,8 +191,8 @@ def _late_peer_short_deadline(comm: commlib.Communicator) -> str:
         _late_peer(comm, 4.0, 1.0, 30.0)
     except commlib.CollectiveTimeout as exc:
         return f"{exc.deadline}:{exc.elapsed:.1f}:{exc.missing_ranks}"
-    except commlib.PeerFailure:  # the late rank, once rank 0 gave up and aborted
-        return "peer gone"
+    except commlib.PeerFailure as exc:  # the late rank, once rank 0 gave up and aborted
+        return f"{exc.failed_ranks}:{exc}"
     return "completed"
 
 
@@ -200,8 +200,12 @@ def test_a_per_call_deadline_shorter_than_the_communicators_is_honoured() -> Non
     r0, r1 = testing.run(_late_peer_short_deadline, 2, timeout=60)
     deadline, elapsed, missing = r0.split(":")
     assert float(deadline) == 1.0 and float(elapsed) < 1.6 and missing == "[1]"
-    # Rank 1 is the one rank 0 gave up on, not a fellow waiter: told that its peer left.
-    assert r1 == "peer gone", r1
+    # Rank 1 is the one rank 0 gave up on, not a fellow waiter: told that it is the late one
+    # (rank 0's abort reaches it as a closed connection, and the announcement says why).
+    failed, message = r1.split(":", 1)
+    assert failed == "[0]", r1
+    assert ("barrier #1 on 'world' failed on rank 1" in message and "found rank 0 had stopped waiting for it" in message
+            and "naming ranks [1] (this one among them)" in message and "this rank arrived late" in message), r1
 
 
 def _p2p_then_collective(comm: commlib.Communicator) -> dict[str, Any]:
