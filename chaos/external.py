@@ -7,7 +7,9 @@ it acts, and when it is released.
 - ``partition``, ``net_delay`` and ``net_loss`` impair the link of the node running the rank
   (`chaos.net`); when one is lifted, the link's counters over its window are noted, and once
   the job is over, the target rank's steps inside the window against those outside every
-  window (`ExternalFaults.note_step_times`).
+  window (`ExternalFaults.note_step_times`);
+- ``preempt``, ``time_limit`` and ``node_loss`` act on the Slurm job (`chaos.slurm.faults`),
+  fired by the harness of the node running the target rank.
 
 ``step`` and ``p`` triggers are evaluated when the target rank's log shows it starting a step
 (`on_event`), ``after_s`` once that much time has passed (`poll`); each firing is claimed in
@@ -21,6 +23,7 @@ or `HANG_MAX_HOLD_S` passes; then it is released.
 from __future__ import annotations
 
 import signal
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -134,6 +137,9 @@ class ExternalFaults:
         if fault.type.network:
             self._impair(index, fault, worker, step, attempt)
             return
+        if fault.type.slurm:
+            self._act_on_job(index, fault, worker, step, attempt)
+            return
         firing = self.ledger.claim(fault, index, attempt, step, pid=worker.proc.pid, node=worker.node)
         if firing is None:
             return
@@ -171,6 +177,33 @@ class ExternalFaults:
         self._note_fired(fault, index, firing, worker, step, attempt, netns=self.network.nodes[node].netns,
                          address=self.network.address(node), link=asdict(link), duration_s=fault.duration_s)
         self.holds.append(_Hold(fault, index, worker.proc, int(fault.rank), firing.ts_ns, node, before))
+
+    def _act_on_job(self, index: int, fault: Fault, worker: Worker, step: int | None, attempt: int) -> None:
+        """A Slurm fault (`chaos.slurm.faults`): noted before it acts, since a lost node takes this
+        harness with it. What it asks of a time limit is worked out before the claim, which keeps
+        it for the requeued run to give the limit back."""
+        from chaos.slurm import faults as slurm
+
+        where = {"pid": worker.proc.pid, "node": worker.node, "host": socket.gethostname()}
+        try:
+            limit = slurm.time_limit_change() if fault.type is FaultType.TIME_LIMIT else {}
+        except slurm.SlurmFaultError as exc:
+            self.notes.error("chaos.fault_failed", fault=fault.type.value, index=index, error=str(exc))
+            return
+        firing = self.ledger.claim(fault, index, attempt, step, **where, **limit)
+        if firing is None:
+            return
+        self._note_fired(fault, index, firing, worker, step, attempt, host=where["host"], **limit)
+        try:
+            if fault.type is FaultType.PREEMPT:
+                preemptor = slurm.preempt(fault.partition or slurm.PREEMPTOR_PARTITION)
+                self.notes.info("chaos.preemptor", index=index, job_id=preemptor)
+            elif fault.type is FaultType.TIME_LIMIT:
+                slurm.apply_time_limit(limit["limit_min"])
+            else:
+                slurm.power_off()
+        except slurm.SlurmFaultError as exc:
+            self.notes.error("chaos.fault_failed", fault=fault.type.value, index=index, error=str(exc))
 
     def _note_fired(self, fault: Fault, index: int, firing: Firing, worker: Worker, step: int | None, attempt: int,
                     **how: Any) -> None:

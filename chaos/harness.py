@@ -1,7 +1,9 @@
 """The harness: run a job under torchrun, break it as the plan says, and clean up after it.
 
 `run_job(job, plan, run_dir)` launches ``python -m torch.distributed.run`` (one agent, or
-one agent per node when ``nnodes > 1`` runs on this machine) with ``--max-restarts``
+one agent per node when ``nnodes > 1`` runs on this machine, or with ``rdzv_endpoint`` the
+agent of one node of a multi-node job whose nodes each have a harness, `chaos.multinode`,
+joining their shared run directory) with ``--max-restarts``
 from the plan, and then watches it until every agent exits or the harness's own deadline
 passes, polling:
 
@@ -9,14 +11,21 @@ passes, polling:
   starting a step; written by the in-rank injector), ``train.step`` (a step completed) and
   typed errors;
 - the plan's external faults (`chaos.external`): ``kill``, ``hang``, ``sigterm``,
-  ``disk_full`` and the network faults, fired at the worker of their rank, held and released;
+  ``disk_full``, the network faults and the Slurm faults, fired at the worker of their rank
+  (when it runs here), held and released;
 - the progress line (`chaos.progress`): steps done, faults injected, restarts.
 
 The job's processes are `chaos.processes`' to find, signal and stop: on its deadline, on
 Ctrl-C and on SIGTERM the harness stops the whole job (SIGCONT, then SIGTERM to every
 process of the job, then SIGKILL to what is left), and after a normal end it kills anything
-still in the job's process groups (e.g. a compile worker whose parent is gone).
-`JobOutcome.pids` lists every process the job was seen to have.
+still in the job's process groups (e.g. a compile worker whose parent is gone). For one node
+of a multi-node job SIGTERM is the scheduler's instead (a preemption, its notice, a requeue;
+Slurm signals every process of the job's step): the harness passes it to its ranks, which
+stop together after the step in progress with a checkpoint of it, and gives the job
+`STOP_GRACE_S` to end by itself (`JobOutcome.stopped`).
+`JobOutcome.pids` lists every process the job was seen to have. If the harness itself dies
+(SIGKILL included), `chaos.cleanup` stops the job and removes its mounts and namespaces; what
+a harness killed with its supervisor left is swept when the next one starts.
 
 A plan with ``disk_full`` gets a small tmpfs on the checkpoint directory before the launch
 (`chaos.disk`), unmounted after the run. A plan with a network fault (only such a plan) gets
@@ -26,7 +35,10 @@ in its node's namespace (``ip netns exec``), on a rendezvous at node 0's address
 devices are removed after the run, whatever its end.
 
 The harness's own events (launches, firings, releases, its end) go to
-``{run_dir}/harness.jsonl`` in the ranks' log format (`journal` reads them). The in-rank
+``{run_dir}/harness.jsonl`` (``harness{N}.jsonl`` for node N of a multi-node job) in the
+ranks' log format, each with the attempt number of its launch's first ranks (`first_attempt`:
+a requeued Slurm job launches again into the same directory); `journal` reads them all. Ranks'
+log lines older than the launch are an earlier launch's, and left alone. The in-rank
 faults are the injector's (`chaos.inject`); the harness passes it the plan, the ledger's
 directory and the job's start time through the environment.
 """
@@ -47,18 +59,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos.cleanup import Guard
 from chaos.disk import SmallDisk
 from chaos.external import TYPED_ERRORS, ExternalFaults
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.net import DEVICE, Network
-from chaos.plan import FaultType, Ledger, Plan, check_network
-from chaos.processes import JobProcesses
+from chaos.plan import FaultType, Ledger, Plan, PlanError, check_network, check_run
+from chaos.processes import JobProcesses, send
 from chaos.progress import Progress
-from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
+from commlib.observe.log import (LOG_DIR_ENV, MAX_RESTARTS_ENV, RESTART_ENV, LogTail, attempt_number, event_log,
+                                 read_events)
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
 __all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV",
-           "TYPED_ERRORS", "Job", "JobOutcome", "check_plan", "default_trainer_args", "free_port", "journal", "run_job",
+           "TYPED_ERRORS", "Job", "JobOutcome", "check_plan", "default_trainer_args", "first_attempt", "free_port",
+           "journal", "journal_name", "run_job",
            "torchrun_commands", "trainer_deadline"]
 
 REFERENCE_TRAINER = "chaos.workload.train"
@@ -78,6 +93,7 @@ def default_trainer_args(trainer: str) -> tuple[str, ...]:
 
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
 JOURNAL = "harness.jsonl"
+STOP_GRACE_S = 30.0  # SIGTERM'd from outside: how long the job has to stop by itself (torchrun's own wait)
 POLL_S = 0.02
 RDZV_PORT = 29400  # in node 0's own namespace nothing else listens
 
@@ -116,6 +132,13 @@ class Job:
         if self.node_rank is not None and self.rdzv_endpoint is None:
             raise ValueError(f"Job.node_rank: expected only with rdzv_endpoint (a multi-node job); "
                              f"found node_rank={self.node_rank} and no endpoint")
+        if self.rdzv_endpoint is not None:  # one node's harness among several (chaos.multinode)
+            if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+                raise ValueError(f"Job.node_rank: expected this machine's node in [0, {self.nnodes}) with "
+                                 f"rdzv_endpoint; found {self.node_rank!r}")
+            if not self.rdzv_id:
+                raise ValueError(f"Job.rdzv_id: expected the job's rendezvous id with rdzv_endpoint (every node's "
+                                 f"harness gives the same one); found {self.rdzv_id!r}")
 
     @property
     def world_size(self) -> int:
@@ -158,6 +181,7 @@ class JobOutcome:
     exit_codes: list[int | None]  # one per local agent; None: killed by the harness
     timed_out: bool = False
     interrupted: bool = False
+    stopped: bool = False  # SIGTERM'd from outside (one node of a multi-node job): let it stop by itself
     first_step_ns: int | None = None  # wall clock of the first train.step of any rank
     restarts: int = 0  # the highest torchrun restart count seen (logs and workers)
     pids: set[int] = field(default_factory=set)  # every process of the job ever seen
@@ -165,7 +189,8 @@ class JobOutcome:
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and not self.interrupted and all(c == 0 for c in self.exit_codes)
+        return (not self.timed_out and not self.interrupted and not self.stopped
+                and all(c == 0 for c in self.exit_codes))
 
     @property
     def cold_start_s(self) -> float | None:
@@ -174,29 +199,58 @@ class JobOutcome:
 
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:
-    """The harness's events of a run."""
-    path = run_dir / JOURNAL
-    return list(read_events(path)) if path.exists() else []
+    """The harnesses' events of a run (one journal per node of a multi-node job), in time order."""
+    return sorted((e for path in sorted(run_dir.glob("harness*.jsonl")) for e in read_events(path)),
+                  key=lambda e: e["ts_ns"])
 
 
-def check_plan(job: Job, plan: Plan) -> None:
-    """What of the plan depends on the job beyond its world size (`Plan.resolve`): its network
-    faults' topology and lengths (`chaos.plan.check_network`). Raises PlanError naming the fault."""
+def journal_name(job: Job) -> str:
+    """The harness's journal: one per node when each node has its own harness (`chaos.multinode`)."""
+    return JOURNAL if job.rdzv_endpoint is None else f"harness{job.node_rank or 0}.jsonl"
+
+
+def first_attempt(plan: Plan) -> int:
+    """The attempt number of this launch's first ranks: 0, or further on in a requeued Slurm job."""
+    return attempt_number({**os.environ, RESTART_ENV: "0", MAX_RESTARTS_ENV: str(plan.restarts)})
+
+
+def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s: int | None = None) -> None:
+    """What of the plan depends on the job beyond its world size (`Plan.resolve`): its triggers and
+    stragglers against the run's steps, deadline and `timeout_s` (`chaos.plan.check_run`), its network
+    faults' topology and lengths (`chaos.plan.check_network`), its Slurm faults against the Slurm job
+    it runs in, or, with `notice_s` (its ``--signal`` notice), is submitted as (`chaos.slurm.faults.check`).
+    Raises PlanError naming the fault."""
+    args = _reference_args(job)
+    steps, deadline = (None, None) if args is None else (args.steps, float(args.timeout))
+    check_run(plan, steps=steps, deadline_s=deadline, timeout_s=timeout_s)
     if any(f.type.network for f in plan.faults):
         check_network(plan, nnodes=job.nnodes, local=job.rdzv_endpoint is None, backend=job.backend,
-                      deadline_s=trainer_deadline(job))
+                      deadline_s=deadline)
+    if any(f.type.slurm for f in plan.faults):
+        from chaos.slurm.faults import check
+
+        for i, f in enumerate(plan.faults):
+            why = check(f.type, notice_s=notice_s)
+            if why is not None:
+                raise PlanError(f"faults[{i}].type", why)
 
 
 def trainer_deadline(job: Job) -> float | None:
-    """The collective deadline the reference trainer runs with (its own parser's reading of the
-    job's arguments, default included); None for another trainer."""
+    """The collective deadline the reference trainer runs with (default included); None for another trainer."""
+    args = _reference_args(job)
+    return None if args is None else float(args.timeout)
+
+
+def _reference_args(job: Job) -> Any:
+    """The reference trainer's own parser's reading of the job's arguments (an argparse Namespace,
+    defaults included); None for another trainer, or for arguments it refuses (the launch says so)."""
     if not job.is_reference_trainer:
         return None
     from chaos.workload.train import parse_args
 
     try:
-        return float(parse_args(list(job.trainer_args)).timeout)
-    except SystemExit:  # arguments it refuses: the launch will say so
+        return parse_args(list(job.trainer_args))
+    except SystemExit:
         return None
 
 
@@ -237,10 +291,10 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path,
             "--monitor-interval", "0.1"]
     trainer = job.trainer_argv(run_dir)
     if job.rdzv_endpoint is not None:  # one node of a multi-node job
+        # Node 0 hosts the rendezvous store: said outright, as nodes sharing a machine (or a
+        # loopback endpoint) would each take themselves for its host.
         node = ["--rdzv-backend", job.rdzv_backend, "--rdzv-endpoint", job.rdzv_endpoint,
-                "--rdzv-id", job.rdzv_id or "chaos"]
-        if job.node_rank is not None:
-            node += ["--node-rank", str(job.node_rank)]
+                "--rdzv-id", str(job.rdzv_id), "--rdzv-conf", f"is_host={'true' if job.node_rank == 0 else 'false'}"]
         return [base + node + trainer]
     if job.nnodes == 1:
         return [base + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
@@ -266,16 +320,17 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     Never returns while a process of the job is alive.
     """
     run_dir = Path(run_dir).absolute()
-    check_plan(job, plan)  # before anything starts
+    check_plan(job, plan, timeout_s)  # before anything starts
     _prepare(job, plan, run_dir)
     start_ns = time.time_ns()
     env = _environment(plan, run_dir, start_ns, inject)
-    with _sigterm_as_interrupt(), _fault_resources(job, plan, run_dir) as (disk, network):
-        notes = event_log(run_dir / JOURNAL, pid=os.getpid())
+    stop = _OutsideStop(job.rdzv_endpoint is not None)
+    with (stop, Guard(run_dir) as guard, _fault_resources(job, plan, run_dir, guard) as (disk, network)):
+        notes = event_log(run_dir / journal_name(job), pid=os.getpid(), first_attempt=first_attempt(plan))
         if network is not None:
             notes.info("harness.network", namespaces=[n.netns for n in network.nodes],
                        addresses=[n.address for n in network.nodes], device=DEVICE)
-        processes = JobProcesses()
+        processes = JobProcesses(guard.token)
         ledger = Ledger(run_dir / "chaos_state")
         faults = ExternalFaults(plan, ledger, notes, processes, start_ns, disk, network)
         status = Progress(plan, ledger, processes, start_ns,
@@ -284,19 +339,31 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
         outcome = JobOutcome(run_dir, start_ns, start_ns, [])
         try:
             for n, cmd in enumerate(torchrun_commands(job, plan.restarts, run_dir, network)):
-                agent = processes.launch(cmd, env, run_dir / f"torchrun{n}.log")
-                notes.info("harness.launch", node=n, agent_pid=agent.pid, cmd=cmd)
+                node = n if job.node_rank is None else job.node_rank
+                agent = processes.launch(cmd, env, run_dir / f"torchrun{node}.log")
+                notes.info("harness.launch", node=node, agent_pid=agent.pid, cmd=cmd)
             deadline = time.monotonic() + timeout_s
             while processes.running():
                 if time.monotonic() > deadline:
-                    outcome.timed_out = True
-                    notes.info("harness.timeout", timeout_s=timeout_s)
+                    outcome.timed_out = not outcome.stopped
+                    notes.info("harness.timeout" if outcome.timed_out else "harness.stop_grace_over",
+                               timeout_s=timeout_s)
                     break
-                _poll(tail, processes, faults, status)
+                if stop.requested_ns is not None and not outcome.stopped:
+                    # The job's own preemption path: the ranks stop together after the step in
+                    # progress, with a checkpoint of it. SIGTERM goes to the ranks (again, under
+                    # Slurm, which signals every process of the step): never twice to torchrun,
+                    # which gives up waiting for its workers on a second one.
+                    outcome.stopped = True
+                    notes.info("harness.stop", why="SIGTERM", grace_s=STOP_GRACE_S)
+                    for w in processes.workers():
+                        send(w.proc, signal.SIGTERM)
+                    deadline = min(deadline, time.monotonic() + STOP_GRACE_S)
+                _poll(tail, processes, faults, status, start_ns)
                 time.sleep(POLL_S)
                 if network is not None:
                     network.check()  # a dead forwarder is a dead network: stop rather than time out
-            _poll(tail, processes, faults, status)
+            _poll(tail, processes, faults, status, start_ns)
         except KeyboardInterrupt:
             outcome.interrupted = True
             notes.info("harness.interrupt")
@@ -306,20 +373,25 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
             processes.stop()  # before the network goes: no process of the job is left in a namespace
             outcome.pids, outcome.pgids = set(processes.seen), processes.pgids
             outcome.first_step_ns, outcome.restarts = status.first_step_ns, status.restarts
-            outcome.exit_codes = [None if (outcome.timed_out or outcome.interrupted) else a.returncode
-                                  for a in processes.agents]
+            outcome.exit_codes = [None if (outcome.timed_out or outcome.interrupted or outcome.stopped)
+                                  else a.returncode for a in processes.agents]
             outcome.end_ns = time.time_ns()
             if network is not None:
                 for event in tail.poll():  # the last lines: steps the notes count (no worker is left to fault)
                     faults.on_event(event)
                 faults.note_step_times()
                 notes.info("harness.network_totals", links=[asdict(network.stats(n)) for n in range(job.nnodes)])
-            notes.info("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out)
+            notes.info("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out,
+                       stopped=outcome.stopped, first_step_ns=outcome.first_step_ns)
     return outcome
 
 
 def _prepare(job: Job, plan: Plan, run_dir: Path) -> None:
-    """The run directory, new or empty, with the plan and the job in it."""
+    """The run directory, new or empty, with the plan and the job in it; for one node of a
+    multi-node job, also one that holds this very job (`_join`)."""
+    if job.rdzv_endpoint is not None:
+        _join(job, plan, run_dir)
+        return
     if run_dir.is_dir() and any(run_dir.iterdir()):
         # Logs, checkpoints and the ledger of an earlier run would leak into this one.
         raise ValueError(f"run_job: expected a new or empty run directory; found {run_dir} holding "
@@ -328,6 +400,34 @@ def _prepare(job: Job, plan: Plan, run_dir: Path) -> None:
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")
     (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2) + "\n")
+
+
+def _join(job: Job, plan: Plan, run_dir: Path) -> None:
+    """The run directory of a multi-node job, made by the first of its nodes' harnesses; the
+    others, and the same nodes again in a requeued Slurm job, join it. It must hold the same job
+    (its rendezvous id too: another job's, or a run that went on without this node, is refused)
+    and the same plan, and no verdict yet."""
+    for sub in ("logs", "ckpt", "chaos_state"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    shared = {**job.to_dict(), "node_rank": None, "rdzv_endpoint": None}  # the head may move on a requeue
+    for name, data in (("job.json", shared), ("plan.json", plan.to_dict())):
+        path = run_dir / name
+        text = json.dumps(data, indent=2) + "\n"
+        partial = run_dir / f".{name}.{os.getpid()}"
+        partial.write_text(text)
+        try:
+            os.link(partial, path)  # whole or absent, and never over a peer's
+        except FileExistsError:
+            found = json.loads(path.read_text())
+            if found != data:
+                differ = sorted(k for k in data.keys() | found.keys() if data.get(k) != found.get(k))
+                raise ValueError(f"run_job: expected {path} to be this job's, to join it; found another "
+                                 f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)")
+        finally:
+            partial.unlink()
+    if (run_dir / "report.json").exists():
+        raise ValueError(f"run_job: expected a multi-node run still going on in {run_dir}; found its verdict "
+                         f"written (report.json)")
 
 
 def _environment(plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict[str, str]:
@@ -345,27 +445,35 @@ def _environment(plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict
 
 
 @contextlib.contextmanager
-def _fault_resources(job: Job, plan: Plan, run_dir: Path) -> Iterator[tuple[SmallDisk | None, Network | None]]:
+def _fault_resources(job: Job, plan: Plan, run_dir: Path,
+                     guard: Guard) -> Iterator[tuple[SmallDisk | None, Network | None]]:
     """What the plan's faults need before the launch: the small disk of ``disk_full``, the
-    nodes' network of a network fault; taken down after the run, whatever its end."""
+    nodes' network of a network fault; noted in `guard` before they are made, taken down after
+    the run, whatever its end."""
     with contextlib.ExitStack() as undo:
         disk = network = None
         if any(f.type is FaultType.DISK_FULL for f in plan.faults):
             disk = SmallDisk(run_dir / "ckpt")
+            guard.note_mount(disk.directory)
             disk.mount()  # raises DiskFullUnavailable, saying why, before anything starts
             undo.callback(disk.unmount)
         if any(f.type.network for f in plan.faults):
             # Loss is drawn from the plan's seed (the first net_loss fault's), as `p` triggers are.
             seed = next((f.seed for f in plan.faults if f.type is FaultType.NET_LOSS), 0)
-            network = Network(job.nnodes, seed=seed).open()  # raises NetworkUnavailable, saying why
+            network = Network(job.nnodes, seed=seed)
+            guard.note_namespaces([n.netns for n in network.nodes])
+            network.open()  # raises NetworkUnavailable, saying why
             undo.callback(network.close)
         yield disk, network
 
 
-def _poll(tail: LogTail, processes: JobProcesses, faults: ExternalFaults, status: Progress) -> None:
-    """One look at the job: the ranks' new log lines, the workers (now and then), the external
-    faults now due or over, the progress line."""
+def _poll(tail: LogTail, processes: JobProcesses, faults: ExternalFaults, status: Progress, since_ns: int) -> None:
+    """One look at the job: the ranks' new log lines (from `since_ns` on: a run directory joined
+    again holds an earlier launch's), the workers (now and then), the external faults now due or
+    over, the progress line."""
     for event in tail.poll():
+        if event.get("ts_ns", since_ns) < since_ns:
+            continue
         processes.note(event.get("pid"))
         status.on_event(event)
         faults.on_event(event)
@@ -374,18 +482,30 @@ def _poll(tail: LogTail, processes: JobProcesses, faults: ExternalFaults, status
     status.show()
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Treat SIGTERM like Ctrl-C while the job runs (main thread only), so the job gets cleaned up."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+class _OutsideStop:
+    """SIGTERM while the job runs (main thread only). For one node of a multi-node job it is the
+    scheduler taking the job back (a preemption, its notice, a requeue): noted in `requested_ns`,
+    and `run_job` lets the job stop by itself, up to `STOP_GRACE_S`. Otherwise it is treated like
+    Ctrl-C, so the job gets cleaned up."""
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: the caller owns signals
-        previous = None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    def __init__(self, graceful: bool) -> None:
+        self.graceful = graceful
+        self.requested_ns: int | None = None
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if not self.graceful:
+            raise KeyboardInterrupt(f"signal {signum}")
+        if self.requested_ns is None:
+            self.requested_ns = time.time_ns()
+
+    def __enter__(self) -> _OutsideStop:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not the main thread: the caller owns signals
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

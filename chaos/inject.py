@@ -37,7 +37,9 @@ and friends happen mid-step), or at the next staged checkpoint for
 firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
 ``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``:
 the harness fires its step-triggered external faults when it reads that line, and the rank
-waits there for them (see `Injector._await_external`), so they land at the step's start.
+waits there for them (see `Injector._await_external`), so they land at the step's start; for
+a ``preempt`` or ``time_limit`` every rank waits there for the SIGTERM that stops the job
+(`Injector._await_stop`), so the job stops after that very step.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 
 import commlib
+from commlib.observe.log import attempt_number
 from commlib.ops import Collective
 from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKind
 
@@ -61,6 +64,9 @@ from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKi
 # (at most half the collective deadline: peers wait for it in the step's first collective).
 EXTERNAL_WAIT_S = 5.0
 SIGNAL_GRACE_S = 0.5  # from the harness's claim of a firing to its signal arriving
+# How long every rank holds a step start for a preemption's or time limit's SIGTERM: Slurm
+# checks time limits every 30 s, and the notice then crosses the batch step and the harnesses.
+NOTICE_WAIT_S = 75.0
 CORRUPT_BYTES = 16  # flipped by corrupt_checkpoint
 PLAN_ENV = "CHAOS_PLAN"  # path of the resolved plan (JSON), written by the harness
 STATE_ENV = "CHAOS_STATE_DIR"  # the ledger's directory
@@ -81,8 +87,12 @@ class Injector:
         self._ledger = ledger
         self._start_ns = start_ns
         self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
-        self._external = [(i, f) for i, f in enumerate(plan.faults)
-                          if f.rank == rank and f.type.external and f.trigger.kind is not TriggerKind.AFTER_S]
+        # Whoever's step triggers them, they stop every rank (the whole job): `_await_stop`.
+        stops = (FaultType.PREEMPT, FaultType.TIME_LIMIT)
+        self._job_stops = [(i, f) for i, f in enumerate(plan.faults)
+                           if f.type in stops and f.trigger.kind is not TriggerKind.AFTER_S]
+        self._external = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and f.type.external
+                          and f.type not in stops and f.trigger.kind is not TriggerKind.AFTER_S]
         self.external_wait_s = external_wait_s
         self._armed: set[int] = set()
         # Stragglers slow from an earlier attempt on stay slow in this one.
@@ -105,6 +115,7 @@ class Injector:
             if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count:
                 self._armed.add(i)
         self._await_external(step, elapsed)
+        self._await_stop(step, elapsed)
 
     def _await_external(self, step: int, elapsed: float) -> None:
         """Hold the start of `step` while the harness applies this rank's kill or hang planned for it.
@@ -126,6 +137,46 @@ class Injector:
                 return  # the harness did not act (it may be gone): train on
             time.sleep(0.005)
         time.sleep(SIGNAL_GRACE_S)
+
+    def _await_stop(self, step: int, elapsed: float) -> None:
+        """Hold the start of `step` on every rank while a ``preempt`` or ``time_limit`` planned for
+        it takes effect, until SIGTERM reaches this rank (at most `NOTICE_WAIT_S`).
+
+        The harness of the target rank's node claims the firing and acts on the Slurm job; the
+        notice comes back as SIGTERM to every process of the job's step, after Slurm's own
+        delay (a time-limit notice waits for its next check). Waiting here instead of training
+        on makes that delay cost no step: the trainer's own handler, which runs too, has the
+        request noted before this step begins, and every rank stops after this very step."""
+        due = {i for i, f in self._job_stops if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed)
+               and (self._ledger.fired(i) < f.count or self._claimed(i, step))}
+        if not due:
+            return
+        noticed: list[int] = []
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def note(signum: int, frame: Any) -> None:
+            noticed.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+
+        # Noted from now on: the notice may come before this rank sees the claim.
+        signal.signal(signal.SIGTERM, note)
+        try:
+            give_up = time.monotonic() + self.external_wait_s
+            while not noticed and not any(self._claimed(i, step) for i in due):
+                if time.monotonic() > give_up:
+                    return  # the target rank's harness did not act: train on
+                time.sleep(0.005)
+            give_up = time.monotonic() + NOTICE_WAIT_S
+            while not noticed and time.monotonic() < give_up:
+                time.sleep(0.02)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        commlib.get_logger().info("chaos.stop_awaited", step=step, noticed=bool(noticed))
+
+    def _claimed(self, index: int, step: int) -> bool:
+        """Whether fault `index` fired at `step` of this attempt (by any rank's harness or injector)."""
+        return any(f.index == index and f.attempt == self.attempt and f.step == step for f in self._ledger.firings())
 
     def on_checkpoint_staged(self, step: int) -> None:
         for i, f in self._faults:
@@ -237,7 +288,7 @@ def install_from_env(comm: commlib.Communicator | None = None) -> Injector | Non
     rank = comm.world_rank if comm is not None else int(os.environ["RANK"])
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
     start_ns = int(os.environ.get(START_ENV, time.time_ns()))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = attempt_number()
     wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
     if comm is not None:
         for i, f in enumerate(plan.faults):

@@ -30,7 +30,10 @@ set down (or ``netem loss 100%``).
 
 Everything is root-only: `NetworkUnavailable` says so (and why) before anything starts.
 `close` (also on failure) stops the thread, closes the devices'
-descriptors (which removes the devices) and deletes the namespaces.
+descriptors (which removes the devices) and deletes the namespaces. A harness that dies
+without `close` loses the devices with its descriptors; its namespaces stay until
+`chaos.cleanup` stops the processes in them (`namespace_pids`) and deletes them
+(`delete_namespace`): a namespace outlives its name while a process is still in it.
 """
 
 from __future__ import annotations
@@ -126,9 +129,19 @@ def sweep_stale() -> list[str]:
         m = _NAME.match(name)
         if m is None or _alive(int(m.group(1))):
             continue
-        if _ip("netns", "del", name, check=False).returncode == 0:
+        if delete_namespace(name):
             removed.append(name)
     return removed
+
+
+def delete_namespace(name: str) -> bool:
+    """Delete the network namespace `name`; whether it was there."""
+    return _ip("netns", "del", name, check=False).returncode == 0
+
+
+def namespace_pids(name: str) -> list[int]:
+    """The processes in the network namespace `name` (none when it is gone)."""
+    return [int(pid) for pid in _ip("netns", "pids", name, check=False).stdout.split()]
 
 
 def _alive(pid: int) -> bool:
@@ -220,7 +233,7 @@ class Network:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
         for name in self._created:
-            _ip("netns", "del", name, check=False)
+            delete_namespace(name)
         self._created = []
 
     # -- what the harness uses ---------------------------------------------------------

@@ -54,8 +54,19 @@ all run on this machine, at least two of them, on gloo (`check_network`, with th
 collective deadline: a partition is either short enough to be survived or long enough to
 be detected, nothing in between).
 
+Slurm faults (external, on the whole job the harness runs in: `chaos.slurm.faults`, which
+also says where each can run): ``preempt`` (a job of the preempting ``partition``, default
+``urgent``, takes the job's nodes), ``time_limit`` (the job's time limit brought near, for
+Slurm's notice) and ``node_loss`` (the node holding the rank loses power). ``preempt`` and
+``time_limit`` default to rank 0, whose step triggers them.
+
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
+`check_run` checks what would never fire or could never finish in the run it is for: a
+``step`` past the run's last, an ``after_s`` past the job's timeout, a straggler whose ``ms``
+reaches the collective deadline or whose delays alone outlast the job's timeout. Every
+number is finite, and a field given twice (``kill:rank=1,rank=0``, or a repeated YAML or
+JSON key) is refused rather than read as its last value.
 
 Validation is written here by hand, not with a schema library (pydantic was weighed, as
 issue #15 asked). What it would take over is small: the per-field type and range checks
@@ -78,6 +89,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 import os
 import random
 import time
@@ -131,11 +143,20 @@ class FaultType(enum.StrEnum):
     PARTITION = "partition"
     NET_DELAY = "net_delay"
     NET_LOSS = "net_loss"
+    PREEMPT = "preempt"
+    TIME_LIMIT = "time_limit"
+    NODE_LOSS = "node_loss"
 
     @property
     def external(self) -> bool:
         """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL) or self.network
+        return (self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL) or self.network
+                or self.slurm)
+
+    @property
+    def slurm(self) -> bool:
+        """Acts on the Slurm job the harness runs in (`chaos.slurm.faults`): the whole job stops."""
+        return self in (FaultType.PREEMPT, FaultType.TIME_LIMIT, FaultType.NODE_LOSS)
 
     @property
     def network(self) -> bool:
@@ -151,7 +172,8 @@ class FaultType(enum.StrEnum):
     @property
     def default_rank(self) -> int | None:
         """The rank when the plan names none: a checkpoint's files are committed by rank 0."""
-        return 0 if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL) else None
+        return 0 if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL, FaultType.PREEMPT,
+                             FaultType.TIME_LIMIT) else None
 
     @property
     def default_from_start(self) -> bool:
@@ -221,6 +243,7 @@ class Fault:
     code: int = 1
     ms: float | None = None  # straggler: added before each of the rank's collectives; net_delay: per packet
     pct: float | None = None  # net_loss: the percentage of the node's packets dropped
+    partition: str | None = None  # preempt: the partition of the job that preempts this one
 
     def describe(self) -> str:
         where = "".join(f" {name}={v}" for name, v in self.trigger.filters())
@@ -243,6 +266,8 @@ class Fault:
             out["code"] = self.code
         if self.ms is not None:
             out["ms"] = self.ms
+        if self.partition is not None:
+            out["partition"] = self.partition
         if self.pct is not None:
             out["pct"] = self.pct
         return out
@@ -361,28 +386,84 @@ def check_network(plan: Plan, *, nnodes: int, local: bool, backend: str, deadlin
                                                f"deadline)")
 
 
+def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeout_s: float | None) -> None:
+    """Check the plan against the run it is for; raises PlanError naming the fault's field.
+
+    `steps`: the run's last step; `deadline_s`: its collective deadline; `timeout_s`: how long
+    the harness lets the job run. None where unknown (a trainer other than the reference one):
+    what depends on it is not checked."""
+    for i, f in enumerate(plan.faults):
+        where, t = f"faults[{i}]", f.trigger
+        if steps is not None and t.kind is TriggerKind.STEP and t.value > steps:
+            raise PlanError(f"{where}.step", f"expected a step the run reaches (at most {steps}, its --steps); found "
+                                             f"{int(t.value)}, where the fault would never fire")
+        if timeout_s is not None and t.kind is TriggerKind.AFTER_S and t.value >= timeout_s:
+            raise PlanError(f"{where}.after_s", f"expected a time before the job's timeout of {timeout_s:g} s "
+                                                f"(--job-timeout); found {t.value:g}, where the fault would never fire")
+        if f.type is not FaultType.STRAGGLER:
+            continue
+        assert f.ms is not None  # parse_fault requires it
+        if deadline_s is not None and f.ms / 1000 >= deadline_s:
+            raise PlanError(f"{where}.ms", f"expected a straggler's ms under the collective deadline of "
+                                           f"{deadline_s:g} s, so that it slows the job without failing it; found "
+                                           f"{f.ms:g} (use delay to go past the deadline)")
+        # At least one collective per step: a lower bound on what the straggler adds.
+        first = int(t.value) if t.kind is TriggerKind.STEP else 1
+        slowed = 1 if steps is None else steps - first + 1
+        if timeout_s is not None and slowed * f.ms / 1000 >= timeout_s:
+            raise PlanError(f"{where}.ms", f"expected a straggler the job can finish with: {f.ms:g} ms before each "
+                                           f"collective of {slowed} step(s) adds {slowed * f.ms / 1000:g} s at "
+                                           f"least; found that past the job's timeout of {timeout_s:g} s "
+                                           f"(--job-timeout)")
+
+
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """A plan from a .yaml/.yml/.json file."""
     if not Path(path).is_file():
         raise PlanError(str(path), "expected a YAML or JSON plan file; found no such file")
-    text = Path(path).read_text()
     try:
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        if str(path).endswith(".json"):
+            data = json.loads(Path(path).read_text(), object_pairs_hook=lambda pairs: _unique(pairs, str(path)))
+        else:
+            with open(path) as f:  # a stream with a name: the loader's messages say which file
+                data = yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except PlanError:
+        raise
     except (ValueError, yaml.YAMLError) as exc:
         raise PlanError(str(path), f"expected a YAML or JSON plan; could not parse it ({exc})") from exc
     return Plan.from_dict(data)
 
 
+def _unique(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
+    """A mapping from its (key, value) pairs; PlanError for a key given twice."""
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise PlanError(f"{where}.{key}", f"given twice ({out[key]!r}, then {value!r}); expected each field once")
+        out[key] = value
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        mapping = super().construct_mapping(node, deep=True)  # refuses unhashable keys
+        _unique([(self.construct_object(k), self.construct_object(v)) for k, v in node.value],
+                f"{self.name}:{node.start_mark.line + 1}")
+        return mapping
+
+
 def parse_shorthand(text: str) -> Fault:
     """A fault from the CLI form ``TYPE:key=value,key=value`` (e.g. ``kill:rank=1,step=5``)."""
     kind, _, rest = text.partition(":")
-    item: dict[str, Any] = {"type": kind.strip()}
+    pairs: list[tuple[str, Any]] = [("type", kind.strip())]
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
         if not eq or not key.strip():
             raise PlanError(f"--fault {text}", f"expected key=value pairs after 'TYPE:'; found {part!r}")
-        item[key.strip()] = _scalar(value.strip())
-    return parse_fault(item, f"--fault {text}")
+        pairs.append((key.strip(), _scalar(value.strip())))
+    return parse_fault(_unique(pairs, f"--fault {text}"), f"--fault {text}")
 
 
 def _scalar(text: str) -> Any:
@@ -406,6 +487,7 @@ _TYPE_FIELDS = {
     FaultType.PARTITION: {"duration_s"},
     FaultType.NET_DELAY: {"duration_s", "ms"},
     FaultType.NET_LOSS: {"duration_s", "pct"},
+    FaultType.PREEMPT: {"partition"},
 }
 
 
@@ -471,8 +553,11 @@ def parse_fault(item: Any, where: str) -> Fault:
                 raise PlanError(f"{where}.pct", f"expected a loss in (0, {MAX_LOSS_PCT:g}] percent, which TCP "
                                                 f"retransmits through within a deadline (more stalls a connection "
                                                 f"for seconds: that is a partition); found {pct:g}")
+    partition = item.get("partition")
+    if partition is not None and (not isinstance(partition, str) or not partition):
+        raise PlanError(f"{where}.partition", f"expected a Slurm partition's name; found {partition!r}")
     return Fault(ftype, rank, trigger, count, seed, float(duration) if duration is not None else None,
-                 release, code, ms, pct)
+                 release, code, ms, pct, partition)
 
 
 def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
@@ -518,8 +603,8 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 
 def _number(name: str, value: Any, positive: bool) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise PlanError(name, f"expected a number; found {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or isinstance(value, float) and not math.isfinite(value):
+        raise PlanError(name, f"expected a finite number; found {value!r}")
     if value < 0 or (positive and value == 0):
         raise PlanError(name, f"expected a {'positive' if positive else 'non-negative'} number; found {value}")
     return float(value)

@@ -4,25 +4,36 @@ job's processes here only.
 
 Each agent starts in a session of its own (`JobProcesses.launch`), so its process group is
 its pid and nothing it spawns can slip out of the job unseen. A worker is an agent's child,
-matched to its rank and attempt by its environment (``RANK``,
-``TORCHELASTIC_RESTART_COUNT``), never by name; the agents' trees are scanned in one place
+matched to its rank and attempt by its environment (``RANK``, and the restart and requeue
+counts of `commlib.observe.log.attempt_number`), never by name; the agents' trees are scanned in one place
 (`_children`), and a worker's environment is read once. `JobProcesses.seen` is every pid of
 the job noticed so far: agents, workers, pids in the ranks' logs, and whatever `stop` finds.
+
+The job's life is tied to the harness's: every process of the job inherits the run's token
+(`JOB_ENV`), which finds it even once it is no one's descendant (torchrun starts each worker
+in a session of its own, so a worker whose agent died is in none of the agents' groups), and
+each agent gets SIGTERM the moment the harness dies (``PR_SET_PDEATHSIG``), on which torchrun
+stops its own workers. `members` and `terminate` are what `chaos.cleanup` stops a dead
+harness's job with.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 TERM_GRACE_S = 5.0
+JOB_ENV = "CHAOS_JOB"  # the run's token, in the environment of every process of the job
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -38,16 +49,18 @@ class Worker:
 class JobProcesses:
     """The agents this harness launched, and the processes found under them."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str) -> None:
+        self.token = token
         self.agents: list[subprocess.Popen[bytes]] = []
         self.seen: set[int] = set()
         # A worker's environment is fixed once it has exec'd: read it once.
         self._identities: dict[psutil.Process, tuple[int, int]] = {}
 
     def launch(self, cmd: list[str], env: Mapping[str, str], output: Path) -> subprocess.Popen[bytes]:
-        """Start one agent, its output appended to `output`."""
+        """Start one agent, its output appended to `output`, carrying the token, stopped when the harness dies."""
         with open(output, "ab") as out:
-            agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, JOB_ENV: self.token},
+                                     start_new_session=True, preexec_fn=_terminated_with(os.getpid()))
         self.agents.append(agent)
         self.seen.add(agent.pid)
         return agent
@@ -73,7 +86,7 @@ class JobProcesses:
             if identity is None:
                 env = _environ(proc)
                 rank = int(env["RANK"]) if "RANK" in env else None
-                identity = (rank, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                identity = (rank, _attempt(env))
                 if rank is not None:  # before its exec a child shows the agent's environment
                     self._identities[proc] = identity
             found.append(Worker(proc, node, *identity))
@@ -85,32 +98,16 @@ class JobProcesses:
         return max(found, key=lambda w: (w.attempt, w.proc.create_time()), default=None)
 
     def stop(self) -> None:
-        """Stop every process of the job: SIGCONT + SIGTERM, a grace period, then SIGKILL.
-
-        Covers the agents, all their descendants, and their process groups (a grandchild whose
-        parent died is no one's descendant any more, but still in its group). What it finds
-        is added to `seen`.
-        """
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            for proc in self._all():
-                self.seen.add(proc.pid)
-                send(proc, sig)
-        deadline = time.monotonic() + TERM_GRACE_S
-        while time.monotonic() < deadline and self._all():
-            time.sleep(0.05)
-        for _ in range(3):  # an agent may have spawned a worker between two scans
-            left = self._all()
-            if not left:
-                break
-            for proc in left:
-                self.seen.add(proc.pid)
-                send(proc, signal.SIGKILL)
-            psutil.wait_procs(left, timeout=2)
+        """Stop every process of the job (`terminate`): the agents, all their descendants, their
+        process groups (a grandchild whose parent died is no one's descendant any more, but still in
+        its group) and whatever carries the token. What it finds is added to `seen`."""
+        self.seen |= terminate(self._all)
         for a in self.agents:
             a.wait()
 
     def _all(self) -> list[psutil.Process]:
-        """Every live process of the job: the running agents, their descendants, their groups' members."""
+        """Every live process of the job: the running agents, their descendants, their groups' members,
+        the token's carriers."""
         found: dict[int, psutil.Process] = {}
         for a in self.agents:
             if a.poll() is None:
@@ -120,14 +117,8 @@ class JobProcesses:
                     pass
         for _, child in self._children(recursive=True):
             found[child.pid] = child
-        groups = set(self.pgids)
-        if groups:
-            for proc in psutil.process_iter():
-                try:
-                    if proc.pid not in found and os.getpgid(proc.pid) in groups:
-                        found[proc.pid] = proc
-                except (ProcessLookupError, psutil.NoSuchProcess):
-                    continue
+        for proc in members(self.token, set(self.pgids)):
+            found.setdefault(proc.pid, proc)
         return [p for p in found.values() if alive(p)]
 
     def _children(self, recursive: bool) -> list[tuple[int, psutil.Process]]:
@@ -139,6 +130,51 @@ class JobProcesses:
             except psutil.NoSuchProcess:
                 continue
         return found
+
+
+def members(token: str, groups: Collection[int] = ()) -> list[psutil.Process]:
+    """The live processes carrying `token` (`JOB_ENV`) in their environment, or in one of `groups`."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and (os.getpgid(proc.pid) in groups or _environ(proc).get(JOB_ENV) == token):
+                found.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return [p for p in found if alive(p)]
+
+
+def terminate(find: Callable[[], list[psutil.Process]]) -> set[int]:
+    """Stop what `find` returns: SIGCONT + SIGTERM, up to `TERM_GRACE_S` for it to exit, then SIGKILL
+    to what is left. `find` is asked again at each turn (a process may spawn another between two
+    looks). Returns every pid it signalled."""
+    signalled: set[int] = set()
+    for sig in (signal.SIGCONT, signal.SIGTERM):  # SIGCONT first: a stopped process acts on SIGTERM only then
+        for proc in find():
+            signalled.add(proc.pid)
+            send(proc, sig)
+    deadline = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < deadline and find():
+        time.sleep(0.05)
+    for _ in range(3):
+        left = find()
+        if not left:
+            break
+        for proc in left:
+            signalled.add(proc.pid)
+            send(proc, signal.SIGKILL)
+        psutil.wait_procs(left, timeout=2)
+    return signalled
+
+
+def _terminated_with(harness: int) -> Callable[[], None]:
+    """An agent's step between fork and exec: SIGTERM to it when the harness dies."""
+    def tie() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != harness:  # it died before the line above: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie
 
 
 def alive(proc: psutil.Process) -> bool:
@@ -155,6 +191,14 @@ def send(proc: psutil.Process, sig: signal.Signals) -> str | None:
         return None
     except psutil.NoSuchProcess:
         return f"process {proc.pid} already gone"
+
+
+def _attempt(env: Mapping[str, str]) -> int:
+    # Imported here: the cleanup supervisor (python -m chaos.cleanup) imports this module and
+    # stays light, and commlib's package imports torch.
+    from commlib.observe.log import attempt_number
+
+    return attempt_number(env)
 
 
 def _environ(proc: psutil.Process) -> dict[str, str]:

@@ -55,6 +55,10 @@ class FaultResult:
     # partition: what it must do against the job's deadline, "survived" or "detected"
     # (`chaos.plan.partition_outcome`); None where the deadline is not known
     expected: str | None = None
+    host: str | None = None  # preempt, time_limit, node_loss: the node whose harness fired it
+    requeued_after_s: float | None = None  # the same: to the job's next launch (Slurm ran it again)
+    lost_ranks: list[int] | None = None  # node_loss: the ranks the node held in the attempt it broke
+    last_checkpoint: int | None = None  # node_loss: the last checkpoint committed before it (0: none)
 
 
 @dataclass
@@ -83,6 +87,16 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Report | None:
+        """The report a run wrote (``report.json``), or None where there is none yet."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        data["faults"] = [FaultResult(**f) for f in data.get("faults", [])]
+        return cls(**data)
 
     def write(self, run_dir: str | Path | None = None, png: bool = True) -> None:
         """``report.json`` (and ``report.png``) in the run directory."""
@@ -136,6 +150,10 @@ def _describe(f: FaultResult) -> str:
     if f.detected_by:
         detected += f" ({f.detected_by.get('event')} on rank {f.detected_by.get('rank')})"
     extra = f", released after {s(f.released_after_s)}" if f.released_after_s is not None else ""
+    if f.requeued_after_s is not None:
+        extra += f", requeued after {s(f.requeued_after_s)}"
+    if f.lost_ranks is not None:
+        extra += f", node {f.host} held ranks {f.lost_ranks}"
     if f.checkpoint_step is not None:
         extra += f", tore checkpoint {f.checkpoint_step}"
     if f.recovery == "in_job":

@@ -118,7 +118,8 @@ def _trainer_digest(job: Job) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) for the block: one process at a time computes a reference."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -134,11 +135,14 @@ def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float
     root = Path(root).absolute()
     key = reference_key(job)
     final = root / key
-    with _locked(root / f"{key}.lock"):
+    with locked(root / f"{key}.lock"):
         if (final / RESULTS).is_file():
             return final
         work = root / f"{key}.tmp-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
+        if job.rdzv_endpoint is not None:  # its nodes run it together (chaos.multinode), or it failed
+            raise ReferenceRunError(f"the fault-free reference of this multi-node job is not in {final}: its "
+                                    f"nodes' run of it failed (see {root}/{key}.tmp-*)")
         shown = None if progress is None else (lambda line: progress(f"fault-free reference: {line}"))
         outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
         if not outcome.ok or not (work / RESULTS).is_file():
@@ -260,11 +264,14 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
     `logs`: the run's `read_logs`."""
     run_dir = Path(run_dir)
     events = logs.events() if logs is not None else []
-    procs = logs.processes() if logs is not None else {}
+    procs = _first_events(events)
     steps = [e for e in events if e.get("event") == "train.step"]
     lowest = min((int(e["rank"]) for e in steps), default=0)
     lead = [e for e in steps if e.get("rank") == lowest]
-    releases = {(n["index"], n["target_pid"]): n for n in journal(run_dir) if n.get("event") == "chaos.release"}
+    notes = journal(run_dir)
+    releases = {(n["index"], n["target_pid"]): n for n in notes if n.get("event") == "chaos.release"}
+    launches = [n["ts_ns"] for n in notes if n.get("event") == "harness.launch"]
+    checkpoints = [e for e in events if e.get("event") == "ckpt.end"]
     in_job = [e for e in events if e.get("event") == "recovery.in_job"]
     rollbacks = [e for e in events if e.get("event") == "train.rolled_back"]
     recovery_starts = [e for e in events if e.get("event") == "recovery.start"]
@@ -277,14 +284,22 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
     for k, f in enumerate(firings):
         # The processes of the attempt this fault caused: started after it, before the next fault.
         until = firings[k + 1].ts_ns if k + 1 < len(firings) else float("inf")
-        new = {p for p, info in procs.items() if f.ts_ns < info.first_ns < until}
-        old = {p for p, info in procs.items() if info.first_ns < f.ts_ns}
-        pid = f.detail.get("pid")
+        new = {p for p, first_ns in procs.items() if f.ts_ns < first_ns < until}
+        old = {p for p, first_ns in procs.items() if first_ns < f.ts_ns}
+        pid, host = f.detail.get("pid"), f.detail.get("host")
         r = FaultResult(type=f.type, index=f.index, firing=f.n, rank=f.rank, step=f.step, attempt=f.attempt,
                         pid=pid, node=f.detail.get("node"), injected_at=(f.ts_ns - start) / 1e9,
                         injected_ts_ns=f.ts_ns)
         if f.type in (FaultType.KILL_DURING_CHECKPOINT.value, FaultType.CORRUPT_CHECKPOINT.value):
             r.checkpoint_step = f.detail.get("checkpoint_step")
+        if FaultType(f.type).slurm:
+            r.host = host
+            relaunch = min((ts for ts in launches if ts > f.ts_ns), default=None)
+            r.requeued_after_s = None if relaunch is None else (relaunch - f.ts_ns) / 1e9
+        if f.type == FaultType.NODE_LOSS.value:
+            r.lost_ranks = sorted({int(e["rank"]) for e in events if e.get("host") == host
+                                   and e.get("attempt") == f.attempt and isinstance(e.get("rank"), int)})
+            r.last_checkpoint = max((int(e["step"]) for e in checkpoints if e["ts_ns"] < f.ts_ns), default=0)
         release = releases.get((f.index, pid))
         end_ns = f.ts_ns
         if release is not None:
@@ -296,7 +311,8 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
                              if g.step is None or (g.attempt, g.step) != (f.attempt, f.step)), float("inf"))
         survivors_only = f.type != FaultType.CORRUPT.value
         detection = next((e for e in events if e.get("event") in TYPED_ERRORS and f.ts_ns <= e["ts_ns"] < detect_until
-                          and procs[e["pid"]].first_ns < f.ts_ns and not (survivors_only and e["pid"] == pid)),
+                          and procs[_who(e)] < f.ts_ns
+                          and not (survivors_only and e["pid"] == pid and host in (None, e.get("host")))),
                          None)
         agent = next((a for a in agents if f.ts_ns <= a[0] < detect_until), None)
         if detection is not None and (agent is None or detection["ts_ns"] <= agent[0]):
@@ -306,23 +322,23 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
         elif agent is not None:
             r.detected_after_s = (agent[0] - f.ts_ns) / 1e9
             r.detected_by = {"node": agent[1], "event": "torchrun.agent", "line": agent[2]}
-        recovered = next((e for e in in_job if f.ts_ns <= e["ts_ns"] < until and e["pid"] in old), None)
+        recovered = next((e for e in in_job if f.ts_ns <= e["ts_ns"] < until and _who(e) in old), None)
         fallback = next((e for e in fallbacks if f.ts_ns <= e["ts_ns"] < until), None)
         if new:
             r.recovery = "restart"
-            r.restart_after_s = (min(procs[p].first_ns for p in new) - f.ts_ns) / 1e9
-            after = [e for e in lead if e["pid"] in new]
-            resume = next((e for e in events if e["pid"] in new and e.get("event") == "ckpt.resume"), None)
+            r.restart_after_s = (min(procs[p] for p in new) - f.ts_ns) / 1e9
+            after = [e for e in lead if _who(e) in new]
+            resume = next((e for e in events if _who(e) in new and e.get("event") == "ckpt.resume"), None)
             r.resumed_from = int(resume["step"]) if resume is not None else (0 if after else None)
             r.fallback_reason = fallback.get("reason") if fallback is not None else None
-            again = {int(e["step"]) for e in lead if e["pid"] in new}
+            again = {int(e["step"]) for e in lead if _who(e) in new}
         else:
             after = [e for e in lead if e["ts_ns"] > end_ns]
             if recovered is not None:
                 r.recovery, r.epoch = "in_job", int(recovered["epoch"])
-                backs = [e for e in rollbacks if e.get("epoch") == r.epoch and e["pid"] in old
+                backs = [e for e in rollbacks if e.get("epoch") == r.epoch and _who(e) in old
                          and f.ts_ns <= e["ts_ns"] < until]
-                starts = [e for e in recovery_starts if e.get("epoch") == r.epoch and e["pid"] in old
+                starts = [e for e in recovery_starts if e.get("epoch") == r.epoch and _who(e) in old
                           and f.ts_ns <= e["ts_ns"] < until]
                 if backs:
                     # From the last rank entering recovery (once every rank knows) to the last one rolled back.
@@ -335,13 +351,27 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
             if r.detected_after_s is not None:
                 r.detection_to_step_s = r.first_step_after_s - r.detected_after_s
         # Steps completed before the fault that ran again after it (successor attempt or rollback).
-        done = {int(e["step"]) for e in lead if e["pid"] in old and e["ts_ns"] < f.ts_ns}
+        done = {int(e["step"]) for e in lead if _who(e) in old and e["ts_ns"] < f.ts_ns}
         r.steps_reexecuted = len(again & done)
         results.append(r)
 
     timeline = [{"t": (e["ts_ns"] - start) / 1e9, "step": int(e["step"]), "loss": e.get("loss"),
                  "attempt": int(e.get("attempt", 0)), "epoch": int(e.get("epoch", 0))} for e in lead]
     return results, timeline
+
+
+def _who(event: dict[str, Any]) -> tuple[Any, Any]:
+    """The process that logged `event`: (host, pid), since nodes in PID namespaces of their own
+    (the local Slurm cluster's, containers) reuse pids."""
+    return event.get("host"), event.get("pid")
+
+
+def _first_events(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], int]:
+    """Every process that logged (`_who`), with the wall clock of its first event."""
+    first: dict[tuple[Any, Any], int] = {}
+    for e in events:  # in time order
+        first.setdefault(_who(e), e["ts_ns"])
+    return first
 
 
 def diagnose(run_dir: str | os.PathLike[str],
@@ -453,12 +483,29 @@ _FAULT_CHECKS = (
                 _resumed_before_checkpoint, "each restart to resume from a checkpoint before the corrupted one",
                 lambda f: f"corrupted {f.checkpoint_step}, resumed {f.resumed_from}"),
     # Stopped after a checkpoint of its last step, resumed from it: no step lost or run twice.
-    _FaultCheck("preempted_cleanly", frozenset({FaultType.SIGTERM.value}),
+    _FaultCheck("preempted_cleanly",
+                frozenset({FaultType.SIGTERM.value, FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value}),
                 lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from >= f.step
                 and f.steps_reexecuted == 0,
-                "each SIGTERM'd job to resume from the step it stopped after, re-executing none",
-                lambda f: f"sigterm at step {f.step}: resumed from {f.resumed_from}, "
+                "each job stopped by SIGTERM (itself, a preemption, a time-limit notice) to resume from the step "
+                "it stopped after, re-executing none",
+                lambda f: f"{f.type} at step {f.step}: resumed from {f.resumed_from}, "
                           f"{f.steps_reexecuted} step(s) re-executed"),
+    _FaultCheck("requeued", frozenset({FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value, FaultType.NODE_LOSS.value}),
+                lambda f: f.requeued_after_s is not None,
+                "Slurm to run the job again after each preempt, time_limit and node_loss",
+                lambda f: f"{f.type} at step {f.step}: no launch of the job after it"),
+    # Whatever the node held since its last checkpoint is gone: that checkpoint, no older one.
+    _FaultCheck("lost_node_resumed", frozenset({FaultType.NODE_LOSS.value}),
+                lambda f: f.resumed_from is not None and f.resumed_from == f.last_checkpoint,
+                "the job to resume from the last checkpoint committed before each lost node",
+                lambda f: f"node {f.host} lost at step {f.step}: resumed from {f.resumed_from}, last checkpoint "
+                          f"{f.last_checkpoint}"),
+    _FaultCheck("lost_node_named", frozenset({FaultType.NODE_LOSS.value}),
+                lambda f: bool(f.lost_ranks) and all(names_rank(f.diagnosis, r) for r in f.lost_ranks or []),
+                "the doctor to name every rank of each lost node",
+                lambda f: f"node {f.host} (ranks {f.lost_ranks}) lost at step {f.step}: the doctor's findings of "
+                          f"attempt {f.attempt} name {(f.diagnosis or {}).get('culprits')}", doctor=True),
     # The failed save left the older state the one to go on from (snapshot or checkpoint).
     _FaultCheck("disk_full_rolled_back", frozenset({FaultType.DISK_FULL.value}),
                 lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from < f.step,
@@ -490,10 +537,12 @@ _FAULT_CHECKS = (
 
 
 def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | os.PathLike[str] | None,
-           timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> Report:
+           timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
+           reference: Path | None = None) -> Report:
     """Every check of a finished run, as a `Report` (not yet written to disk).
 
-    `reference_root` None skips the reference (and so the bitwise checks).
+    `reference_root` None skips the reference (and so the bitwise checks). `reference`: the
+    cached reference already chosen (a multi-node job's nodes ran or found it: `chaos.multinode`).
     """
     run_dir = outcome.run_dir
     logs = read_logs(run_dir)
@@ -550,7 +599,8 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
         reason = "no reference run was asked for"
     else:
         try:
-            reference_dir = ensure_reference(job, reference_root, timeout_s=timeout_s, progress=progress)
+            reference_dir = reference or ensure_reference(job, reference_root, timeout_s=timeout_s,
+                                                          progress=progress)
         except ReferenceRunError as exc:
             reason = str(exc)
             checks["reference_run"] = False

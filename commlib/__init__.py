@@ -5,6 +5,7 @@
     comm = commlib.current()                    # the Communicator behind any torch.distributed group
     comm.all_reduce(t); comm.all_gather_single(out, inp); comm.reduce_scatter_single(out, inp)
     with commlib.context(step=3, phase="backward"): ...
+    commlib.check()                             # once a step: a GPU collective's failure, raised here
 
 One stable API (torchcomms' names) over torchcomms or torch.distributed, per-collective
 deadlines, typed errors naming the ranks that did not arrive, structured logs, a flight
@@ -27,6 +28,7 @@ _EXPORTS = {
     "PeerFailure": "commlib.errors",
     "CollectiveMismatch": "commlib.errors",
     "CommAborted": "commlib.errors",
+    "WaitTimeout": "commlib.errors",
     "find_comm_error": "commlib.errors",
     "register_pre_hook": "commlib.hooks",
     "register_post_hook": "commlib.hooks",
@@ -38,6 +40,7 @@ _EXPORTS = {
     "Recovery": "commlib.recovery",
     "RecoveryFailed": "commlib.recovery",
     "RecoveryPolicy": "commlib.recovery",
+    "check": "commlib.watchdog",
     "context": "commlib.observe.log",
     "get_logger": "commlib.observe.log",
     "Collective": "commlib.ops",

@@ -3,19 +3,38 @@
 Kept tiny: it registers a creator that imports `commlib.process_group` only when a commlib
 group is actually made, so importing torch costs no more than it did. torch skips it with
 `TORCH_DEVICE_BACKEND_AUTOLOAD=0`; `import commlib` then `commlib.init()` registers it too.
+With `COMMLIB_BACKFILL=1` it also adds to torch.distributed the newer names this torch lacks
+(`commlib.compat.backfill`), before the trainer's code can look them up.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+BACKFILL_ENV = "COMMLIB_BACKFILL"
 
 
 def register() -> None:
     import torch.distributed as dist
 
-    if not dist.is_available() or "commlib" in dist.Backend.backend_list:
+    if not dist.is_available():
+        return
+    if _backfill_asked():
+        from commlib.compat import backfill
+
+        backfill()
+    if "commlib" in dist.Backend.backend_list:
         return
     dist.Backend.register_backend("commlib", _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def _backfill_asked() -> bool:
+    value = os.environ.get(BACKFILL_ENV, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"commlib: expected {BACKFILL_ENV} to be 1 (add newer torch.distributed names) or 0; "
+                         f"found {value!r}")
+    return value == "1"
 
 
 def _create(opts: Any, engine_options: Any) -> Any:

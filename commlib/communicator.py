@@ -4,6 +4,15 @@
     -> backend launch -> wait with deadline (sync) or return a Work whose wait does (async)
     -> record end -> post-hooks
 
+On a stream-ordered engine (a GPU's: `Backend.runtime`, `commlib.device`) the CPU never
+waits: an event is marked on the caller's stream before the pre-hooks, and after the
+launch a synchronous call orders the caller's stream behind the op (as NCCL's own calls
+do) and an asynchronous one returns a Work whose `wait()` does; the op's deadline, its end
+and its failure are the watchdog's (`commlib.watchdog`), which calls back into the
+failure paths below from its thread. The error then waits for the caller: it is raised at
+the caller's next call on this communicator, `Work.wait()` or `commlib.check()`, with the
+failure hooks run just before.
+
 "Record" means the flight recorder, the progress board and the structured log, together.
 Failures on that path become typed errors here and only here: a deadline that expires is a
 `CollectiveTimeout` naming the ranks that never arrived, a peer's death a `PeerFailure`,
@@ -21,8 +30,16 @@ so this rank fails with the same `CollectiveTimeout` naming the ranks that never
 (deadlines expire a little apart). Slices start at `ABORT_POLL_S` and grow with
 the time already waited (a tenth of it), so a long wait costs the store one read per ~10%
 of its length; an op that completes within its first slice costs no store read at all.
-Engines whose timed-out wait breaks the op (c10d's NCCL aborts the communicator) wait in
-one piece, as before (`Backend.resumable_wait`).
+Engines whose timed-out wait breaks the op wait in one piece (`Backend.resumable_wait`).
+
+A caller's `Work.wait(timeout)` shorter than what is left of the op's deadline is the
+caller's own bound, not the op's: when it passes, `WaitTimeout` leaves the op and the
+communicator as they were (a raw gloo wait does the same), and a later wait goes on.
+
+Who is gone, when a peer's connection breaks: the announcement of a peer that aborted on
+purpose names that peer; an announcement made because its maker met a peer's failure names
+what its maker found, never its maker; otherwise the board tells (a process on this host
+that has exited, a heartbeat that stopped), or the error says that nobody could tell.
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from collections.abc import Callable
@@ -40,18 +58,24 @@ import torch
 import torch.distributed as dist
 
 from commlib.backends.base import Backend, BackendWork, Failure
-from commlib.errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure
+from commlib.device import Event
+from commlib.errors import (CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerFailure,
+                            WaitTimeout)
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
 from commlib.observe import log as _log
-from commlib.observe.board import STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks, explain_timeout
+from commlib.observe.board import (HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks,
+                                   explain_timeout, find_gone, own_client)
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, Reduction, ReduceOp
 from commlib.validation import CallChecker, seconds
+from commlib.watchdog import DeviceOp, InFlight, engine_timeout_s
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of ABORT_KEY
 CONSISTENCY_SLOTS = 2  # store keys per rank the consistency check reuses in turn (`_agree`)
+ENGINE_ABORT_BOUND_S = 10.0  # how long a caller waits for an engine abort running in its own thread
+GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`_find_gone_peers`)
 _FIRST_SLICE = timedelta(seconds=ABORT_POLL_S)
 _PROCESS_HOOKS = HookRegistry.process()
 
@@ -64,27 +88,48 @@ _ABANDONED: list[tuple[BackendWork, Backend]] = []
 class Work:
     """The handle of an asynchronous collective. `wait` takes the same path as a sync call."""
 
-    __slots__ = ("_comm", "call", "_backend_work", "_entry", "done")
+    __slots__ = ("_comm", "call", "_backend_work", "_entry", "done", "_device_op")
 
     def __init__(self, comm: "Communicator", call: Collective, backend_work: BackendWork,
-                 entry: FlightEntry) -> None:
+                 entry: FlightEntry, device_op: DeviceOp | None = None) -> None:
         self._comm = comm
         self.call = call
         self._backend_work = backend_work
         self._entry = entry
         self.done = False
+        self._device_op = device_op
 
     def wait(self, timeout: float | timedelta | None = None) -> None:
-        """Block until complete: at most `timeout`, else what is left of the op's deadline."""
-        if not self.done:
+        """Block until complete: at most `timeout` (a `WaitTimeout` if it passes first and the
+        op's deadline has not), else what is left of the op's deadline.
+
+        On a stream-ordered engine only the caller's current stream waits for the op, as
+        NCCL's `wait()` does; the CPU returns at once, and `timeout` has nothing to bound
+        (the op's deadline is the watchdog's).
+        """
+        if self._device_op is not None:
+            self._comm._order_after(self._device_op)
+        elif not self.done:
             self._comm._complete(self.call, self._entry, self._backend_work, seconds(timeout), self)
 
+    def __del__(self) -> None:
+        # A Work given up on while its op runs (a `WaitTimeout` not waited again): dropping the
+        # engine's work would block this thread until the op ends (gloo's and torchcomms' join
+        # the op's thread), so it is kept until then (`_abandon`).
+        if not self.done and self._device_op is None and _abandon is not None:  # None: interpreter teardown
+            _abandon(self._backend_work, self._comm._backend)
+
     def is_completed(self) -> bool:
+        """Whether the op has ended (on its device, for a stream-ordered engine); never blocks."""
+        if self._device_op is not None:
+            return self._device_op.end.query()
         return self.done or self._backend_work.is_completed()
 
 
 class Communicator:
     """A group of ranks and the collectives among them. Create it with `commlib.init`."""
+
+    abort_poll_s = ABORT_POLL_S  # the watchdog reads peers' announcements at this pace too
 
     def __init__(self, backend: Backend, store: dist.Store, name: str, timeout: float,
                  check_consistency: bool = False, world_rank: int | None = None) -> None:
@@ -96,7 +141,7 @@ class Communicator:
         self.timeout = timeout
         self._check_consistency = check_consistency
         # Where the consistency check compares digests: the engine where that costs no device sync (`_agree`).
-        self._fingerprints_via_engine = backend.device.type == "cpu"
+        self._fingerprints_via_engine = backend.device.type == "cpu" and backend.runtime is None
         # The digests it exchanges there, written and read through a numpy view (cheaper than torch's indexing).
         self._digest_tensor = torch.zeros(2, dtype=torch.int64)
         self._digest_pair = self._digest_tensor.numpy()
@@ -107,9 +152,19 @@ class Communicator:
         self._p2p_seq: dict[int, int] = {}  # send/recv, per peer
         self._splits = 0
         self._dead: str | None = None  # why the communicator can no longer be used
+        # A stream-ordered engine's device runtime, its ops in flight, and the watchdog's error
+        # that the caller has not been given yet (with the call it broke).
+        self._runtime = backend.runtime
+        self._in_flight = InFlight(self) if self._runtime is not None else None
+        self._undelivered: tuple[Collective, CommError] | None = None
+        self._abort_lock = threading.Lock()
+        self._engine_aborting = False  # the engine's abort has been started (`_abort_engine`)
+        self._abort_thread: threading.Thread | None = None  # a stream-ordered engine's abort, on its own thread
+        self._owner_thread = threading.get_ident()
+        self._side_store: dist.Store | None = None  # the store client of other threads (`_thread_store`)
         self._agree_on_settings()  # before the board, whose publisher would outlive a failed creation
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
-        self.board = ProgressBoard(store, self.rank, self.size, os.getpid())
+        self.board = ProgressBoard(store, self.rank, self.size, os.getpid(), stream_ordered=self._runtime is not None)
         bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
         self._log = _log.get_logger().bind(**bound)
         self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
@@ -158,6 +213,20 @@ class Communicator:
     def seq(self) -> int:
         """Sequence number of the last collective issued (0: none yet); send/recv are not counted."""
         return self._seq
+
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether ops run in stream order on a device, the CPU never waiting for them (module docstring)."""
+        return self._runtime is not None
+
+    @property
+    def broken(self) -> bool:
+        """Whether the communicator can no longer be used (failed, aborted or finalized)."""
+        return self._dead is not None
+
+    @property
+    def has_undelivered_error(self) -> bool:
+        return self._undelivered is not None
 
     def p2p_seq(self, peer: int) -> int:
         """Sequence number of the last send or recv with `peer` (0: none yet)."""
@@ -277,18 +346,34 @@ class Communicator:
         if self._dead is None:
             self._dead = reason
             self._announce_abort(reason)
+        # The caller chose to abort: an error the watchdog found meanwhile is moot.
+        self._undelivered = None
         self._log.warning("comm.abort", reason=self._dead)
         self._dump("abort")
         self.board.close()
-        self._backend.abort()
+        if self._in_flight is not None:
+            with self._in_flight.lock:
+                self._in_flight.drop()
+        self._abort_engine()
+        self._await_engine_abort()
+        self.recorder.aborted()  # in-job recovery may rebuild: the process keeps its signal handlers and log
 
     def finalize(self) -> None:
-        """Release the communicator after a clean run; later calls raise CommAborted."""
+        """Release the communicator after a clean run; later calls raise CommAborted.
+
+        On a stream-ordered engine the CPU first waits for every op in flight (each bounded
+        by its deadline once it has started on the device): one the watchdog fails then is
+        raised here, and the communicator is aborted instead.
+        """
+        if self._dead is None and self._in_flight is not None:
+            self._in_flight.drain(float("inf"))
+            self._deliver_undelivered()
         if self._dead is None:
             self._dead = "finalized"
             self.board.close()
             self._backend.finalize()
             self._log.info("comm.finalize", seq=self._seq)
+        self.recorder.close()  # the process's last one leaves it as it was (commlib.observe.flight)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -329,6 +414,8 @@ class Communicator:
             call.seq = self._seq
         if self._check_consistency and not p2p:
             self._agree(call)
+        # Marked before the pre-hooks: device work a hook enqueues belongs to the op's run.
+        start = self._runtime.mark() if self._runtime is not None else None
         if _PROCESS_HOOKS.pre or self.hooks.pre:
             try:
                 run_hooks(self.hooks, "pre", call)
@@ -342,9 +429,13 @@ class Communicator:
         if not p2p:
             self.board.started(call.seq, entry.op, call.context)
         if _log.STATE.enabled:
+            reduce_op = call.reduce_op
             self._events.info("collective.start", {
                 "op": entry.op, "seq": call.seq, "shapes": entry.shapes, "dtype": entry.dtype, "bytes": entry.nbytes,
-                "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op})
+                "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op,
+                "reduce_op": None if reduce_op is None else str(reduce_op)})
+        if start is not None:
+            return self._launch_on_device(call, entry, start)
         try:
             backend_work = self._backend.launch(call, _timedelta(call.deadline_s))
         except Exception as exc:
@@ -363,13 +454,17 @@ class Communicator:
         log_on = _log.STATE.enabled
         if log_on and call.async_op:  # how long the caller's wait blocked, and whether the op was already done
             wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
-        if timeout is None:
-            timeout = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        left = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        # A caller's bound shorter than the deadline's rest is the caller's, not the op's (module docstring).
+        callers = timeout is not None and timeout < left
+        budget = max(timeout if callers else left, 1e-3)
         try:  # in slices where the backend allows (module docstring)
-            finished = (self._wait_in_slices(backend_work.wait, max(timeout, 1e-3), entry.start_mono_ns)
-                        if self._backend.resumable_wait else backend_work.wait(timedelta(seconds=max(timeout, 1e-3))))
+            finished = (self._wait_in_slices(backend_work.wait, budget, entry.start_mono_ns)
+                        if self._backend.resumable_wait else backend_work.wait(timedelta(seconds=budget)))
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
+        if finished is False and callers and (time.monotonic_ns() - entry.start_mono_ns) / 1e9 < call.deadline_s:
+            raise self._wait_timed_out(call, entry, budget)
         if finished is not True:
             _abandon(backend_work, self._backend)
             if finished is False:
@@ -408,42 +503,195 @@ class Communicator:
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
 
-    def _announce_abort(self, reason: str, timeout: CollectiveTimeout | None = None) -> None:
-        """`timeout`: the collective's timeout that broke the communicator, if one did: its op,
-        seq and the ranks that had not started it go in the announcement (`_peer_left`)."""
-        announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
-        if timeout is not None and timeout.missing_ranks is not None:
-            announcement.update(timed_out_in=[timeout.op, timeout.seq], missing=timeout.missing_ranks)
+    # -- stream-ordered engines: the launch, the caller's stream, the watchdog's callbacks --
+    def _launch_on_device(self, call: Collective, entry: FlightEntry, start: Event) -> Work | None:
+        """Launch on a stream-ordered engine and hand the op to the watchdog; the CPU never waits (module docstring)."""
+        runtime = self._runtime
         try:
-            self._store.compare_set(ABORT_KEY, "", json.dumps(announcement))
+            backend_work = self._backend.launch(call, _timedelta(engine_timeout_s(call.deadline_s)))
+            if call.async_op:
+                end = runtime.mark_after(backend_work.order)
+            else:
+                backend_work.order()
+                end = runtime.mark()
+        except Exception as exc:
+            raise self._fail(call, entry, exc) from exc
+        op = DeviceOp(call, entry, backend_work, start, end, call.async_op)
+        self._in_flight.add(op)
+        if call.async_op:
+            return Work(self, call, backend_work, entry, op)
+        if call.op is OpName.BARRIER:
+            # A barrier is the hosts' rendezvous on every engine (NCCL's blocks the CPU too):
+            # the CPU waits for it, bounded by the watchdog holding its deadline.
+            self._in_flight.drain(float("inf"))
+            if self._dead is not None:
+                self._ensure_usable(call.op.value)
+        return None
+
+    def _order_after(self, op: DeviceOp) -> None:
+        """`Work.wait()` on a stream-ordered engine: the caller's stream waits for the op."""
+        if op.entry.state == "completed":
+            return
+        if self._dead is not None:
+            self._ensure_usable(op.call.op.value)
+        self._runtime.wait(op.end)
+
+    def _device_op_started(self, op: DeviceOp) -> None:
+        if op.call.peer is None:
+            self.board.device_started(op.call.seq, op.entry.op)
+
+    def _device_op_ended(self, op: DeviceOp) -> None:
+        """The watchdog saw the op end on its device: record it as a CPU wait's end is recorded."""
+        call, entry = op.call, op.entry
+        failure = op.work.failure()
+        if failure is not None:  # the engine's own verdict on the op: its outputs are not to be used
+            self._fail(call, entry, failure, deferred=True)
+            return
+        FlightRecorder.end(entry, "completed")
+        if call.peer is None:
+            self.board.finished(call.seq, entry.op)
+        if _log.STATE.enabled:
+            self._events.info("collective.end", {"op": entry.op, "seq": call.seq, "bytes": entry.nbytes,
+                                                 "peer": call.peer, "duration_s": entry.duration_s, "status": "ok"})
+        self._runtime.release(op.start)
+        if not op.held:
+            self._runtime.release(op.end)
+        if _PROCESS_HOOKS.post or self.hooks.post:
+            self._run_hooks_quietly("post", call, entry.duration_s)
+
+    def _device_op_expired(self, op: DeviceOp, running_s: float) -> None:
+        self._timed_out(op.call, op.entry, None, deferred=True, running_s=running_s)
+
+    def _device_peer_aborted(self, op: DeviceOp) -> bool:
+        announced = self._peer_abort()
+        if announced is None:
+            return False
+        self._peer_left(op.call, op.entry, announced, deferred=True)
+        return True
+
+    def _device_op_dropped(self, op: DeviceOp) -> None:
+        if op.entry.state == "started":
+            FlightRecorder.end(op.entry, "failed")
+
+    def _deliver_undelivered(self) -> None:
+        """Raise, on the caller's thread, the error the watchdog found (once), after the failure hooks."""
+        pending, self._undelivered = self._undelivered, None
+        if pending is None:
+            return
+        call, error = pending
+        self._run_hooks_quietly("failure", call, error)
+        raise error
+
+    def _run_hooks_quietly(self, kind: str, *args: Any) -> None:
+        """Hooks where one that raises must not replace the error being raised, nor stop the
+        watchdog's thread: its failure is logged and passed over."""
+        try:
+            run_hooks(self.hooks, kind, *args)
+        except Exception as exc:
+            _report_side_failure(self._log, f"{kind} hook", exc)
+
+    def _report_watchdog_failure(self, exc: BaseException) -> None:
+        _report_side_failure(self._log, "watchdog", exc)
+
+    def _thread_store(self) -> dist.Store:
+        """The store client for the calling thread: the communicator's own on the thread that made
+        it, a client of its own for any other (the watchdog's): a TCPStore client serializes its
+        calls, and the watchdog must not queue behind a store wait of the caller's."""
+        if threading.get_ident() == self._owner_thread:
+            return self._store
+        if self._side_store is None:
+            self._side_store = own_client(self._store, self.rank)
+        return self._side_store
+
+    def _abort_engine(self) -> None:
+        """Abort the engine once. A stream-ordered engine's abort can hang on a wedged device: it
+        runs in a thread of its own, which the watchdog does not wait for (`_await_engine_abort`)."""
+        with self._abort_lock:
+            if self._engine_aborting:
+                return
+            self._engine_aborting = True
+        if self._runtime is None:  # a CPU engine's abort returns at once
+            self._backend.abort()
+            return
+        started = time.monotonic()
+
+        def abort() -> None:
+            try:
+                self._backend.abort()
+                self._log.info("comm.engine_aborted", duration_s=time.monotonic() - started)
+            except Exception as exc:
+                _report_side_failure(self._log, "engine abort", exc)
+
+        self._abort_thread = threading.Thread(target=abort, name=f"commlib-abort-{self.name}", daemon=True)
+        self._abort_thread.start()
+
+    def _await_engine_abort(self) -> None:
+        thread = self._abort_thread
+        if thread is None or not thread.is_alive():
+            return
+        thread.join(ENGINE_ABORT_BOUND_S)
+        if thread.is_alive():
+            self._log.error("comm.engine_abort_stuck", waited_s=ENGINE_ABORT_BOUND_S,
+                            action="going on without it; the engine and its device streams are left as they are")
+
+    # -- failures ---------------------------------------------------------------------
+    def _wait_timed_out(self, call: Collective, entry: FlightEntry, waited_s: float) -> WaitTimeout:
+        """A caller's shorter wait passed: the op and the communicator stay as they are (module docstring)."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        self._log.info("collective.wait_timeout", op=call.op.value, seq=call.seq, peer=call.peer, waited_s=waited_s,
+                       elapsed_s=elapsed, deadline_s=call.deadline_s)
+        return WaitTimeout(f"{call.op} #{call.seq} on {self.name!r} rank {self.rank}: expected it to complete within "
+                           f"the wait's {waited_s:g} s; found it still running after {elapsed:.1f} s of its "
+                           f"{call.deadline_s:g} s deadline (the op goes on; wait again)",
+                           waited=waited_s, deadline=call.deadline_s, **self._where(call))
+
+    def _announce_abort(self, reason: str, error: BaseException | None = None, call: Collective | None = None) -> None:
+        """Say in the store that this rank broke or aborted the communicator, and why (`_peer_left`).
+
+        A collective's timeout adds its op, seq and the ranks that had not started it. A
+        `PeerFailure` marks the announcement as made after a peer's failure, naming whom this
+        rank found failed (if anyone): a reader must not take this rank for the culprit.
+        """
+        announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
+        if isinstance(error, CollectiveTimeout) and call is not None and call.peer is None \
+                and error.missing_ranks is not None:
+            announcement.update(timed_out_in=[error.op, error.seq], missing=error.missing_ranks)
+        elif isinstance(error, PeerFailure):
+            announcement.update(after_peer_failure=True, failed=error.failed_ranks)
+        try:
+            self._thread_store().compare_set(ABORT_KEY, "", json.dumps(announcement))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
             _report_side_failure(self._log, "abort announcement", exc)
 
     def _peer_abort(self) -> dict[str, Any] | None:
         """The announcement of the peer that aborted this communicator (`_announce_abort`), if one did."""
+        store = self._thread_store()
         try:
-            if not self._store.check([ABORT_KEY]):
+            if not store.check([ABORT_KEY]):
                 return None
-            announced = json.loads(self._store.get(ABORT_KEY))
+            announced = json.loads(store.get(ABORT_KEY))
         except Exception:  # an unreachable store tells nothing: the deadline still holds
             return None
         return announced if announced["rank"] != self.rank else None
 
     def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any],
-                   cause: BaseException | None = None) -> CommError:
+                   cause: BaseException | None = None, *, deferred: bool = False) -> CommError:
         """The error for `call` once a peer's abort announcement was read (`_announce_abort`).
 
         `cause`: the engine's own failure, when the peer's abort reached this rank as a
         broken connection rather than between two wait slices.
         """
         peer, reason = announced["rank"], announced["reason"]
+        if announced.get("after_peer_failure"):
+            # The peer only met a failure first: name what it found, or find out here.
+            return self._peer_gone(call, entry, cause, announced, deferred=deferred)
         in_this_call = call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]
         if in_this_call and self.rank not in announced["missing"]:
             # The peer's deadline expired first in this same collective, which this rank had
             # started by then: its wait is doomed by the same absent ranks. Blaming the peer,
             # which arrived too, would send the operator to the wrong rank; this is the same
             # timeout.
-            return self._timed_out(call, entry, cause, expired_first_on=peer)
+            return self._timed_out(call, entry, cause, expired_first_on=peer, deferred=deferred)
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
             found = (f"found rank {peer} had stopped waiting for it at its deadline and aborted the communicator, "
@@ -455,10 +703,50 @@ class Communicator:
                             f"expected every peer to complete it; {found}", failed_ranks=[peer], **self._where(call))
         if cause is not None:
             error.__cause__ = cause
-        return self._die(call, entry, error, "peer.failure", "failed")
+        return self._die(call, entry, error, "peer.failure", "failed", deferred=deferred)
+
+    def _peer_gone(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
+                   announced: dict[str, Any] | None, *, deferred: bool = False) -> CommError:
+        """A `PeerFailure` naming the peers that are gone, as far as anyone can tell (module docstring)."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        if announced is not None and announced.get("failed"):
+            gone = list(announced["failed"])
+            how = f"as rank {announced['rank']}, which met the failure first and aborted the communicator, found"
+        else:
+            gone, how = self._find_gone_peers(None if announced is None else announced["rank"])
+            if announced is not None:
+                how += f"; rank {announced['rank']} met the failure first and aborted the communicator"
+        found = f"found rank(s) {gone} gone ({how})" if gone else f"found a peer gone ({how})"
+        if cause is not None:
+            found += f"; the backend said: {_first_line(cause)}"
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank} after {elapsed:.1f} s: "
+                            f"expected every peer alive; {found}", failed_ranks=gone or None, **self._where(call))
+        if cause is not None:
+            error.__cause__ = cause
+        return self._die(call, entry, error, "peer.failure", "failed", deferred=deferred)
+
+    def _find_gone_peers(self, announcer: int | None) -> tuple[list[int], str]:
+        """The peers that are gone (`board.find_gone`) and how that was found; no ranks where
+        nobody could tell. The board is read again for a while: a killed process closes its
+        sockets before /proc shows it gone (`GONE_GRACE_S`), and another host's heartbeat
+        takes up to `STALE_AFTER_S` to go stale."""
+        store = self._thread_store()
+        start = time.monotonic()
+        while True:
+            try:
+                board = self.board.read(store)
+            except Exception as exc:  # the store went with the dead rank's host
+                return [], f"which one could not be told: the progress board could not be read ({_first_line(exc)})"
+            gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
+            if gone:
+                return gone, how
+            if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
+                return [], f"which one could not be told: {how}"
+            time.sleep(0.02)
 
     def _ensure_usable(self, what: str) -> None:
         if self._dead is not None:
+            self._deliver_undelivered()
             raise CommAborted(
                 f"{what} on {self.name!r} rank {self.rank}: expected a live communicator; found it {self._dead}",
                 op=what, seq=self._seq, comm=self.name, rank=self.rank)
@@ -467,12 +755,15 @@ class Communicator:
         return {"op": call.op.value, "seq": call.seq, "comm": self.name, "rank": self.rank}
 
     def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
-                   expired_first_on: int | None = None) -> CommError:
+                   expired_first_on: int | None = None, *, deferred: bool = False,
+                   running_s: float | None = None) -> CommError:
         """`expired_first_on`: the peer whose deadline for this same collective expired before
-        this rank's, which ends this rank's wait early (`_peer_left`)."""
-        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        this rank's, which ends this rank's wait early (`_peer_left`). `running_s`: on a
+        stream-ordered engine, how long the op has run since it started on the device (its
+        deadline counts from there, not from the launch)."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9 if running_s is None else running_s
         try:
-            board = self.board.read()
+            board = self.board.read(self._thread_store())
             if call.peer is not None:
                 message, missing, stale = _explain_p2p_timeout(call, self.name, elapsed, board)
             else:
@@ -487,6 +778,11 @@ class Communicator:
             message = (f"{call.op} #{call.seq} on {self.name!r} timed out after {elapsed:.1f} s on rank "
                        f"{self.rank}; the progress board could not be read ({exc})")
             missing, stale = None, None
+        if running_s is not None:
+            issued_s = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+            message += (f" (its deadline counts from its start on the device; it was issued {issued_s:.1f} s ago. "
+                        f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
+                        f"roll the step back)")
         if expired_first_on is not None:
             message += (f" (rank {expired_first_on}'s deadline for it expired first: this rank stopped waiting "
                         f"before its own {call.deadline_s:g} s)")
@@ -494,42 +790,42 @@ class Communicator:
                                   stale_ranks=stale, **self._where(call))
         if cause is not None:
             error.__cause__ = cause
-        return self._die(call, entry, error, "collective.timeout", "timed_out")
+        return self._die(call, entry, error, "collective.timeout", "timed_out", deferred=deferred)
 
-    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException) -> CommError:
+    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False) -> CommError:
         kind = self._backend.classify(exc)
         if kind is Failure.TIMEOUT:
-            return self._timed_out(call, entry, exc)
+            return self._timed_out(call, entry, exc, deferred=deferred)
         where = self._where(call)
         head = f"{call.op} #{call.seq} on {self.name!r} failed on rank {self.rank}"
         if kind is Failure.PEER:
             # A peer that aborted on purpose said why before it closed its connections: that,
             # not the broken connection, is what this rank's error has to say.
             announced = self._peer_abort()
-            if announced is not None:
-                return self._peer_left(call, entry, announced, exc)
-            error: CommError = PeerFailure(f"{head}: expected every peer alive; found a peer gone "
-                                           f"(the backend said: {exc})", **where)
-            event = "peer.failure"
-        elif kind is Failure.ABORTED:
-            error = CommAborted(f"{head}: expected a live communicator; the backend says it is not ({exc})", **where)
-            event = "collective.error"
+            if announced is not None and not announced.get("after_peer_failure"):
+                return self._peer_left(call, entry, announced, exc, deferred=deferred)
+            return self._peer_gone(call, entry, exc, announced, deferred=deferred)
+        if kind is Failure.ABORTED:
+            error: CommError = CommAborted(f"{head}: expected a live communicator; the backend says it is not "
+                                           f"({exc})", **where)
         else:
             error = CommError(f"{head}: {type(exc).__name__}: {exc}", **where)
-            event = "collective.error"
         error.__cause__ = exc
-        return self._die(call, entry, error, event, "failed")
+        return self._die(call, entry, error, "collective.error", "failed", deferred=deferred)
 
     def _die(self, call: Collective, entry: FlightEntry, error: BaseException, event: str, state: str, *,
-             hooks: bool = True) -> Any:
+             hooks: bool = True, deferred: bool = False) -> Any:
         """Record a failure everywhere, mark the communicator dead, and hand back the error to raise.
 
-        Nothing here may replace `error` or skip the abort: a dump that cannot be written or a
-        failure hook that raises is logged and passed over.
+        `deferred`: on the watchdog's thread; the error and the failure hooks wait for the
+        caller (`_deliver_undelivered`). Nothing here may replace `error` or skip the abort: a
+        dump that cannot be written or a failure hook that raises is logged and passed over.
         """
         FlightRecorder.end(entry, state)
+        if deferred:
+            self._undelivered = (call, error)  # before `_dead`, which the caller's thread reads first
         self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        self._announce_abort(self._dead, error if isinstance(error, CollectiveTimeout) and call.peer is None else None)
+        self._announce_abort(self._dead, error, call)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
@@ -538,13 +834,10 @@ class Communicator:
         except Exception as exc:  # a full disk, a closed log file: the error still has to reach the caller
             _report_side_failure(self._log, "dump", exc)
         finally:
-            self.board.close()
-            self._backend.abort()
-        if hooks:
-            try:
-                run_hooks(self.hooks, "failure", call, error)
-            except Exception as exc:
-                _report_side_failure(self._log, "failure hook", exc)
+            self.board.close_broken(type(error).__name__)
+            self._abort_engine()
+        if hooks and not deferred:
+            self._run_hooks_quietly("failure", call, error)
         return error
 
     def _dump(self, reason: str) -> None:
@@ -679,7 +972,7 @@ def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
     age_s = None if entry is None else (time.time_ns() - entry.heartbeat_ns) / 1e9
     stale = [peer] if age_s is None or age_s > STALE_AFTER_S else []
     where = ("never published progress" if entry is None else
-             f"last finished collective {entry.finished_op} #{entry.finished_seq}"
+             f"last reported finishing collective {entry.finished_op} #{entry.finished_seq}"
              + (f" at step {entry.step}, phase {entry.phase}" if entry.step is not None or entry.phase is not None
                 else ""))
     if stale and age_s is not None:
@@ -700,6 +993,12 @@ def _abandon(backend_work: BackendWork, backend: Backend) -> None:
     _ABANDONED[:] = [kept for kept in _ABANDONED if not kept[0].is_completed()]
     if not backend_work.is_completed():
         _ABANDONED.append((backend_work, backend))
+
+
+def _first_line(exc: BaseException) -> str:
+    """An engine error's first line: c10d appends its whole C++ stack to the message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _error_fields(error: CommError) -> dict[str, Any]:

@@ -13,6 +13,13 @@ that bound them, and how old keyword arguments map onto canonical ones. `resolve
 the callable up on the running torch at call time, preferring the newest name, so code
 written against commlib runs unchanged on torch 2.9 through 2.15. `commlib.dist` reads
 the same table to accept old names from user code.
+
+`backfill()` (opt-in: it changes torch's namespace; `COMMLIB_BACKFILL=1` runs it where the
+backend registers, at `import torch`) goes the other way, for code written against a newer
+torch than the one running: it adds each row's newest name that the running torch lacks,
+bound to the older callable that the row says it replaced (on torch 2.13:
+`torch.distributed.set_timeout` = `_set_pg_timeout`, which torchtitan 0.3.0 calls). It never
+replaces a name that exists.
 """
 
 from __future__ import annotations
@@ -101,6 +108,11 @@ METHOD_RENAMES: dict[str, Rename] = {
 }
 
 
+# The names `backfill` added in this process: newest name -> the older one it is bound to
+# (the one registry this module owns).
+BACKFILLED: dict[str, str] = {}
+
+
 class CompatError(AttributeError):
     """The running torch has none of the names a row lists."""
 
@@ -108,12 +120,7 @@ class CompatError(AttributeError):
 def _lookup(name: str, functional: bool) -> Any:
     # Private names live in distributed_c10d on some releases and are re-exported on others;
     # the tensor-coalesced collectives exist only as functional collectives.
-    if functional:
-        from torch.distributed import _functional_collectives
-
-        owners: tuple[Any, ...] = (_functional_collectives,)
-    else:
-        owners = (dist, dist.distributed_c10d)
+    owners = (_public_module(True),) if functional else (dist, dist.distributed_c10d)
     for owner in owners:
         fn = getattr(owner, name, None)
         if fn is not None:
@@ -137,6 +144,47 @@ def resolve(name: str) -> Callable[..., Any]:
         f"torch {_torch_version()} has none of {list(candidates)} for {name!r}"
         + (f" (the new name appeared in torch {row.new_since})" if row else "")
     )
+
+
+def backfill() -> dict[str, str]:
+    """Add to torch.distributed the newer names of the table that the running torch lacks.
+
+    Each is bound to the callable of the row's first older name this torch has; a name that
+    exists is never replaced, and a row whose every name is missing adds nothing. Returns
+    what this call added (new name -> old name) and logs it (`compat.backfill`, a warning:
+    torch's namespace changed); calling it again adds nothing.
+    """
+    added: dict[str, str] = {}
+    shown: list[str] = []
+    unavailable: list[str] = []
+    for row in RENAMES.values():
+        newest = row.torch_names[0]
+        owner = _public_module(row.functional)
+        if hasattr(owner, newest):
+            continue
+        older = next(((name, fn) for name in row.old_names if (fn := _lookup(name, row.functional)) is not None),
+                     None)
+        if older is None:
+            unavailable.append(newest)
+            continue
+        setattr(owner, newest, older[1])
+        added[newest] = older[0]
+        shown.append(f"{owner.__name__}.{newest} = {older[0]}")
+    BACKFILLED.update(added)
+    if added:
+        from commlib.observe import log as _log
+
+        _log.get_logger().warning("compat.backfill", torch=_torch_version(), added=shown, unavailable=unavailable)
+    return added
+
+
+def _public_module(functional: bool) -> Any:
+    """Where user code looks a row's names up: torch.distributed, or its functional collectives."""
+    if functional:
+        from torch.distributed import _functional_collectives
+
+        return _functional_collectives
+    return dist
 
 
 def method(obj: Any, canonical: str) -> Callable[..., Any]:

@@ -1,14 +1,17 @@
 """`commlib doctor`: read every rank's log in a directory and say who is stuck where.
 
-    python -m commlib.doctor LOGDIR [--json] [--trace out.json]      (or: commlib-doctor ...)
+    python -m commlib.doctor LOGDIR [--json] [--trace out.json] [--job ID]   (or: commlib-doctor ...)
 
 Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`), optionally
-writes a Chrome/Perfetto trace, and exits 0 when no attempt of the run had a problem, 1 when
-the final attempt has one, 3 when earlier attempts failed but the final one is clean (a
-recovered run), and 2 when the directory cannot be read. The analysis itself lives in
-`commlib.observe` (`model`: the logs read once; `blame`: the rules; `stats`: the tables;
-`doctor`: the three composed); this module only renders it. Neither imports torch: the logs
-copied from a cluster can be read on a machine without it.
+writes a Chrome/Perfetto trace (in the same pass over the logs), and exits 0 when no attempt
+of the run had a problem, 1 when the final attempt has one, 3 when earlier attempts failed
+but the final one is clean (a recovered run), and 2 when there is nothing it can judge: the
+directory is missing or holds no readable event, it holds several jobs' logs and --job does
+not pick one, or the trace cannot be written where --trace says (checked before any log is
+read). The analysis itself lives in `commlib.observe` (`model`: the logs read once;
+`blame`: the rules; `stats`: the tables; `doctor`: the three composed; `trace`: the trace);
+this module only renders it. Neither imports torch: the logs copied from a cluster can be
+read on a machine without it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 from commlib.observe.blame import AttemptFinding
 from commlib.observe.doctor import Diagnosis, analyze
 from commlib.observe.model import LogDirError, load
-from commlib.observe.trace import write_trace
+from commlib.observe.trace import TraceFile, TracePathError
 
 WIDTH = 110
 
@@ -76,9 +79,15 @@ def _attempt_lines(a: AttemptFinding, final: bool) -> list[str]:
 def render(d: Diagnosis) -> str:
     """The human-readable report."""
     n_ranks = len({r for a in d.attempts for r in a.ranks})
-    lines = [f"commlib doctor: {d.logdir}",
+    lines = [f"commlib doctor: {d.logdir}" + (f" (job {d.job})" if d.job is not None else ""),
              f"{n_ranks} rank(s) (world size {d.world_size}) on {len(d.hosts)} host(s) {d.hosts}; "
-             f"{len(d.attempts)} attempt(s)", ""]
+             f"{len(d.attempts)} attempt(s)"]
+    for f in d.unreadable:
+        lines.append(_wrap(f"Not read: {f['path']}: {f['why']}. What follows says nothing of that rank's "
+                           f"log there.", ""))
+    for path, n in d.skipped_lines.items():
+        lines.append(_wrap(f"Skipped {n} line(s) of {path} that are not JSON events.", ""))
+    lines.append("")
     for i, a in enumerate(d.attempts):
         lines += _attempt_lines(a, final=i == len(d.attempts) - 1)
         lines.append("")
@@ -111,7 +120,8 @@ def render(d: Diagnosis) -> str:
         lines.append(f"{len(d.dumps)} flight-recorder dump(s), {len(telling)} with an unfinished collective.")
         lines.append("")
     if d.exit_code == 0:
-        lines.append("No problem found.")
+        lines.append("No problem found." if not d.unreadable else
+                     f"No problem found in the logs read ({len(d.unreadable)} file(s) could not be read: see above).")
     elif d.exit_code == 3:
         failed = [a.attempt for a in d.attempts if a.status != "ok"]
         final = d.final
@@ -131,15 +141,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("logdir", help="directory holding rank*.jsonl logs (and flight_rank*.json dumps)")
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--trace", metavar="OUT.json", help="also write a Chrome/Perfetto trace there")
+    parser.add_argument("--job", metavar="ID", help="read only this job's logs (a directory holding several jobs')")
     args = parser.parse_args(argv)
     try:
-        run = load(args.logdir)
-    except LogDirError as exc:
+        trace = TraceFile(args.trace) if args.trace else None
+    except TracePathError as exc:
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2
-    diagnosis = analyze(run)
-    if args.trace:
-        write_trace(run, args.trace)
+    try:
+        run = load(args.logdir, job=args.job, observers=[trace.writer] if trace else [])
+        diagnosis = analyze(run)
+        if trace is not None:
+            trace.commit(run)
+    except BaseException as exc:
+        if trace is not None:
+            trace.discard()  # no trace, and no part of one
+        if not isinstance(exc, LogDirError):
+            raise
+        print(f"commlib-doctor: {exc}", file=sys.stderr)
+        return 2
     try:
         print(json.dumps(diagnosis.to_dict(), indent=1, default=str) if args.json else render(diagnosis), flush=True)
     except BrokenPipeError:

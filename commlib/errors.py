@@ -96,10 +96,27 @@ class CollectiveTimeout(CommError):
         self.stale_ranks = stale_ranks
 
 
+class WaitTimeout(CommError):
+    """A caller's `Work.wait(timeout)` ended before the op did, with the op's deadline still ahead.
+
+    Unlike `CollectiveTimeout`, nothing is broken: the op goes on, the communicator stays
+    usable, and a later `wait()` picks the op up again (as a raw gloo wait does). Only the
+    op's own deadline breaks the communicator. `waited` is the caller's timeout; `deadline`
+    the op's, both in seconds.
+    """
+
+    def __init__(self, message: str, *, waited: float, deadline: float, **where: object) -> None:
+        super().__init__(message, **where)  # type: ignore[arg-type]
+        self.waited = waited
+        self.deadline = deadline
+
+
 class PeerFailure(CommError):
     """A peer of the collective died, closed its connection (process killed, crashed), or
-    aborted the communicator. `failed_ranks` names the peers known to have failed (the one
-    that announced its abort); None when the engine only said that some peer is gone.
+    aborted the communicator. `failed_ranks` names the peers known to have failed: the one
+    that announced its abort, or the ones found gone (their process exited, their heartbeat
+    stopped, or the peer that noticed first named them); None when nobody could tell which.
+    A peer that only noticed the failure first is never named.
     """
 
     def __init__(self, message: str, *, failed_ranks: list[int] | None = None, **where: object) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.backends.c10d import C10dBackend
-from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator
+from commlib.communicator import Communicator
 from commlib.errors import CommError
 from commlib.observe import flight
 from commlib.observe import log as _log
@@ -40,7 +40,9 @@ def init(
     Without `store`, rank, size and store come from torchrun's environment (`env://`).
     `backend` is the engine: "auto" (torchcomms when installed and usable, else gloo for
     CPU and nccl for CUDA), "gloo", "nccl" or "torchcomms". `timeout` is the default
-    deadline of every collective (seconds or timedelta).
+    deadline of every collective (seconds or timedelta). `check_consistency` None: on where
+    `COMMLIB_CHECK_CONSISTENCY=1` or `TORCH_DISTRIBUTED_DEBUG=DETAIL` is set
+    (`commlib.process_group.check_consistency`).
 
     Where no default group exists yet, this makes one with `backend="commlib"`
     (`commlib.process_group`), so FSDP2, DCP and every other torch.distributed caller in the
@@ -56,8 +58,6 @@ def init(
     timeout_s = seconds(timeout)
     assert timeout_s is not None
     dev = _device(device)
-    if check_consistency is None:
-        check_consistency = os.environ.get(CHECK_CONSISTENCY_ENV, "0") == "1"
     if store is None:
         store, rank, world_size = next(dist.rendezvous("env://", rank if rank is not None else -1,
                                                        world_size if world_size is not None else -1))
@@ -70,7 +70,7 @@ def init(
                          f"found rank={rank}, world_size={world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"commlib.init: expected 0 <= rank < world_size; found rank={rank}, world_size={world_size}")
-    _log.configure(rank, world_size, log_dir)
+    _log.configure(rank, world_size, log_dir, store=store)
     flight.install_sigusr1(_log.log_dir)
 
     if not dist.is_initialized() and _torch_routes_to_torchcomms():
@@ -121,17 +121,18 @@ def _torch_routes_to_torchcomms() -> bool:
 
 
 def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: float, name: str, device: torch.device,
-                         check_consistency: bool) -> Communicator:
+                         check_consistency: bool | None) -> Communicator:
     """The communicator over a default group the caller made before calling commlib.init."""
     if (dist.get_rank(), dist.get_world_size()) != (rank, size):
         raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
                         f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
-    from commlib.process_group import CommlibProcessGroup, current
+    from commlib.process_group import CommlibProcessGroup, check_consistency as consistency_setting, current
 
     if isinstance(dist.group.WORLD, CommlibProcessGroup):
         return current()
     # Another backend's group: commlib's own calls take the one path; torch.distributed's own
     # calls on that group do not (use backend="commlib" for those).
     impl = C10dBackend(dist.group.WORLD, device, dist.PrefixStore("commlib-splits/", store), owned=False)
-    return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s, check_consistency,
+    return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s,
+                        consistency_setting(check_consistency, name),
                         world_rank=rank)

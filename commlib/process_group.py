@@ -17,7 +17,22 @@ the group's one communicator, and the commlib reduction of each torch reduction 
 The engine under each group is chosen by `EngineOptions` (`commlib.init` passes them as
 `pg_options`; groups torch makes by itself inherit the default group's): "auto" is gloo for
 CPU tensors plus nccl for CUDA ones where CUDA is available, or `COMMLIB_ENGINE` (`gloo`,
-`nccl`, `torchcomms`). `init_process_group(timeout=)` is every collective's default deadline.
+`nccl`, `torchcomms`). The consistency check is on where the options say so, else where
+`COMMLIB_CHECK_CONSISTENCY=1` or `TORCH_DISTRIBUTED_DEBUG=DETAIL` is set when the group is
+made (c10d skips its own DETAIL wrapper for a creator that returns a `ProcessGroup`).
+
+Deadlines: `init_process_group(timeout=)` is every collective's default deadline, and every
+group made later without a `timeout=` of its own (`new_group`, DeviceMesh dimensions, groups
+made from those) takes the default group's deadline of that moment. c10d hands such a group
+its own stand-in, `default_pg_timeout` (30 min), so that value reads as "not given". torch's
+ways of changing a group's timeout later reach commlib too: `ProcessGroup.set_timeout` (what
+2.14's `dist.set_timeout` calls) is this class's, and an engine's `_set_default_timeout`
+(what 2.13's `_set_pg_timeout` and callers of `group._get_backend(device)` call) also sets the
+deadline of the commlib communicator over that engine (`_follow_engine_timeouts`).
+
+Tensors that are not contiguous, which gloo takes (`all_reduce(t.t())`, `broadcast(t[::2])`,
+strided outputs), go through a contiguous copy, copied back into the caller's tensors when
+the op completes (`_restaged`); the Communicator's own API keeps refusing them.
 
 The group object stays while the communicators under it can be replaced
 (`CommlibProcessGroup.replace_communicators`), which is what in-job recovery needs: FSDP2
@@ -38,17 +53,21 @@ Limits (see README, "Use it from an existing trainer"):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
+from torch.distributed.constants import default_pg_timeout
 
 from commlib import compat
-from commlib.communicator import Communicator, Work
+from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator, Work
 from commlib.dist import to_reduction
 from commlib.observe import flight
 from commlib.observe import log as _log
@@ -58,6 +77,7 @@ from commlib.validation import seconds
 BACKEND_NAME = "commlib"
 ENGINE_ENV = "COMMLIB_ENGINE"
 ENGINES = ("auto", "gloo", "nccl", "torchcomms")
+TORCH_DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 
 
 @dataclass(frozen=True)
@@ -66,11 +86,16 @@ class EngineOptions:
 
     engine: str = "auto"  # auto | gloo | nccl | torchcomms
     name: str | None = None  # of the communicator; default "world" for the default group, else "group{N}"
-    check_consistency: bool = False
+    check_consistency: bool | None = None  # None: from the environment (`check_consistency`)
     torchcomms_backend: str | None = None  # torchcomms' own engine (gloo, nccl, ...); default by device
     # The default group configures this process's logs (COMMLIB_LOG_DIR) and SIGUSR1 dump,
     # unless its maker (commlib.init) has done so.
     configure_process: bool = True
+    # An engine of the caller's own, in place of `engine`: called as
+    # `backend_factory(store=, rank=, size=, device=, timeout=)` for every communicator of the
+    # group (rebuilt ones too) and returning a `commlib.backends.base.Backend`. The tests'
+    # emulated stream-ordered engine comes in this way (tests/commlib/emulated_device.py).
+    backend_factory: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -109,17 +134,72 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     if is_default:
         _DEFAULTS[:] = [options]
         if options.configure_process:
-            _log.configure(opts.group_rank, opts.group_size)
+            _log.configure(opts.group_rank, opts.group_size, store=opts.store)
             flight.install_sigusr1(_log.log_dir)
+        if compat.BACKFILLED:
+            _log.get_logger().info("compat.backfilled", names=list(compat.BACKFILLED))
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
     world_rank = opts.group_rank if is_default else dist.get_rank()
-    timeout_s = seconds(opts.timeout)
-    assert timeout_s is not None
+    options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
     recipe = _Recipe(options, tuple(_devices(options, name)), opts.store, opts.group_rank, opts.group_size,
-                     timeout_s, world_rank)
+                     _deadline_of_new_group(opts.timeout, is_default), world_rank)
+    _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
     group._recipe = recipe
     return group
+
+
+def check_consistency(explicit: bool | None, comm_name: str) -> bool:
+    """Whether a new communicator checks that every rank issues the same collective.
+
+    `explicit` (an argument or `EngineOptions`) decides where given; otherwise
+    `COMMLIB_CHECK_CONSISTENCY=1`, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`, whose own check c10d
+    never puts around a commlib group: commlib's stands in for it, and the log says so.
+    """
+    if explicit is not None:
+        return explicit
+    for variable, value in ((CHECK_CONSISTENCY_ENV, "1"), (TORCH_DEBUG_ENV, "DETAIL")):
+        if os.environ.get(variable, "").upper() == value:
+            _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True,
+                                   because=f"{variable}={value}")
+            return True
+    return False
+
+
+def _deadline_of_new_group(timeout: timedelta, is_default: bool) -> float:
+    """A new group's default deadline: its own `timeout=`, else the default group's now.
+
+    c10d passes `default_pg_timeout` for a group made without `timeout=` (module docstring).
+    """
+    world = None if is_default else dist.group.WORLD
+    if timeout == default_pg_timeout and isinstance(world, CommlibProcessGroup):
+        return world.communicator().timeout
+    timeout_s = seconds(timeout)
+    assert timeout_s is not None
+    return timeout_s
+
+
+def _follow_engine_timeouts() -> None:
+    """Make an engine's `_set_default_timeout` set the deadline of the commlib communicator over it.
+
+    torch 2.13's `_set_pg_timeout` (and code that sets a timeout on `group._get_backend(device)`)
+    calls that method of the engine c10d finds registered for each device, a C++ object that
+    commlib's group cannot stand in for, so the engine classes' method is wrapped, once per
+    process: the engine's own timeout is set as before, then the communicator's deadline.
+    Engines no commlib group holds are untouched.
+    """
+    for engine_class in (getattr(dist, "ProcessGroupGloo", None), getattr(dist, "ProcessGroupNCCL", None)):
+        setter = getattr(engine_class, "_set_default_timeout", None)
+        if setter is None or getattr(setter, "follows_commlib", False):
+            continue
+
+        def set_default_timeout(engine: Any, timeout: timedelta, _engine_setter: Any = setter) -> None:
+            _engine_setter(engine, timeout)
+            for group in commlib_groups():
+                group._engine_timeout_set(engine, timeout)
+
+        set_default_timeout.follows_commlib = True  # type: ignore[attr-defined]
+        engine_class._set_default_timeout = set_default_timeout  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -134,9 +214,11 @@ class _Recipe:
     timeout_s: float
     world_rank: int
 
-    def build(self, store: dist.Store) -> dict[str, Communicator]:
+    def build(self, store: dist.Store, timeouts: dict[str, float] | None = None) -> dict[str, Communicator]:
+        """The group's communicators; `timeouts`: each device's deadline, where not the recipe's."""
+        timeouts = timeouts or {}
         return {device.type: _communicator(self.options, device, comm_name, store, self.rank, self.size,
-                                           self.timeout_s, self.world_rank)
+                                           timeouts.get(device.type, self.timeout_s), self.world_rank)
                 for device, comm_name in self.devices}
 
 
@@ -177,28 +259,38 @@ def _communicator(options: EngineOptions, device: torch.device, name: str, store
     engine = _engine(options)
     store = dist.PrefixStore(f"{device.type}/", store)
     timeout = timedelta(seconds=timeout_s)
-    if engine == "torchcomms":
+    if options.backend_factory is not None:
+        impl: Any = options.backend_factory(store=store, rank=rank, size=size, device=device, timeout=timeout)
+    elif engine == "torchcomms":
         from commlib.backends.torchcomms import TorchcommsBackend
 
-        impl: Any = TorchcommsBackend.create(rank=rank, size=size, store=store, name=name, device=device,
+        impl = TorchcommsBackend.create(rank=rank, size=size, store=store, name=name, device=device,
                                              timeout=timeout, engine=options.torchcomms_backend)
     else:
         from commlib.backends.c10d import C10dBackend
 
         kind = "nccl" if device.type == "cuda" else "gloo"
         impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
-    return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, options.check_consistency,
+    return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, bool(options.check_consistency),
                         world_rank=world_rank)
 
 
 class CommlibWork(dist.Work):
     """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
 
-    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Any = None) -> None:
+    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._works = works
         self._result = result
         self._finish = finish  # copies out of a staged buffer, run once after completion
+
+    def restaged(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The op ran on contiguous `copies` of the caller's tensors (`CommlibProcessGroup._restaged`):
+        hand back the caller's tensors, each filled from its copy once the op completes."""
+        assert self._finish is None  # only ops without a staging of their own are restaged
+        originals = {id(copy): original for original, copy in copies}
+        self._result = [originals.get(id(t), t) for t in self._result]
+        self._finish = functools.partial(_copy_back, copies)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         # c10d spells "no timeout" as timedelta(0): the op's own deadline applies then.
@@ -224,6 +316,16 @@ class CommlibWork(dist.Work):
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(self._result)
         return future
+
+
+def _copy_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for original, copy in copies:
+        original.copy_(copy)
+
+
+def _strided(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of `tensors` is not contiguous (`CommlibProcessGroup._restaged` then takes the call)."""
+    return not all(t.is_contiguous() for t in tensors)
 
 
 _NO_TIMEOUT = timedelta(0)  # c10d's options say "unset" with a negative timeout
@@ -311,7 +413,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """New engine communicators under this group for recovery epoch `epoch` (collective over the group).
 
         They rendezvous under `epoch{N}/` of the group's store, so no key of an earlier
-        incarnation is read; the old communicators are aborted first (idempotent).
+        incarnation is read; the old communicators are aborted first (idempotent). Each new
+        one keeps its predecessor's deadline (a trainer may have set it after creation).
         """
         recipe: _Recipe | None = getattr(self, "_recipe", None)
         if recipe is None:
@@ -320,7 +423,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"commlib process group rank {self.rank()}: expected epoch >= 1; found {epoch!r}")
         self.abort_quietly()
-        self.replace_communicators(recipe.build(dist.PrefixStore(f"epoch{epoch}/", recipe.store)))
+        deadlines = {kind: comm.timeout for kind, comm in self._comms.items()}
+        self.replace_communicators(recipe.build(dist.PrefixStore(f"epoch{epoch}/", recipe.store), deadlines))
 
     def abort_quietly(self, reason: str = "aborted") -> None:
         """Abort every communicator under this group; one that fails to abort does not stop the others."""
@@ -329,6 +433,18 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 comm.abort(reason)
             except Exception as exc:  # an engine already torn down: it is unusable either way
                 _log.get_logger().warning("comm.abort_failed", comm=comm.name, error=f"{type(exc).__name__}: {exc}")
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """torch's `ProcessGroup.set_timeout`: the engines' default timeout and every communicator's deadline."""
+        super().set_timeout(timeout)
+        for comm in self._comms.values():
+            comm.set_timeout(timeout)
+
+    def _engine_timeout_set(self, engine: Any, timeout: timedelta) -> None:
+        """An engine's own timeout was set (`_follow_engine_timeouts`): the deadline of the communicator over it."""
+        for comm in self._comms.values():
+            if getattr(comm._backend, "engine", None) is engine:
+                comm.set_timeout(timeout)
 
     def _set_communicators(self, comms: dict[str, Communicator]) -> None:
         self._comms = comms
@@ -386,12 +502,16 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllreduceOptions()
         async_op = opts.asyncOp
         t = _one(tensors, "allreduce")
+        if not t.is_contiguous():
+            return self._restaged(self.allreduce, (tensors, opts), writes=(0,))
         work = self._on(t).all_reduce(t, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
         async_op = opts.asyncOp
+        if _strided(tensors):
+            return self._restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
         op, timeout = _reduction(opts), _deadline(opts)
         works = [self._on(t).all_reduce(t, op, async_op=async_op, timeout=timeout) for t in tensors]
         return _handed_back(async_op, works, tensors)
@@ -400,6 +520,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.BroadcastOptions()
         async_op = opts.asyncOp
         t = _one(tensors, "broadcast")
+        if not t.is_contiguous():
+            return self._restaged(self.broadcast, (tensors, opts), writes=(0,))
         work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], tensors)
 
@@ -407,6 +529,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.ReduceOptions()
         async_op = opts.asyncOp
         t = _one(tensors, "reduce")
+        if not t.is_contiguous():
+            return self._restaged(self.reduce, (tensors, opts), writes=(0,))
         work = self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], tensors)
 
@@ -415,6 +539,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
+        if _strided([t, *outputs]):
+            return self._restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
         work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], outputs)
 
@@ -422,6 +548,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
                             opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
+        if _strided([*inputs, *(o for outs in output_lists for o in outs)]):
+            return self._restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
         timeout = _deadline(opts)
         works = [self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
                  for outs, t in zip(output_lists, inputs, strict=True)]
@@ -430,6 +558,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return self._restaged(self.all_gather_single, (output, input, opts), writes=(0,))
         work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], [output])
 
@@ -437,6 +567,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
                                     opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
+        if _strided([*outputs, *inputs]):
+            return self._restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
         timeout = _deadline(opts)
         works = [self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
@@ -447,6 +579,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
+        if _strided([t, *inputs]):
+            return self._restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
         work = self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], outputs)
 
@@ -454,6 +588,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
                               opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return self._restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
         work = self._on(input).reduce_scatter_single(output, input, _reduction(opts), async_op=async_op,
                                                      timeout=_deadline(opts))
         return _handed_back(async_op, [work], [output])
@@ -462,6 +598,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
+        if _strided([*outputs, *inputs]):
+            return self._restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
         op, timeout = _reduction(opts), _deadline(opts)
         works = [self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
@@ -478,6 +616,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 raise NotImplementedError(
                     f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
                     f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return self._restaged(self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes,
+                                                           opts), writes=(0,))
         work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], [output])
 
@@ -508,6 +649,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t = _one(inputs, "gather")
         outputs = _one(output_lists, "gather") if output_lists else None
+        if _strided([t, *(outputs or [])]):
+            return self._restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
         work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], outputs or [])
 
@@ -517,17 +660,23 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t = _one(outputs, "scatter")
         inputs = _one(input_lists, "scatter") if input_lists else None
+        if _strided([t, *(inputs or [])]):
+            return self._restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
         work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
         return _handed_back(async_op, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "send")
         self._untagged("send", tag)
+        if not t.is_contiguous():
+            return self._restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
         return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = _one(tensors, "recv")
         self._untagged("recv", tag)
+        if not t.is_contiguous():
+            return self._restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
         return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
@@ -549,6 +698,35 @@ class CommlibProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
     # -- helpers -----------------------------------------------------------------------
+    def _restaged(self, method: Callable[..., CommlibWork | None], args: tuple[Any, ...],
+                  writes: tuple[int, ...]) -> CommlibWork | None:
+        """`method(*args)` with a contiguous copy in place of every tensor that is not contiguous.
+
+        The copies in the arguments at `writes` (the op's outputs) are copied back into the
+        caller's tensors once the op completes: before a synchronous call returns, else when
+        its Work is waited on. A rare path: the methods take it only for such tensors.
+        """
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def staged(value: Any, written: bool) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.is_contiguous():
+                    return value
+                copy = value.contiguous()
+                if written:
+                    copies.append((value, copy))
+                return copy
+            if isinstance(value, list):
+                return [staged(v, written) for v in value]
+            return value
+
+        work = method(*(staged(arg, i in writes) for i, arg in enumerate(args)))
+        if work is None:
+            _copy_back(copies)
+        else:
+            work.restaged(copies)
+        return work
+
     def _untagged(self, what: str, tag: int) -> None:
         if tag:
             raise NotImplementedError(f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "

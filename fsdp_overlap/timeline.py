@@ -169,8 +169,7 @@ def timelines(records: Iterable[Record]) -> list[StepTimeline]:
 def records(run: RunLogs) -> list[Record]:
     """Completed collectives inside a step, as the ranks logged them (a flight-recorder entry the
     logs lack is left out: it has no wait time)."""
-    return [_record(c, att.attempt) for att in run.attempts.values() for rl in att.ranks.values()
-            for c in rl.calls if c.source == "log" and _counted(c)]
+    return [_record(c, attempt) for attempt, c in run.calls() if c.source == "log" and _counted(c)]
 
 
 def records_from_events(events: Iterable[dict[str, Any]]) -> list[Record]:

@@ -230,7 +230,7 @@ class _InstantEngine:
     under it, a call's CPU is commlib's own layers and nothing else, with no peer and no
     engine thread to share the cores with, so the figure is the same from run to run."""
 
-    name, rank, size, device, resumable_wait = "gloo", 0, 1, torch.device("cpu"), True
+    name, rank, size, device, resumable_wait, runtime = "gloo", 0, 1, torch.device("cpu"), True, None
     _done = _DoneWork()
 
     def launch(self, call: Collective, timeout: timedelta) -> _DoneWork:

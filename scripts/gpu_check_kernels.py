@@ -46,7 +46,10 @@ def check_attention(device: torch.device) -> bool:
             q, k, v, grad_out = (torch.randn(shape, generator=gen, device=device) for _ in range(4))
 
             def run(dt: torch.dtype, fn) -> list[torch.Tensor]:
-                leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+                # Fresh leaves every run: `.to` of a tensor already in `dt` is that very tensor,
+                # so q/k/v themselves would require grad and every later conversion of them
+                # would be a non-leaf, whose .grad stays None.
+                leaves = [t.detach().to(dt, copy=True).requires_grad_() for t in (q, k, v)]
                 out = fn(*leaves)
                 out.backward(grad_out.to(dt))
                 return [out.detach()] + [t.grad for t in leaves]

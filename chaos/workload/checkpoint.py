@@ -318,6 +318,9 @@ class Checkpointer:
                 "lineage": self.lineage})
         if self.on_staged is not None:
             self.on_staged(state.step)
+        # Every collective of the save has ended well on its device (GPU engines fail them
+        # asynchronously): a rank that cannot say so raises before the commit.
+        commlib.check(wait=True)
         self.comm.barrier()  # every rank's files are in staging
         final = self.directory / step_dir_name(state.step)
         if self.comm.rank == 0:

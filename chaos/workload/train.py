@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import commlib
 import fsdp_overlap
 from commlib.initialize import BACKENDS
+from commlib.observe.log import attempt_number
 from chaos.inject import install_from_env
 from chaos.results import write_results
 from chaos.workload.checkpoint import CheckpointMismatch, Checkpointer, Snapshot, TrainState
@@ -210,7 +211,7 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
     (a new one after a recovery) and whether the run stopped on a SIGTERM."""
     log = commlib.get_logger()
     preemption = Preemption()
-    attempt = _attempt()
+    attempt = attempt_number()
     model_cfg, data_cfg = configs(args)
     config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg), "lr": args.lr,
               "world_size": comm.size}
@@ -361,6 +362,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: c
         loss.backward()
     with commlib.context(phase="optimizer"):
         result = check_finite_and_average(comm, step, loss, model, stop)
+        # On a GPU engine a collective of this step that failed on the device raises only
+        # here (its outputs are garbage): before they reach the weights, so the step rolls back.
+        commlib.check()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return result
@@ -396,10 +400,6 @@ def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2 parameters and gradients), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _device(kind: str) -> torch.device:

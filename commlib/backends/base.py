@@ -2,7 +2,9 @@
 
 A backend launches one already-validated, already-numbered `Collective` and hands back a
 `BackendWork`; it splits, aborts and finalizes itself, and it says what a raw failure of
-its engine means (`classify`). Everything else (validation, sequence numbers, deadlines,
+its engine means (`classify`). A stream-ordered engine (a GPU's) also names its device
+runtime, and its works order the caller's stream and report the engine's verdict on an op
+that has ended (`commlib.device`, `commlib.watchdog`). Everything else (validation, sequence numbers, deadlines,
 hooks, logs, flight recording, the progress board) belongs to `Communicator`; a backend
 that repeats any of it is a bug.
 """
@@ -14,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from commlib.device import Runtime
 from commlib.failures import Failure
 from commlib.ops import Collective, Reduction
 
@@ -23,10 +26,18 @@ class BackendWork(Protocol):
         """Block until done; False if `timeout` passed first. Raises the engine's error.
 
         Where the backend's `resumable_wait` is True, a wait that returned False leaves the
-        op running, and may be called again.
+        op running, and may be called again. Never called on a stream-ordered engine.
         """
 
     def is_completed(self) -> bool: ...
+
+    def order(self) -> None:
+        """Stream-ordered engines: make the caller's current stream wait for the op (the
+        engine's stream-only wait); the CPU does not wait."""
+
+    def failure(self) -> BaseException | None:
+        """Stream-ordered engines, once the op has ended on the device: the engine's own error
+        for it (an abort, a remote error), None when it completed."""
 
 
 class Backend(Protocol):
@@ -35,6 +46,8 @@ class Backend(Protocol):
     size: int
     device: torch.device
     resumable_wait: bool  # see BackendWork.wait: the Communicator may then wait in slices
+    # A stream-ordered engine's device runtime (`commlib.device`); None where the CPU waits for ops.
+    runtime: Runtime | None
 
     def launch(self, call: Collective, timeout: timedelta) -> BackendWork:
         """Start `call` without blocking on its completion."""

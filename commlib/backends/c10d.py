@@ -13,11 +13,18 @@ timeout, reduction and root, and reused (`C10dBackend._options`). The three meth
 
 Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
 is part of the op, and every backend must give the same numbers.
+
+nccl is stream-ordered (`commlib.device`): the backend names a `CudaRuntime`, a work's
+`order` is NCCL's own stream-only `Work.wait()` (never `wait(timeout)`, which busy-waits the
+CPU until the GPU is done), and its `failure` is c10d's verdict once its watchdog has one.
+commlib, not c10d, decides what a timeout does to the process (`NCCL_ENV`, set before an
+engine is built).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,8 +35,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 from commlib import compat
+from commlib.device import CudaRuntime
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
+from commlib.observe import log as _log
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
+from commlib.watchdog import engine_timeout_s
 
 ENGINES = ("gloo", "nccl")
 _MAX_OPTIONS = 256  # option objects kept per backend (`C10dBackend._options`)
@@ -45,6 +55,40 @@ _DIST_OPS = {
     ReduceOp.AVG: dist.ReduceOp.AVG,
 }
 _SUM = ReduceOp.SUM  # most calls' reduction, tested per call: a module global reads faster than the enum member
+
+# What c10d's NCCL engine would otherwise do by itself on a timeout or an error, each of which
+# ends the process (MEASURED.md, torch 2.11): commlib's watchdog decides instead, and the
+# process lives on to recover in-job. Read by ProcessGroupNCCL when it is built, and
+# process-wide: every NCCL group of the process, commlib's or not, behaves so. A value the
+# user set is kept, with a warning that a timeout may then end the process.
+NCCL_ENV = {
+    # 0: on an error or a timeout c10d only marks the work failed. Its default (3) rethrows on
+    # its watchdog thread, which terminates the process; 1 tears the process down; 2 aborts
+    # the communicator behind commlib's back.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    # The heartbeat monitor kills a process whose c10d watchdog looks stuck (as it is while an
+    # abort waits for a wedged device) or after a dump signal.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # No debug dump on c10d's own timeouts (which count from the enqueue: false ones behind a
+    # busy GPU); commlib's flight recorder dumps on commlib's.
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # A CUDA error its watchdog meets is not rethrown on that thread (which would terminate).
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+}
+
+
+def nccl_survives_timeouts() -> dict[str, str]:
+    """Set `NCCL_ENV` where the user has not; returns the variables the user set otherwise (and warns)."""
+    kept = {}
+    for key, value in NCCL_ENV.items():
+        current = os.environ.setdefault(key, value)
+        if current != value:
+            kept[key] = current
+    if kept:
+        _log.get_logger().warning("comm.nccl_env_kept", kept=kept, wanted={k: NCCL_ENV[k] for k in kept},
+                                  consequence="a timeout or NCCL error may end the process; in-job recovery "
+                                              "then cannot work")
+    return kept
 
 
 def classify_exception(exc: BaseException) -> Failure:
@@ -88,6 +132,23 @@ class C10dWork:
     finish: Callable[[], None] | None = None  # emulation step run after completion
     timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms-routed groups)
 
+    def order(self) -> None:
+        # Without a timeout NCCL's wait only makes the current stream wait on the op's end event.
+        self.work.wait()
+
+    def failure(self) -> BaseException | None:
+        try:
+            verdict = self.work.get_future_result()
+        except RuntimeError:  # engines without one (a torchcomms-routed group's work)
+            return None
+        if not verdict.done():
+            return None  # c10d's watchdog has not looked yet: the op's end event is the fact
+        result = verdict.value()
+        if int(result) == 0:  # WorkResult.SUCCESS
+            return None
+        return RuntimeError(f"c10d reports the op ended with {result!s} (a timeout of its own, or "
+                            f"ncclRemoteError: a peer gone or its network failed)")
+
     def wait(self, timeout: timedelta) -> bool:
         # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite timeout,
         # and its is_completed() only turns True inside wait(): the op's deadline is the
@@ -128,6 +189,7 @@ class C10dBackend:
         # gloo's Work.wait(timeout) only stops waiting; NCCL's aborts the communicator, and a
         # torchcomms-routed group's takes no finite timeout at all.
         self.resumable_wait = self.name == "gloo" and not self._routed
+        self.runtime = CudaRuntime(device) if device.type == "cuda" and self.name != "gloo" else None
         # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
         # method names, Backend objects to the old ones: look each up once.
         self._all_gather_single = compat.method(self.engine, "all_gather_single")
@@ -143,8 +205,10 @@ class C10dBackend:
         if engine == "gloo":
             impl = dist.ProcessGroupGloo(engine_store, rank, size, timeout)
         elif engine == "nccl":
+            nccl_survives_timeouts()
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            # Far beyond commlib's deadline: c10d's watchdog counts from the enqueue (`engine_timeout_s`).
+            opts._timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
             opts.is_high_priority_stream = False
             impl = dist.ProcessGroupNCCL(engine_store, rank, size, opts)
         else:

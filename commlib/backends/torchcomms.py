@@ -15,8 +15,14 @@ the `persistent_store` hint (so torchcomms uses it directly instead of starting 
 server; it allows one communicator per store), so two commlib communicators, or a split,
 never collide.
 
-Where torchcomms' engines differ, this backend makes them mean one thing: a wait blocks the
-CPU under the deadline on every engine (`TorchWork.wait()` does not on CUDA), a
+On CUDA the communicator is stream-ordered (`commlib.device`): a work's `order` is
+`TorchWork.wait()`, which there only makes the current stream wait, and the deadline is
+commlib's watchdog's; torchcomms' own per-op timeout is set far beyond it
+(`commlib.watchdog.engine_timeout_s`) and `abort_process_on_timeout_or_error` is False, so
+torchcomms never acts first. An abort torchcomms decides on anyway (its abort hook) is the
+work's `failure`. On CPU engines (gloo) a wait blocks the CPU under the deadline.
+
+Where torchcomms' engines differ, this backend makes them mean one thing: a
 `reduce_scatter_single` leaves its input as it was (gloo's overwrites it), and a split that
 leaves ranks out keeps every rank's split counter in step (gloo's does not advance it for an
 empty rank list).
@@ -37,8 +43,10 @@ import torch.distributed as dist
 
 from commlib.backends.base import Failure
 from commlib.backends.c10d import classify_exception, wait_or_time_out
+from commlib.device import CudaRuntime
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
+from commlib.watchdog import engine_timeout_s
 
 INSTALL_HINT = ("install torchcomms (pip install torchcomms, with a torch build it supports; see "
                 "https://github.com/meta-pytorch/torchcomms), or use backend='auto', 'gloo' or 'nccl'")
@@ -82,36 +90,35 @@ def _torchcomms() -> Any:
 
 _POLL_MARGIN_S = 0.05  # a wait this close to the op's own deadline just waits for torchcomms
 _POLL_INTERVAL_S = 0.0005
+_ABORTED_BY_TORCHCOMMS = "torchcomms communicator was aborted by torchcomms"
 
 
 @dataclass
 class TorchcommsWork:
     work: Any  # torchcomms.TorchWork
     deadline_mono: float  # torchcomms times the op out (its per-op timeout) no earlier than this
+    backend: "TorchcommsBackend"
 
     def wait(self, timeout: timedelta) -> bool:
         # TorchWork is not thread-safe: everything here runs on the caller's thread.
         until = time.monotonic() + timeout.total_seconds()
         # TorchWork.wait() takes no timeout (on gloo it blocks up to the op's own one): a
         # caller's shorter wait is honoured by polling up to that point.
-        if until < self.deadline_mono - _POLL_MARGIN_S and not self._poll(until):
-            return False
-        if not wait_or_time_out(self.work.wait):
-            return False
-        # On CUDA wait() only makes the current stream wait for the op and returns at once;
-        # the CPU waits here, under the same deadline (wait_blocking is not implemented by
-        # torchcomms' NCCL nor for gloo's async works).
-        return self._poll(until)
-
-    def _poll(self, until: float) -> bool:
-        while not self.work.is_completed():
-            if time.monotonic() >= until:
-                return False
-            time.sleep(_POLL_INTERVAL_S)
-        return True
+        if until < self.deadline_mono - _POLL_MARGIN_S:
+            while not self.work.is_completed():
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(_POLL_INTERVAL_S)
+        return wait_or_time_out(self.work.wait)
 
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
+
+    def order(self) -> None:
+        self.work.wait()  # on CUDA: the current stream waits for the op; the CPU does not
+
+    def failure(self) -> BaseException | None:
+        return RuntimeError(_ABORTED_BY_TORCHCOMMS) if self.backend.engine_aborted else None
 
 
 class TorchcommsBackend:
@@ -124,6 +131,7 @@ class TorchcommsBackend:
         self.rank = comm.get_rank()
         self.size = comm.get_size()
         self.name = f"torchcomms:{comm.get_backend()}"
+        self.runtime = CudaRuntime(device) if device.type == "cuda" else None
         # gloo overwrites reduce_scatter_single's input with the full reduction.
         self._copy_reduce_scatter_input = comm.get_backend() == "gloo"
         # A TorchWork's is_completed() stays False after its op failed, so only a blocking
@@ -135,7 +143,7 @@ class TorchcommsBackend:
         # remember it so the next launch fails fast instead of blocking on a dead communicator.
         # gloo runs abort hooks only when a synchronous op fails, which commlib never issues;
         # a timed-out gloo communicator refuses its next op by itself ("pair closure").
-        self._engine_aborted = False
+        self.engine_aborted = False
         self._abort_hook = comm.register_abort_hook(self._on_engine_abort)
 
     @classmethod
@@ -143,6 +151,8 @@ class TorchcommsBackend:
                timeout: timedelta, engine: str | None = None) -> "TorchcommsBackend":
         tc = _torchcomms()
         engine = engine or ("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":  # stream-ordered: commlib's watchdog holds the deadline (module docstring)
+            timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
         with _rank_and_size_in_environment(rank, size):
             comm = tc.new_comm(engine, device, abort_process_on_timeout_or_error=False, timeout=timeout,
                                store=dist.PrefixStore(f"torchcomms/{name}/", store), name=name,
@@ -150,12 +160,12 @@ class TorchcommsBackend:
         return cls(comm, device)
 
     def _on_engine_abort(self, *_: Any) -> None:
-        self._engine_aborted = True
+        self.engine_aborted = True
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, call: Collective, timeout: timedelta) -> TorchcommsWork:
-        if self._engine_aborted:
-            raise RuntimeError("torchcomms communicator was aborted by torchcomms")
+        if self.engine_aborted:
+            raise RuntimeError(_ABORTED_BY_TORCHCOMMS)
         c, op = self.comm, call.op
         kw = {"timeout": timeout}
         deadline_mono = time.monotonic() + timeout.total_seconds()  # taken before torchcomms' own
@@ -188,7 +198,7 @@ class TorchcommsBackend:
             w = c.barrier(True, **kw)
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
-        return TorchcommsWork(w, deadline_mono)
+        return TorchcommsWork(w, deadline_mono, self)
 
     def _op(self, op: Reduction | None) -> Any:
         ops = self._tc.ReduceOp

@@ -7,7 +7,10 @@ and where each rank's log ends.
 
 Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
 progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
-plus ranks that started it only after); for a peer failure, the members that stopped
+plus ranks that started it only after), except a rank held up inside an earlier collective
+of the same communicator by ranks that had not started that one (a gather's root waiting
+for a late rank, when a peer that left the gather times out in the next op): it is named
+as waiting, and the late ranks are the culprits; for a peer failure, the members that stopped
 logging before it without logging a failure of their own; for a mismatch, the minority
 (every differing rank when there is no majority); for a hang (no deadline expired yet),
 the ranks that never started the oldest unfinished collective; for a send/recv that timed
@@ -25,11 +28,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from commlib.failures import Failure, classify
-from commlib.observe.model import (NOTICE_EVENTS, AttemptLog, Call, CommLog, DumpInfo, RankPosition, p2p_name,
-                                   peer_of, position)
+from commlib.observe.model import (AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, RankPosition, p2p_name, peer_of,
+                                   position)
 from commlib.observe.stats import straggler_stats
 
-APP_ERROR_LEVELS = ("error", "critical")
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
 _MATCHING_P2P = {"send": "recv", "recv": "send"}
 # A rank inside a collective that fails elsewhere logs its own outcome by its own deadline;
@@ -109,11 +111,11 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Atte
     culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
     return AttemptFinding(
         attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
-        collectives=sum(1 for c in att.comms.values() for calls in c.calls.values() if calls),
+        collectives=att.collectives,
         start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
         problems=problems, culprits=culprits,
         positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
-        p2p_ops=sum(len(c.pairs()) for c in att.comms.values()))
+        p2p_ops=att.p2p_ops)
 
 
 def _recovered_in_job_at(att: AttemptLog) -> int | None:
@@ -122,10 +124,9 @@ def _recovered_in_job_at(att: AttemptLog) -> int | None:
     again); None where the attempt never recovered in-job, or not every rank got there."""
     last: dict[int, dict[str, Any]] = {}
     for r, rl in att.ranks.items():
-        done = [e for e in rl.events if e.get("event") == "recovery.in_job"]
-        if not done:
+        if rl.recovered is None:
             return None
-        last[r] = done[-1]
+        last[r] = rl.recovered
     if len({e.get("epoch") for e in last.values()}) != 1:
         return None
     return max(e["ts_ns"] for e in last.values())
@@ -139,21 +140,18 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
     it. An error that merely carries a commlib failure up is left out: the failure itself
     is reported from commlib's own events.
     """
-    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rl in att.ranks.values():
-        for e in rl.notices:
-            if (e.get("level") in APP_ERROR_LEVELS and e.get("event") not in NOTICE_EVENTS
-                    and e.get("error_type") not in COMMLIB_ERRORS):
-                by_name[str(e.get("event"))].append(e)
+    by_name: dict[str, list[ErrorGroup]] = defaultdict(list)
+    for group in att.errors.values():  # the model keeps error-level events by (name, error type)
+        if group.error_type not in COMMLIB_ERRORS:
+            by_name[group.name].append(group)
     problems = []
-    for name, events in sorted(by_name.items()):
-        reporters = sorted({e["rank"] for e in events})
-        blamed = [e.get("ranks") for e in events]
-        if all(isinstance(b, list) and all(isinstance(r, int) for r in b) for b in blamed):
-            culprits = sorted({r for b in blamed for r in b})  # type: ignore[union-attr]
+    for name, groups in sorted(by_name.items()):
+        reporters = sorted({r for g in groups for r in g.reporters})
+        if all(g.blamed is not None for g in groups):
+            culprits = sorted({r for g in groups for r in g.blamed})  # type: ignore[union-attr]
         else:
             culprits = reporters
-        first = min(events, key=lambda e: e["ts_ns"])
+        first = min((g.first for g in groups), key=lambda e: e["ts_ns"])
         what = first.get("error") or first.get("message") or ""
         message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
         details: dict[str, Any] = {"event": name}
@@ -192,7 +190,7 @@ def _checked_mismatch(comm: CommLog) -> Problem | None:
     ops = {r: ev.get("op") for r, ev in by_rank.items()}
     return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
                              reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
-                             detail=next(iter(by_rank.values())).get("error"), checked=True)
+                             detail=by_rank[min(by_rank)].get("error"), checked=True)
 
 
 def _seen_mismatch(comm: CommLog) -> Problem | None:
@@ -201,12 +199,10 @@ def _seen_mismatch(comm: CommLog) -> Problem | None:
     Only calls whose start was logged count: a call made up from its failure event (a rank
     whose pre-hook raised, or that failed before its start was written) has no shapes to compare.
     """
-    started = {seq: {r: c for r, c in calls.items() if c.shapes is not None} for seq, calls in comm.calls.items()}
-    differing = [seq for seq, calls in sorted(started.items()) if len({c.signature() for c in calls.values()}) > 1]
-    if not differing:
+    found = comm.first_differing()
+    if found is None:
         return None
-    seq = differing[0]
-    calls = started[seq]
+    seq, calls, differing = found
     by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for r, c in sorted(calls.items()):
         by_sig[c.signature()].append(r)
@@ -215,7 +211,7 @@ def _seen_mismatch(comm: CommLog) -> Problem | None:
     problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
                                 reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
                                 detail=detail, checked=False)
-    problem.details["later_differing_seqs"] = len(differing) - 1
+    problem.details["later_differing_seqs"] = differing - 1
     return problem
 
 
@@ -307,8 +303,9 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     members = comm.member_ranks()
     late = sorted(r for r, ts in arrivals.items() if r not in reporters and ts is not None and ts > t)
     never = sorted(r for r in members if r not in arrivals and r not in reporters)
-    missing = sorted(board_missing | set(late) | set(never))
-    arrived = sorted(r for r in members if r not in missing)
+    waiting = _held_up(comm, sorted(board_missing | set(late) | set(never)), seq, t)
+    missing = sorted((board_missing | set(late) | set(never)) - set(waiting))
+    arrived = sorted(r for r in members if r not in missing and r not in waiting)
     deadline = events[0].get("deadline")
     frozen = _frozen(comm.calls.get(seq, {}), t)
     head = (f"{op} #{seq} on {comm.label!r} timed out"
@@ -320,6 +317,9 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
         if late:
             body += "; " + ", ".join(f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline"
                                      for r in late)
+        if waiting:
+            body += "; " + ", ".join(f"rank {r} was still in {comm.calls[k][r].op} #{k}, waiting for rank(s) "
+                                     f"{blockers}, which had not started that" for r, (k, blockers) in waiting.items())
     elif mismatch is not None:
         culprits = mismatch.ranks
         body = f"every rank arrived, but rank(s) {mismatch.ranks} issued a different collective (see the mismatch)"
@@ -331,9 +331,28 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
         if stale:
             body += f"; rank(s) {stale} had stopped sending heartbeats"
     return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}. Arrived: {arrived}.",
-                            {"arrived": arrived, "missing": missing,
+                            {"arrived": arrived, "missing": missing, "waiting": sorted(waiting),
                              "board_missing": sorted(board_missing) if board_known else None, "late": late,
                              "stale": stale, "frozen": frozen, "deadline_s": deadline})
+
+
+def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tuple[int, list[int]]]:
+    """Of `ranks`, which had not arrived at collective `seq`, those inside an earlier collective k
+    of `comm` at `t` that ranks had not started by then: {rank: (k, those ranks)}."""
+    out = {}
+    members = comm.member_ranks()
+    for r in ranks:
+        inside = [k for k, calls in comm.calls.items() if k < seq and r in calls
+                  and calls[r].start_ns is not None and calls[r].start_ns <= t
+                  and (calls[r].end_ns is None or calls[r].end_ns > t)]
+        if not inside:
+            continue
+        k = max(inside)
+        started = {q for q, c in comm.calls[k].items() if c.start_ns is not None and c.start_ns <= t}
+        blockers = [q for q in members if q != r and q not in started]
+        if blockers:
+            out[r] = (k, blockers)
+    return out
 
 
 def _timeout_problem(att: AttemptLog, comm: CommLog, op: str, seq: int, t: int, reporters: list[int],

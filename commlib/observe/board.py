@@ -10,6 +10,11 @@ and `explain_timeout` names who never started the collective, and who stopped be
 The board holds collectives only: send/recv have their own per-peer numbering, which no
 peer outside the pair can compare with.
 
+On a stream-ordered communicator (a GPU engine, `commlib.device`) "started" is what the
+rank's host issued, "finished" what its device completed, and `device_started_seq` what its
+device started, all three set as the watchdog (`commlib.watchdog`) sees them: so a timeout
+can tell a rank that never issued an op from one whose GPU never got to it.
+
 The publisher writes through a store client of its own (`Store.clone()`): a TCPStore client
 serializes its operations, so sharing the communicator's would stop the heartbeat while the
 main thread blocks in a `store.wait` (the consistency check's store exchange), and peers
@@ -62,16 +67,33 @@ class BoardEntry:
     host: str = ""
     dumps_stacks: bool = False  # STACKS_SIGNAL makes it write its stacks (else the signal would kill it)
     started: int = 0  # the process's start time (`process_start_time`): tells it from a later one with its pid
+    # Why this rank broke the communicator itself (the error's type), published before it
+    # raised: a rank that met a peer's failure and then exits is no culprit.
+    broken: str | None = None
+    stream_ordered: bool = False  # a GPU engine: the device fields below are kept (module docstring)
+    device_started_seq: int = -1
+    device_started_op: str | None = None
+
+    def running_seq(self) -> int:
+        """The last collective this rank started running: on its device where it has one."""
+        return self.device_started_seq if self.stream_ordered else self.started_seq
+
+    def inside(self) -> bool:
+        """Whether it is inside a collective now (started running, not finished)."""
+        return self.running_seq() > self.finished_seq
+
+    def running_op(self) -> str | None:
+        return self.device_started_op if self.stream_ordered else self.started_op
 
 
 class ProgressBoard:
-    def __init__(self, store: dist.Store, rank: int, size: int, pid: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, pid: int, stream_ordered: bool = False) -> None:
         self._store = store
-        self._publish_store = _own_client(store, rank)
+        self._publish_store = own_client(store, rank)
         self.rank = rank
         self.size = size
         self.entry = BoardEntry(pid=pid, host=HOST, dumps_stacks=bool(getattr(install_sigusr1, "installed", False)),
-                                started=process_start_time(pid) or 0)
+                                started=process_start_time(pid) or 0, stream_ordered=stream_ordered)
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
@@ -79,6 +101,12 @@ class ProgressBoard:
         self._failing_since_ns = 0
         self._warned_ns = 0
         self.closed = False
+        # Published once at once, not at the thread's next pass: a rank killed in its first
+        # milliseconds is still found gone by its pid (`Communicator._find_gone_peers`).
+        try:
+            self.publish_if_due(time.time_ns())
+        except Exception as exc:
+            self.publish_failed(exc, time.time_ns())
         _Publisher.register(self)
 
     # The critical path: attribute stores only.
@@ -91,6 +119,11 @@ class ProgressBoard:
     def finished(self, seq: int, op: str) -> None:
         e = self.entry
         e.finished_seq, e.finished_op = seq, op
+        self._version += 1
+
+    def device_started(self, seq: int, op: str) -> None:
+        e = self.entry
+        e.device_started_seq, e.device_started_op = seq, op
         self._version += 1
 
     def publish_if_due(self, now_ns: int) -> None:
@@ -122,17 +155,33 @@ class ProgressBoard:
             _log.get_logger().info("board.publish_recovered", board_rank=self.rank, failures=self._failures)
         self._failures = 0
 
-    def read(self) -> dict[int, BoardEntry | None]:
-        """Every rank's published entry (None: never published). Never blocks on a missing key."""
+    def read(self, store: dist.Store | None = None) -> dict[int, BoardEntry | None]:
+        """Every rank's published entry (None: never published). Never blocks on a missing key.
+
+        `store`: a client of the board's store for a thread other than the owner's (a TCPStore
+        client serializes its calls)."""
+        store = store or self._store
         out: dict[int, BoardEntry | None] = {}
         for r in range(self.size):
             key = f"board/{r}"
-            out[r] = BoardEntry(**json.loads(self._store.get(key))) if self._store.check([key]) else None
+            out[r] = BoardEntry(**json.loads(store.get(key))) if store.check([key]) else None
         return out
 
     def close(self) -> None:
         self.closed = True
         _Publisher.unregister(self)
+
+    def close_broken(self, why: str) -> None:
+        """Publish now that this rank broke the communicator (`BoardEntry.broken`), then close."""
+        if not self.closed:
+            self.entry.broken = why
+            self._version += 1
+            try:
+                self.publish_if_due(time.time_ns())
+            except Exception as exc:  # the store may be gone with the failure: nothing to tell it
+                _log.get_logger().warning("board.publish_failed", board_rank=self.rank, error=_summary(exc),
+                                          gave_up=True)
+        self.close()
 
 
 class _Publisher:
@@ -198,11 +247,11 @@ class _Publisher:
 atexit.register(_Publisher.stop_at_exit)
 
 
-def _own_client(store: dist.Store, rank: int) -> dist.Store:
-    """A client of `store` for the publisher thread alone (see the module docstring).
+def own_client(store: dist.Store, rank: int) -> dist.Store:
+    """A client of `store` for one thread alone (the publisher's: see the module docstring).
 
     A store that cannot be cloned (a Python `dist.Store` subclass, say) is shared, with a
-    warning: its heartbeat may then pause while the main thread waits on it.
+    warning: that thread's calls may then pause while the main thread waits on it.
     """
     try:
         return store.clone()
@@ -227,16 +276,51 @@ class TimeoutExplanation:
     stale_ranks: list[int]
 
 
-def process_start_time(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field);
-    None where there is no such process or no /proc."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields from the third on (state first); None where there is no such process or no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: count from its closing one.
-    return int(stat[stat.rindex(b")") + 2:].split()[19])
+    return stat[stat.rindex(b")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field);
+    None where there is no such process or no /proc."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
+
+
+def process_gone(pid: int, started: int) -> bool:
+    """Whether the process that published an entry (its pid, and its start time where known) has
+    exited on this host: no such process, another one under its pid, or a zombie (killed, not
+    yet reaped by its parent). False where /proc cannot tell."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return os.path.isdir("/proc/self")  # without /proc nothing can be told
+    return fields[0] in (b"Z", b"X") or (started != 0 and int(fields[19]) != started)
+
+
+def find_gone(entries: dict[int, BoardEntry | None], me: int, announcer: int | None,
+              now_ns: int) -> tuple[list[int], str, bool]:
+    """Which peers of `me` are gone, as the board tells: (ranks, how that was found, whether
+    some live on other hosts, where only a heartbeat can tell, in up to `STALE_AFTER_S`).
+
+    A process on this host that has exited, or a heartbeat older than `STALE_AFTER_S`. Never
+    a rank that broke the communicator itself after meeting the failure (`BoardEntry.broken`)
+    or the one that announced it (`announcer`): those are alive, or exited after the fact.
+    """
+    suspects = {r: e for r, e in entries.items() if r not in (me, announcer) and e is not None and e.broken is None}
+    exited = [r for r, e in suspects.items() if e.host == HOST and process_gone(e.pid, e.started)]
+    if exited:
+        return exited, "their process on this host has exited", False
+    silent = [r for r, e in suspects.items() if (now_ns - e.heartbeat_ns) / 1e9 > STALE_AFTER_S]
+    if silent:
+        return silent, f"no heartbeat for over {STALE_AFTER_S:g} s", False
+    return [], "every peer's process is alive and beating", any(e.host != HOST for e in suspects.values())
 
 
 def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> list[int]:
@@ -265,7 +349,16 @@ def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> l
 
 def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
                     entries: dict[int, BoardEntry | None], now_ns: int) -> TimeoutExplanation:
-    """Say who never started collective `seq`, and where each of them last was."""
+    """Say who kept collective `seq` from completing, and where each other rank last was.
+
+    Missing is a rank that has not started running it (on its device, where it has one) and
+    is not held up inside an earlier collective of this communicator by other ranks: a rank
+    waiting in collective k for ranks that have not started k is named as waiting, and those
+    ranks are the missing ones; it is missing itself only where every other rank has left k
+    (it is stuck in k on its own). So a gather's root, waiting for a late rank, is not blamed
+    by a peer that finished the gather and timed out in the next op: the late rank is. Board
+    entries lag by up to `PUBLISH_INTERVAL_S`, so a rank's last op is "last reported".
+    """
     missing: list[int] = []
     stale: list[int] = []
     notes: list[str] = []
@@ -281,19 +374,46 @@ def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
         is_stale = age_s > STALE_AFTER_S
         if is_stale:
             stale.append(r)
-        if e.started_seq < seq:
-            missing.append(r)
-            where = (f"rank {r} last finished {e.finished_op} #{e.finished_seq}" if e.finished_seq >= 0
-                     else f"rank {r} finished no collective")
-            if e.step is not None or e.phase is not None:
-                where += f" at step {e.step}, phase {e.phase}"
-            note = f"rank {r} never started it ({where})"
+        if e.running_seq() >= seq:
             if is_stale:
-                note += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
-            notes.append(note)
-        elif is_stale:
-            notes.append(f"rank {r} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped")
+                notes.append(f"rank {r} started it but has sent no heartbeat for {age_s:.1f} s: "
+                             f"possibly dead or stopped")
+            continue
+        is_missing, note = _not_started(op, seq, r, e, entries, rank)
+        if is_missing:
+            missing.append(r)
+        if is_stale:
+            note += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
+        notes.append(note)
     if not notes:
         notes.append("every rank started it; the backend did not complete it")
     message = f"{op} #{seq} on {comm!r} timed out after {elapsed:.1f} s on rank {rank}: " + "; ".join(notes)
     return TimeoutExplanation(message, missing, stale)
+
+
+def _not_started(op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, BoardEntry | None],
+                 me: int) -> tuple[bool, str]:
+    """Whether rank `r` (entry `e`), which has not started collective `seq` running, is one
+    of the missing (`explain_timeout`), and what it is doing instead. `me` is the rank that
+    timed out in `seq`: it has left every earlier collective, whatever its entry says yet."""
+    last = (f"last reported finishing {e.finished_op} #{e.finished_seq}" if e.finished_seq >= 0
+            else "no collective finished yet")
+    if e.step is not None or e.phase is not None:
+        last += f", at step {e.step}, phase {e.phase}"
+    issued = e.stream_ordered and e.started_seq >= seq
+    head = f"rank {r} issued {op} #{seq}, but its GPU never started it" if issued else f"rank {r} never started it"
+    if not e.inside():
+        if issued:
+            return True, f"{head}: its GPU is still busy with work queued before it ({last})"
+        return True, f"{head} ({last})"
+    k, k_op = e.running_seq(), e.running_op()
+    if not issued:
+        head = f"rank {r} has not started it"
+    others = {q: other for q, other in sorted(entries.items()) if q not in (r, me)}
+    not_there = [q for q, other in others.items() if other is None or other.running_seq() < k]
+    if not_there:
+        return False, f"{head}: it is still in {k_op} #{k}, waiting for rank(s) {not_there}, which have not started that ({last})"
+    with_it = [q for q, other in others.items() if other is not None and other.finished_seq < k]
+    if with_it:
+        return False, f"{head}: it is still in {k_op} #{k}, with rank(s) {with_it} ({last})"
+    return True, f"{head}: it is still in {k_op} #{k}, which every other rank has left ({last})"

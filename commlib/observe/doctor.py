@@ -2,16 +2,17 @@
 
 `diagnose(logdir)` reads the directory into the log model (`commlib.observe.model.load`)
 and `analyze(run)` turns a model into a `Diagnosis`: per torchrun attempt, the findings of
-the doctor's rules (`commlib.observe.blame`: who is blamed and why), and over the whole run
-the straggler and latency/bandwidth tables (`commlib.observe.stats`). `commlib.doctor`
-renders it. Nothing here imports torch (`python -m commlib.doctor` runs where only the logs are).
+the doctor's rules (`commlib.observe.blame`: who is blamed and why), over the whole run
+the straggler and latency/bandwidth tables (`commlib.observe.stats`), and the log files
+that could not be read (a verdict holds only for what was read). `commlib.doctor` renders
+it. Nothing here imports torch (`python -m commlib.doctor` runs where only the logs are).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from commlib.observe.blame import AttemptFinding, attempt_finding
@@ -30,6 +31,9 @@ class Diagnosis:
     stragglers: list[StragglerStat]
     ops: list[OpStat]
     dumps: list[DumpInfo]
+    job: str | None = None  # the job's id (`commlib.observe.log.job_id`); None in logs that carry none
+    unreadable: list[dict[str, str]] = field(default_factory=list)  # {"path", "why"}: rank files nothing was read from
+    skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any
 
     @property
     def final(self) -> AttemptFinding | None:
@@ -61,9 +65,10 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def diagnose(logdir: str | os.PathLike[str]) -> Diagnosis:
-    """Read `logdir` and say what went wrong in every attempt (see `commlib.observe.blame`)."""
-    return analyze(load(logdir))
+def diagnose(logdir: str | os.PathLike[str], job: str | None = None) -> Diagnosis:
+    """Read `logdir` (only `job`'s logs, when given) and say what went wrong in every attempt
+    (see `commlib.observe.blame`)."""
+    return analyze(load(logdir, job=job))
 
 
 def analyze(run: RunLogs) -> Diagnosis:
@@ -73,5 +78,7 @@ def analyze(run: RunLogs) -> Diagnosis:
     hosts = sorted({rl.host for att in run.attempts.values() for rl in att.ranks.values() if rl.host})
     world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
     return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
-                     stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps)
+                     stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps, job=run.job,
+                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable],
+                     skipped_lines={f.path: f.garbled for f in run.files if f.garbled and f.events})
 

@@ -1,4 +1,5 @@
-"""The flight recorder: a ring buffer per communicator of its most recent collectives.
+"""The flight recorder: a ring buffer per communicator of its most recent collectives, and
+the process's signal-driven dumps (SIGUSR1: the rings; SIGUSR2: every thread's stack).
 
 Always on and cheap: starting an entry is one dataclass and a deque append. Its dump (JSON,
 written atomically to the log dir) answers "what was this rank doing": `Communicator`
@@ -9,24 +10,48 @@ a collective (see `install_sigusr1`).
 The dump runs on another thread than the one appending, so it works on a copy of the ring
 (`FlightRecorder.entries`), never on the live deque.
 
+Dumps have a budget: a process keeps its newest `COMMLIB_FLIGHT_DUMPS` dump files (default
+32; writing one more removes its oldest), and answers SIGUSR1 at most once per
+`COMMLIB_FLIGHT_DUMP_INTERVAL_S` seconds (default 1): signals that come faster are answered
+by one dump taken when the interval is over, so the newest state is always dumped and a
+storm of signals writes a few files, not one per signal.
+
 SIGUSR2 (`STACKS_SIGNAL`) makes `faulthandler` write the Python stack of every thread of
 the process to ``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level
 handler needs no GIL, so it answers even for a rank wedged in C code that holds the GIL,
-where the flight-recorder dump (Python) has to wait. It has a signal of its own: on SIGUSR1
-beside the flight dump, a burst of signals made faulthandler's all-thread walk crash the
-process now and then (SIGSEGV, seen in the fifty-SIGUSR1 test). Each SIGUSR2 appends one
-dump; the doctor reads the last one (`commlib.observe.stacks`). A rank whose collective
-timed out sends SIGUSR2 to the peers it names that run on its own host
-(`board.ask_for_stacks`).
+where the flight-recorder dump (Python) has to wait. Its file must be open before the signal
+comes, yet it should exist only once a dump is in it: it is opened unnamed (`O_TMPFILE`) and
+given its name by the SIGUSR1 thread as soon as a dump is in it (faulthandler chains to a
+Python-level handler that wakes that thread), or when the process lets go of commlib or
+exits. A rank wedged with the GIL held gets its dump written but named only once the GIL is
+free: killed before that, its dump is lost (the flight recorder has no dump of it either).
+Where the file system has no `O_TMPFILE`, the file is named from the start, as it was
+before. SIGUSR2 is a signal of its own: on SIGUSR1 beside the flight dump, a burst of
+signals made faulthandler's all-thread walk crash the process now and then (SIGSEGV, seen
+under fifty SIGUSR1s in a row). Each SIGUSR2 appends one dump; the doctor reads the last one
+(`commlib.observe.stacks`). A rank whose collective timed out sends SIGUSR2 to the peers it
+names that run on its own host (`board.ask_for_stacks`).
+
+The process's part ends with its last communicator: `FlightRecorder.close` (a communicator
+finalized; `destroy_process_group` finalizes every group's) releases, once no recorder is
+left open, what `install_sigusr1` and the log set up (`release`): the SIGUSR1 thread and its
+wakeup pipe, the SIGUSR1 and SIGUSR2 handlers and the process's wakeup fd as they were
+before, the stacks file and the log file. An aborted communicator's recorder (`aborted`)
+no longer counts as open but releases nothing: in-job recovery aborts every communicator
+and builds new ones in the same process.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import enum
 import faulthandler
 import functools
 import itertools
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -35,6 +60,7 @@ import time
 import traceback
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +72,20 @@ from commlib.ops import PLAIN_NAMES, Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
 STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
+DUMPS_ENV = "COMMLIB_FLIGHT_DUMPS"
+INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
+DEFAULT_DUMPS = 32
+DEFAULT_INTERVAL_S = 1.0
+JOIN_S = 5.0  # how long releasing waits for the SIGUSR1 thread to finish a dump under way
+
+
+class State(enum.Enum):
+    """A recorder's part in the process's lifecycle (module docstring)."""
+
+    OPEN = "open"
+    ABORTED = "aborted"
+    CLOSED = "closed"
 
 
 @dataclass(slots=True)
@@ -91,7 +130,20 @@ class FlightRecorder:
         self.with_stacks = os.environ.get(STACKS_ENV, "0") == "1"
         self._ring: deque[FlightEntry] = deque(maxlen=capacity)
         self._dumps = itertools.count(1)  # next() is atomic: the SIGUSR1 thread dumps too
+        self.state = State.OPEN
         _RECORDERS.add(self)
+
+    def close(self) -> None:
+        """Its communicator is finalized: once no recorder is left open, release the process's part."""
+        self.state = State.CLOSED
+        if not any(r.state is State.OPEN for r in _copy(_RECORDERS)):
+            release()
+
+    def aborted(self) -> None:
+        """Its communicator is aborted (in-job recovery may build a new one): it no longer keeps
+        the process's part alive, and releases nothing."""
+        if self.state is State.OPEN:
+            self.state = State.ABORTED
 
     def start(self, call: Collective) -> FlightEntry:
         t = call.tensor
@@ -126,7 +178,7 @@ class FlightRecorder:
             "comm": self.comm,
             "rank": self.rank,  # in the communicator
             "world_rank": self.world_rank,
-            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "attempt": _log.attempt_number(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "reason": reason,
@@ -147,7 +199,40 @@ class FlightRecorder:
         with open(tmp, "w") as f:
             f.write(data)
         os.replace(tmp, path)
+        _DUMPS.wrote(path)
         return path
+
+
+class _DumpFiles:
+    """The dump files this process wrote, oldest first: past the budget, the oldest goes."""
+
+    def __init__(self) -> None:
+        self._paths: deque[Path] = deque()
+        self._lock = threading.Lock()  # the SIGUSR1 thread and a failing caller both dump
+
+    def wrote(self, path: Path) -> None:
+        keep = _budget()[0]
+        with self._lock:
+            self._paths.append(path)
+            while len(self._paths) > keep:
+                with contextlib.suppress(FileNotFoundError):
+                    self._paths.popleft().unlink()
+
+
+def _budget() -> tuple[int, float]:
+    """(dump files a process keeps, seconds between two SIGUSR1 dumps), from the environment."""
+    raw_keep, raw_interval = os.environ.get(DUMPS_ENV, str(DEFAULT_DUMPS)), os.environ.get(INTERVAL_ENV,
+                                                                                          str(DEFAULT_INTERVAL_S))
+    if not raw_keep.isdigit() or int(raw_keep) < 1:
+        raise ValueError(f"commlib flight recorder: expected {DUMPS_ENV} to be an integer >= 1; found {raw_keep!r}")
+    try:
+        interval = float(raw_interval)
+    except ValueError:
+        interval = -1.0
+    if not interval >= 0:
+        raise ValueError(f"commlib flight recorder: expected {INTERVAL_ENV} to be a number of seconds >= 0; "
+                         f"found {raw_interval!r}")
+    return int(raw_keep), interval
 
 
 @functools.cache
@@ -170,15 +255,17 @@ def _copy(items: Any) -> list[Any]:
     return list(items)
 
 
-# Every live recorder of the process (the one registry this module owns), for SIGUSR1.
+# The registries this module owns: every live recorder of the process (for SIGUSR1 and the
+# process's lifecycle), the dump files it wrote, and what install_sigusr1 set up.
 _RECORDERS: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
+_DUMPS = _DumpFiles()
 
 
 def dump_all(directory: Path | None, reason: str) -> list[Path | None]:
     return [r.dump(directory, reason) for r in _copy(_RECORDERS)]
 
 
-def install_sigusr1(directory_fn: Any) -> bool:
+def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:
     """Dump every recorder on SIGUSR1, even while the main thread is blocked in C++ (and
     register the faulthandler stack dump on SIGUSR2: see the module docstring).
 
@@ -199,27 +286,54 @@ def install_sigusr1(directory_fn: Any) -> bool:
     """
     if threading.current_thread() is not threading.main_thread():
         return False
-    if getattr(install_sigusr1, "installed", False):
+    if _INSTALLED:
         return True
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous_handler = signal.getsignal(signal.SIGUSR1)
+    _budget()  # bad settings fail here, not in the thread at the first signal
+    _INSTALLED.append(_Installed(directory_fn))
+    install_sigusr1.installed = True  # type: ignore[attr-defined]
+    return True
 
-    def handler(signum: int, frame: Any) -> None:
-        if callable(previous_handler):
-            previous_handler(signum, frame)
 
-    signal.signal(signal.SIGUSR1, handler)
-    forward_to = [signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)]
+class _Installed:
+    """What `install_sigusr1` set up in this process, and how `release` undoes it."""
 
-    def watch() -> None:
+    def __init__(self, directory_fn: Callable[[], Path | None]) -> None:
+        self.directory_fn = directory_fn
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, STACKS_SIGNAL)}
+        for sig in self.handlers:
+            signal.signal(sig, self._chain)
+        self.forward_to = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        self.stacks = _StackFile(directory_fn())
+        self.thread = threading.Thread(target=self._watch, name="commlib-sigusr1", daemon=True)
+        self.thread.start()
+
+    def _chain(self, signum: int, frame: Any) -> None:
+        # The wakeup byte is the real work (install_sigusr1); a handler installed before ours is still called.
+        previous = self.handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def _watch(self) -> None:
+        last_round = -float("inf")
+        pending = False  # a SIGUSR1 came within the interval: its dump is due when the interval is over
         while True:
             try:
-                signals = os.read(read_fd, 64)
-                if forward_to[0] >= 0:
-                    forward_to[0] = _forward(forward_to[0], signals)
-                if signal.SIGUSR1 in signals:
-                    directory = directory_fn()
+                interval = _budget()[1]
+                wait = max(0.0, last_round + interval - time.monotonic()) if pending else None
+                if select.select([self.read_fd], [], [], wait)[0]:
+                    signals = os.read(self.read_fd, 64)
+                    if not signals:
+                        return  # the write end is closed: released
+                    if self.forward_to >= 0:
+                        self.forward_to = _forward(self.forward_to, signals)
+                    if STACKS_SIGNAL in signals:
+                        self.stacks.publish()
+                    pending = pending or signal.SIGUSR1 in signals
+                if pending and time.monotonic() - last_round >= interval:
+                    pending, last_round = False, time.monotonic()
+                    directory = self.directory_fn()
                     for recorder in _copy(_RECORDERS):
                         try:
                             recorder.dump(directory, "sigusr1")
@@ -228,30 +342,89 @@ def install_sigusr1(directory_fn: Any) -> bool:
             except Exception as exc:  # one failure must not silence every later SIGUSR1
                 _dump_failed(exc, None)
 
-    threading.Thread(target=watch, name="commlib-sigusr1", daemon=True).start()
-    _register_stack_dump(directory_fn())
-    install_sigusr1.installed = True  # type: ignore[attr-defined]
-    return True
+    def undo(self) -> None:
+        """Put back the wakeup fd and the handlers as they were, then stop the thread and close the pipe."""
+        current = signal.set_wakeup_fd(self.forward_to)
+        if current != self.write_fd:  # someone set it after us and owns it now: theirs stays
+            signal.set_wakeup_fd(current)
+        self.stacks.close()  # faulthandler's handler first: it chains to ours
+        for sig, previous in self.handlers.items():
+            if signal.getsignal(sig) == self._chain and previous is not None:
+                signal.signal(sig, previous)
+        os.close(self.write_fd)  # the thread reads the end of the pipe and returns
+        self.thread.join(JOIN_S)
+        if not self.thread.is_alive():
+            os.close(self.read_fd)
+
+
+_INSTALLED: list[_Installed] = []  # what install_sigusr1 set up in this process, until `release`
+
+
+def release() -> None:
+    """Leave the process as commlib found it: the SIGUSR1 thread stopped and its pipe closed,
+    the signal handlers and wakeup fd put back, the stacks and log files closed (module
+    docstring). From the main thread only (signals are set there); elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _INSTALLED:
+        _INSTALLED.pop().undo()
+        install_sigusr1.installed = False  # type: ignore[attr-defined]
+    _log.release()
 
 
 STACKS_FILE = "stacks_{pid}.txt"
-_STACK_FILES: list[Any] = []  # faulthandler writes to the fd: its file must stay open
-
-
 STACKS_SIGNAL = signal.SIGUSR2
 
 
-def _register_stack_dump(directory: Path | None) -> None:
-    """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), then any handler installed before it."""
-    if directory is None:
-        out: Any = sys.stderr
-    else:
-        out = open(Path(directory) / STACKS_FILE.format(pid=os.getpid()), "a")
-        _STACK_FILES.append(out)
-    # Chained only to a handler someone installed: chaining to the default action would kill.
-    previous = signal.getsignal(STACKS_SIGNAL)
-    faulthandler.register(STACKS_SIGNAL, file=out, all_threads=True,
-                          chain=previous not in (signal.SIG_DFL, signal.SIG_IGN, None))
+class _StackFile:
+    """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), writing into a file that gets
+    its name, `STACKS_FILE` in the log dir, only once a dump is in it (module docstring)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.fd: int | None = None
+        self.named = False
+        if directory is not None:
+            try:  # unnamed until `publish` links it
+                self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_APPEND, 0o644)
+            except OSError:  # a file system without O_TMPFILE: named from the start, as it must be open now
+                self.fd = os.open(directory / STACKS_FILE.format(pid=os.getpid()),
+                                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self.named = True
+        # Chained to our Python-level handler, installed just before: it writes the wakeup
+        # byte that has the SIGUSR1 thread publish the dump.
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr if self.fd is None else self.fd, all_threads=True,
+                              chain=True)
+        atexit.register(self.close)
+
+    def publish(self) -> None:
+        """Give the dumps written so far their file's name (appended to a file of that name, if any)."""
+        if self.fd is None or self.named or os.fstat(self.fd).st_size == 0:
+            return
+        assert self.directory is not None
+        name = STACKS_FILE.format(pid=os.getpid())
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: os.link takes that path only with dir fds
+            os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory,
+                    follow_symlinks=True)
+            self.named = True  # later dumps land in the named file
+        except FileExistsError:  # an earlier install in this process named its own
+            with open(self.directory / name, "ab") as out:
+                out.write(os.pread(self.fd, os.fstat(self.fd).st_size, 0))
+            os.ftruncate(self.fd, 0)
+        finally:
+            os.close(directory)
+
+    def close(self) -> None:
+        if self.fd == -1:
+            return
+        faulthandler.unregister(STACKS_SIGNAL)
+        if self.fd is not None:
+            with contextlib.suppress(OSError):  # the log dir may be gone: nothing to name then
+                self.publish()
+            os.close(self.fd)
+        self.fd = -1
+        atexit.unregister(self.close)
 
 
 def _dump_failed(exc: Exception, comm: str | None) -> None:

@@ -1,4 +1,4 @@
-"""Structured logs: structlog, JSON lines, one file per rank, and the caller's context.
+"""Structured logs: structlog, JSON lines, one file per rank, their budget, and their readers.
 
 Configured once per process by `commlib.init` (or `configure` directly):
 - with a log dir (`init(log_dir=...)` or `COMMLIB_LOG_DIR`), every event at INFO and above
@@ -6,19 +6,36 @@ Configured once per process by `commlib.init` (or `configure` directly):
 - without one, only warnings and errors go to stderr.
 
 Each line is written with a single `os.write` on an `O_APPEND` descriptor, so a process
-killed mid-write leaves at most one truncated last line, and ranks restarted by torchrun
-append to the same file. `read_events` (a whole file) and `LogTail` (a live log dir) are
-the readers of these files; both skip a truncated line instead of failing.
+killed mid-write leaves at most one truncated last line, ranks restarted by torchrun
+append to the same file, and a second thread of the process (a GPU watchdog) never splits
+a line.
+
+The budget: when a rank's file reaches `COMMLIB_LOG_MAX_MB` it is renamed
+`rank{R}.jsonl.{n}` (n counting up, never reused) and a new one is started; only the newest
+`COMMLIB_LOG_KEEP` renamed files are kept. A rank's logs therefore never exceed
+(KEEP + 1) x MAX_MB, plus one line.
+
+Every line carries what tells it apart in its file (`rank`, `pid`, `attempt`); what is
+fixed per process (`host`, the world `size`, the `job`) is written once, in the
+`log.open` line that starts each file the process writes and each file a rotation starts.
+The readers put those fields back into every event, and an `info` line leaves out its
+level, so what a reader gets is the documented schema. `rank_segments` lists a rank's
+files in order; `read_events` (one file), `read_rank` (a rank's files in order),
+`read_run` (every rank, in wall-clock order) and `LogTail` (a live log dir, across
+rotations) are the readers; each skips a truncated or garbled line instead of failing.
+
+The job: torchrun's `TORCHELASTIC_RUN_ID`, or else an id the ranks agree through the
+store they are configured with (the first rank to ask sets it), so that the logs of two
+jobs written into one directory are never read as one.
 
 The pipeline is one structlog processor (`_LineRenderer`, one call and not five): merge
 the caller's context (`commlib.context(step=..., phase=...)`, a ContextVar, so threads and
 asyncio tasks keep their own), add the level and wall and monotonic clocks, render JSON,
-and append the fields of the process (rank, size, host, pid, attempt), which are encoded
-once per `configure` instead of once per event.
-The process's fields, the level and the clocks win over an event's own keys of the same
-name. It belongs to commlib's own logger (`get_logger`), never to structlog's global
-configuration: a library must leave the host application's `structlog.configure` alone.
-A collective's own two events skip structlog and take `EventWriter`, the same steps
+and append the fields of the process, which are encoded once per `configure` instead of
+once per event. The process's fields, the level and the clocks win over an event's own keys
+of the same name. It belongs to commlib's own logger (`get_logger`), never to structlog's
+global configuration: a library must leave the host application's `structlog.configure`
+alone. A collective's own two events skip structlog and take `EventWriter`, the same steps
 without the generic dispatch, for the same line.
 
 A logger bound before a `configure` keeps writing where the log pointed when it was bound
@@ -30,14 +47,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import heapq
 import json
 import logging
 import os
+import re
 import socket
 import sys
+import threading
 import time
+import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +66,23 @@ from typing import Any
 import structlog
 
 LOG_DIR_ENV = "COMMLIB_LOG_DIR"
+MAX_MB_ENV = "COMMLIB_LOG_MAX_MB"
+KEEP_ENV = "COMMLIB_LOG_KEEP"
+DEFAULT_MAX_MB = 100.0
+DEFAULT_KEEP = 4
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
+REQUEUE_ENV = "SLURM_RESTART_COUNT"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+JOB_KEY = "commlib/job"  # where ranks without torchrun agree on their job id
+HEADER_EVENT = "log.open"
+LOG_FORMAT = 2  # 1: every field on every line (no header); 2: per-process fields in the header
+# What the header alone carries; every other line carries the rest of ProcessFields.
+HEADER_ONLY = ("host", "size", "job")
+# What of a communicator's own fields a collective's two lines leave to its other events
+# (`comm.init` first): the readers put them back.
+COMM_ONLY = ("backend", "comm_size")
+RANK_FILE = re.compile(r"^rank(\d+)\.jsonl(?:\.(\d+))?$")
 
 _CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})
 
@@ -63,23 +101,56 @@ def current_context() -> dict[str, Any]:
     return _CONTEXT.get()
 
 
+def attempt_number(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's attempt (sequence numbers start over in each): torchrun's restart count,
+    continued across requeues of a Slurm job. A requeued job (``SLURM_RESTART_COUNT`` n) runs a
+    new torchrun whose count starts at 0 again, so the attempts of the n runs before it come
+    first: up to ``TORCHELASTIC_MAX_RESTARTS`` + 1 per run (torchrun's own setting, the same in
+    every run of the batch script). The numbers stay unique and ordered; a run that restarted
+    less than it could leaves a gap."""
+    values = []
+    for name in (RESTART_ENV, MAX_RESTARTS_ENV, REQUEUE_ENV):
+        raw = environ.get(name) or "0"
+        try:
+            values.append(int(raw))
+        except ValueError:
+            raise ValueError(f"commlib log: expected {name} to be an integer; found {raw!r}") from None
+    restart, max_restarts, requeue = values
+    return requeue * (max_restarts + 1) + restart
+
+
+def job_id(store: Any = None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The job this process belongs to: torchrun's run id, else an id agreed through `store`
+    (the first rank to ask sets it: no rank waits for another), else the one this process had."""
+    run_id = environ.get(RUN_ID_ENV)
+    if run_id:
+        return run_id
+    if store is not None:
+        return store.compare_set(JOB_KEY, "", uuid.uuid4().hex).decode()
+    return STATE.job
+
+
 @dataclass(frozen=True)
 class ProcessFields:
-    """Fields every event of this process carries."""
+    """Fields every event of this process carries (`HEADER_ONLY` ones through its `log.open` line)."""
 
     rank: int
     size: int
     host: str
     pid: int
-    attempt: int  # torchrun restart count: sequence numbers start over in each attempt
+    attempt: int  # `attempt_number()`: sequence numbers start over in each attempt
+    job: str | None
 
 
 _STAMPED = ("level", "ts_ns", "mono_ns")  # what the pipeline itself adds to every event
+# structlog's method names as levels; info, the commonest, is left out of the line.
+_LEVELS = {"debug": "debug", "warning": "warning", "warn": "warning", "error": "error", "exception": "error",
+           "critical": "critical", "fatal": "critical", "msg": "info", "info": "info"}
 
 
 def _tail_of(fields: dict[str, Any], then: bytes = b"}\n") -> bytes:
     """`fields` as the end of a line: `,"rank":0,...,"attempt":0` and `then`."""
-    return (b"," + _encode(fields)[1:-1] if fields else b"") + then
+    return (b"," + encode(fields)[1:-1] if fields else b"") + then
 
 
 def _line(event: dict[str, Any], reserved: frozenset[str], tail: bytes) -> bytes:
@@ -92,7 +163,7 @@ def _line(event: dict[str, Any], reserved: frozenset[str], tail: bytes) -> bytes
                 event.setdefault(k, v)
     event["ts_ns"] = time.time_ns()
     event["mono_ns"] = time.monotonic_ns()
-    return _encode(event)[:-1] + tail  # never `{}`: the level and clocks are in it
+    return encode(event)[:-1] + tail  # never `{}`: the clocks are in it
 
 
 class _LineRenderer:
@@ -109,7 +180,11 @@ class _LineRenderer:
         for name in self._names:  # the process's own value is the one written
             if name in event:
                 del event[name]
-        event = structlog.processors.add_log_level(logger, method, event)
+        level = _LEVELS.get(method, method)
+        if level != "info":
+            event["level"] = level
+        elif "level" in event:
+            del event["level"]
         return _line(event, self.reserved, self.tail)
 
 
@@ -119,46 +194,136 @@ class EventWriter:
     dispatch (its context copy and update, processor loop and method lookups cost more
     than encoding and writing the line; scripts/bench_overhead.py). Everything else logs
     through structlog. Like a bound logger, it writes where the log pointed when it was
-    made; below the INFO level it writes nothing.
+    made; below the INFO level it writes nothing. The communicator's `COMM_ONLY` fields are
+    left out of its lines (its other events have them; the readers put them back): a
+    shorter line that costs nothing to write, being part of the pre-encoded tail. (Leaving out
+    fields that are None would save 35 bytes a collective but cost half a microsecond an
+    event to filter: they stay.)
     """
 
-    __slots__ = ("_writer", "_reserved", "_tail", "info")
+    __slots__ = ("_file", "_reserved", "_tail", "info")
 
     def __init__(self, sink: "_Sink", bound: dict[str, Any]) -> None:
-        self._writer = sink.writer
+        self._file = sink.writer.target
         renderer = sink.renderer
         # The line ends with the bound fields, then the process's (their values win, as in
         # the structlog path, so the caller's context may not repeat them).
         self._reserved = renderer.reserved.union(bound, ("event",))
-        self._tail = _tail_of({k: v for k, v in bound.items() if k not in renderer.static}, renderer.tail)
+        self._tail = _tail_of({k: v for k, v in bound.items() if k not in renderer.static and k not in COMM_ONLY},
+                              renderer.tail)
         self.info = self._info if sink.level <= logging.INFO else _write_nothing
 
     def _info(self, event: str, fields: dict[str, Any]) -> None:
         """Write `event` with `fields` (this dict is used up: the line's own keys go into it)."""
         fields["event"] = event
-        fields["level"] = "info"
-        self._writer.msg(_line(fields, self._reserved, self._tail))
+        self._file.write(_line(fields, self._reserved, self._tail))
 
 
 def _write_nothing(event: str, fields: dict[str, Any]) -> None:
     pass
 
 
-class LineWriter:
-    """A structlog logger that writes each rendered event as one line in one write(2).
+class _LogFile:
+    """A log file as this process writes it: one descriptor that every logger of the process
+    pointed at it shares, its size, and, for a rank's log, its rotation (module docstring).
 
-    With `owned`, the descriptor is this writer's: it is closed when the writer is garbage
-    (every logger bound to it is gone), not before, so a logger bound earlier never writes
-    to a closed descriptor or to a file that reused its number.
+    A rotation swaps the descriptor; the one it replaces is closed only at the next
+    rotation, because another thread may have read it just before the swap and be about
+    to write to it (the line then lands, whole, at the end of the renamed file). Once the
+    file is closed (`close`), lines still logged through it are dropped.
     """
 
-    def __init__(self, fd: int, owned: bool = False) -> None:
-        self._fd = fd
-        if owned:
-            weakref.finalize(self, os.close, fd)
+    def __init__(self, path: Path, max_bytes: int, keep: int, header: dict[str, Any] | None) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.header = header
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self.fd).st_size
+        self._fds = [self.fd]  # every descriptor not yet closed: the current one, and the one retired last
+        self._rotating = threading.Lock()
+        self._closed = weakref.finalize(self, _close_fds, self._fds)  # once no logger uses the file
+        if header is not None:
+            self.write(_header_line(header))
+
+    def write(self, line: bytes) -> None:
+        os.write(self.fd, line)
+        self.size += len(line)
+        if self.size >= self.max_bytes:
+            self._rotate()
+
+    def close(self) -> None:
+        self.write = _drop  # type: ignore[method-assign]
+        self._closed()
+
+    def _rotate(self) -> None:
+        if not self._rotating.acquire(blocking=False):
+            return  # another thread is rotating: this line went to the old file, whole
+        try:
+            if self.size < self.max_bytes:
+                return
+            self.size = 0  # also when the rename fails: try again one budget later, not every line
+            numbers = sorted(rotated_numbers(self.path))
+            numbers.append(numbers[-1] + 1 if numbers else 1)
+            os.rename(self.path, self.path.with_name(f"{self.path.name}.{numbers[-1]}"))
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fds.append(fd)
+            self.fd = fd
+            while len(self._fds) > 2:
+                os.close(self._fds.pop(0))
+            for n in numbers[:max(0, len(numbers) - self.keep)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path.with_name(f"{self.path.name}.{n}"))
+            if self.header is not None:
+                self.write(_header_line(self.header))
+        except OSError:
+            pass  # a log that cannot rotate keeps logging into its file
+        finally:
+            self._rotating.release()
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+
+
+def _drop(line: bytes) -> None:
+    pass
+
+
+def _header_line(fields: dict[str, Any]) -> bytes:
+    return encode({"event": HEADER_EVENT, "format": LOG_FORMAT, **fields, "ts_ns": time.time_ns(),
+                    "mono_ns": time.monotonic_ns()}) + b"\n"
+
+
+# Every rank log this process writes, by path: loggers of one file share its _LogFile.
+_FILES: "weakref.WeakValueDictionary[Path, _LogFile]" = weakref.WeakValueDictionary()
+
+
+class _Descriptor:
+    """A descriptor this module does not own (stderr), written like a `_LogFile`."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, line: bytes) -> None:
+        os.write(self.fd, line)
+
+
+class LineWriter:
+    """A structlog logger that writes each rendered event as one line in one write(2): to a
+    log file (`_LogFile`), or to a descriptor it does not own (stderr).
+
+    It holds its file, so a logger bound earlier never writes to a closed descriptor or to
+    a file that reused its number.
+    """
+
+    def __init__(self, target: _LogFile | _Descriptor) -> None:
+        self.target = target
 
     def msg(self, line: bytes) -> None:
-        os.write(self._fd, line)  # rendered with its newline (`_LineRenderer`)
+        self.target.write(line)  # rendered with its newline (`_LineRenderer`)
 
     debug = info = warning = error = critical = exception = msg
 
@@ -178,15 +343,16 @@ class _State:
     enabled: bool = False  # INFO events are written (a log dir is configured)
     logger: Any = None  # commlib's own structlog logger; None until the first use
     sink: _Sink | None = None  # the logger's writer and renderer
+    job: str | None = None  # the job of this process's last configure
 
 
 # The one piece of global state this module owns: where this process logs.
 STATE = _State()
 
 
-def _build_logger(fd: int, owned: bool, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
+def _build_logger(target: _LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
-    sink = _Sink(LineWriter(fd, owned), _LineRenderer(static), level)
+    sink = _Sink(LineWriter(target), _LineRenderer(static), level)
     wrapper = structlog.make_filtering_bound_logger(level)
     return wrapper(sink.writer, processors=[sink.renderer], context={}), sink
 
@@ -194,37 +360,57 @@ def _build_logger(fd: int, owned: bool, level: int, static: dict[str, Any]) -> t
 def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
     """A logger appending to `path` in the ranks' format (same renderer and writer), with
     `static` in every line: the events of a process that is not a rank (the chaos harness's
-    journal). Its file is closed when the logger is garbage."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    return _build_logger(fd, True, logging.INFO, static)[0]
+    journal), never rotated. Its file is closed when the logger is garbage."""
+    return _build_logger(_LogFile(Path(path), sys.maxsize, 0, None), logging.INFO, static)[0]
 
 
-def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None) -> Path | None:
+def budget(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(bytes a rank's file may reach before it is rotated, rotated files kept), from the environment."""
+    raw_mb, raw_keep = environ.get(MAX_MB_ENV, str(DEFAULT_MAX_MB)), environ.get(KEEP_ENV, str(DEFAULT_KEEP))
+    try:
+        max_mb = float(raw_mb)
+    except ValueError:
+        max_mb = -1.0
+    if not max_mb > 0:
+        raise ValueError(f"commlib log: expected {MAX_MB_ENV} to be a positive number of MB; found {raw_mb!r}")
+    try:
+        keep = int(raw_keep)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise ValueError(f"commlib log: expected {KEEP_ENV} to be an integer >= 0; found {raw_keep!r}")
+    return max(1, int(max_mb * 1e6)), keep
+
+
+def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None, store: Any = None) -> Path | None:
     """Point this process's events at `{log_dir}/rank{rank}.jsonl` (or stderr, warnings only).
 
+    `store`: one every rank of the job shares, to agree on a job id without torchrun.
     Returns the log file's path, or None when logging to stderr.
     """
     log_dir = log_dir if log_dir is not None else os.environ.get(LOG_DIR_ENV) or None
+    max_bytes, keep = budget()  # bad settings fail here, before anything is written
+    process = ProcessFields(rank=rank, size=size, host=socket.gethostname(), pid=os.getpid(),
+                            attempt=attempt_number(), job=job_id(store))
+    fields = asdict(process)
+    static = {k: v for k, v in fields.items() if k not in HEADER_ONLY}
+    target: _LogFile | _Descriptor
     if log_dir is not None:
         directory = Path(log_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"rank{rank}.jsonl"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        path: Path | None = directory / f"rank{rank}.jsonl"
+        target = _FILES.get(path)  # type: ignore[assignment]
+        if target is None or target.header != fields:
+            target = _FILES[path] = _LogFile(path, max_bytes, keep, fields)  # type: ignore[index]
         level = logging.INFO
     else:
-        path, fd, level = None, sys.stderr.fileno(), logging.WARNING
-    process = ProcessFields(
-        rank=rank,
-        size=size,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    )
+        path, target, level = None, _Descriptor(sys.stderr.fileno()), logging.WARNING
     # Replacing the logger drops the previous writer: its file is closed once no logger
     # bound to it is left.
-    STATE.logger, STATE.sink = _build_logger(fd, path is not None, level, asdict(process))
+    STATE.logger, STATE.sink = _build_logger(target, level, static)
     STATE.path = path
     STATE.enabled = path is not None
+    STATE.job = process.job
     return path
 
 
@@ -242,7 +428,7 @@ except ImportError:  # the doctor reads logs where commlib's dependencies may no
 _ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))
 
 
-def _encode(obj: dict[str, Any]) -> bytes:
+def encode(obj: dict[str, Any]) -> bytes:
     """`obj` as compact JSON: orjson where installed (a collective's two events are on the
     hot path: it encodes ~5x faster than the stdlib), the stdlib otherwise; both give the
     same JSON."""
@@ -251,11 +437,14 @@ def _encode(obj: dict[str, Any]) -> bytes:
     return _ENCODER.encode(obj).encode()
 
 
+decode = orjson.loads if orjson is not None else json.loads
+
+
 def get_logger(**bound: Any) -> Any:
     """commlib's structlog logger, with `bound` fields, writing into this rank's log (the
     trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
     if STATE.logger is None:
-        STATE.logger, STATE.sink = _build_logger(sys.stderr.fileno(), False, logging.WARNING, {})
+        STATE.logger, STATE.sink = _build_logger(_Descriptor(sys.stderr.fileno()), logging.WARNING, {})
     return STATE.logger.bind(**bound) if bound else STATE.logger
 
 
@@ -271,31 +460,74 @@ def log_dir() -> Path | None:
     return STATE.path.parent if STATE.path else None
 
 
-def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Events of one JSON-lines file in order; a truncated or garbled line is skipped."""
-    return (event for _, event in _scan(path, 0) if event is not None)
+def release() -> None:
+    """Close this process's log file, even for loggers still bound to it, and log to stderr
+    again, warnings only: the last communicator is gone (`commlib.observe.flight.release`)."""
+    if STATE.path is not None:
+        log_file = _FILES.pop(STATE.path, None)
+        if log_file is not None:
+            log_file.close()
+        STATE.logger = STATE.sink = None
+        STATE.path, STATE.enabled = None, False
 
 
-class LogTail:
-    """New events of every ``rank*.jsonl`` in a log dir since the last poll, each file's in order.
-
-    For watching a live run: a line still being written is left for the next poll.
-    """
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self._offsets: dict[Path, int] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        for path in sorted(self.log_dir.glob("rank*.jsonl")):
-            for self._offsets[path], event in _scan(path, self._offsets.get(path, 0)):
-                if event is not None:
-                    events.append(event)
-        return events
+# ---------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------
+def rotated_numbers(live: Path) -> list[int]:
+    """The numbers n of `live`'s rotated files (`{live}.{n}`), in no order."""
+    out = []
+    for p in live.parent.glob(f"{live.name}.*"):
+        suffix = p.name[len(live.name) + 1:]
+        if suffix.isdigit():
+            out.append(int(suffix))
+    return out
 
 
-def _scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
+def rank_segments(directory: str | os.PathLike[str]) -> dict[int, list[Path]]:
+    """rank -> its log files in the order they were written (rotated ones, oldest first, then the live one)."""
+    found: dict[int, list[tuple[float, Path]]] = {}
+    for p in Path(directory).iterdir():
+        match = RANK_FILE.match(p.name)
+        if match is not None:
+            order = float(match.group(2)) if match.group(2) else float("inf")
+            found.setdefault(int(match.group(1)), []).append((order, p))
+    return {rank: [p for _, p in sorted(paths)] for rank, paths in sorted(found.items())}
+
+
+class Inflater:
+    """Puts back into each event of one rank's files what its process's `log.open` line holds
+    (`HEADER_ONLY` fields), what its communicator's earlier events said of it (`COMM_ONLY`),
+    and the level an `info` line leaves out. The `log.open` lines themselves are not events
+    of the process: they give None."""
+
+    __slots__ = ("headers", "comms")
+
+    def __init__(self) -> None:
+        self.headers: dict[Any, dict[str, Any]] = {}  # pid -> the header's fields
+        self.comms: dict[tuple[Any, Any], dict[str, Any]] = {}  # (pid, comm) -> its COMM_ONLY fields
+
+    def __call__(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        pid = event.get("pid")
+        if event.get("event") == HEADER_EVENT:
+            self.headers[pid] = {k: event[k] for k in HEADER_ONLY if k in event}
+            return None
+        header = self.headers.get(pid)
+        if header:
+            for k, v in header.items():
+                event.setdefault(k, v)
+        comm = event.get("comm")
+        if comm is not None:
+            if "backend" in event:
+                self.comms[(pid, comm)] = {k: event[k] for k in COMM_ONLY if k in event}
+            else:
+                for k, v in self.comms.get((pid, comm), {}).items():
+                    event.setdefault(k, v)
+        event.setdefault("level", "info")
+        return event
+
+
+def scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """(offset after the line, its event or None if garbled) for each complete line from `offset`.
 
     A last line without its newline is being written, or was cut short by a kill: it is
@@ -308,7 +540,72 @@ def _scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict
                 return
             offset += len(raw)
             try:
-                event = json.loads(raw)
+                event = decode(raw)
             except ValueError:
                 event = None
             yield offset, event if isinstance(event, dict) else None
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Events of one JSON-lines file in order; a truncated or garbled line is skipped."""
+    inflate = Inflater()
+    return (e for e in (inflate(event) for _, event in scan(path, 0) if event is not None) if e is not None)
+
+
+def read_rank(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
+    """Events of one rank's files (`rank_segments`) in order, as one stream; a file rotated
+    away before it could be opened is skipped."""
+    inflate = Inflater()
+    for path in paths:
+        try:
+            for _, event in scan(path, 0):
+                if event is not None and (event := inflate(event)) is not None:
+                    yield event
+        except FileNotFoundError:
+            continue
+
+
+def read_run(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Every rank's events (all files) as one stream in wall-clock order (`ts_ns`); events
+    without a clock are left out."""
+    streams = [((e["ts_ns"], rank, e) for e in read_rank(paths) if isinstance(e.get("ts_ns"), int))
+               for rank, paths in rank_segments(directory).items()]
+    return (e for _, _, e in heapq.merge(*streams, key=lambda item: item[:2]))
+
+
+class LogTail:
+    """New events of every rank's log in a log dir since the last poll, each rank's in order.
+
+    For watching a live run: a line still being written is left for the next poll; a file
+    rotated since the last poll is read to its end before its successor (files are told
+    apart by inode, which a rename keeps).
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._at: dict[int, tuple[int, int]] = {}  # rank -> (inode of the file being read, offset in it)
+        self._inflate: dict[int, Inflater] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if not self.log_dir.is_dir():
+            return events
+        for rank, paths in rank_segments(self.log_dir).items():
+            inflate = self._inflate.setdefault(rank, Inflater())
+            files = []
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    files.append((os.stat(path).st_ino, path))
+            inode, offset = self._at.get(rank, (None, 0))
+            inodes = [ino for ino, _ in files]
+            start = inodes.index(inode) if inode in inodes else 0
+            if inode not in inodes:
+                offset = 0  # the file read last was rotated away unread to its end: go on from the oldest left
+            for ino, path in files[start:]:
+                offset = offset if ino == inode else 0
+                with contextlib.suppress(FileNotFoundError):
+                    for offset, event in scan(path, offset):
+                        if event is not None and (event := inflate(event)) is not None:
+                            events.append(event)
+                self._at[rank] = (ino, offset)
+        return events

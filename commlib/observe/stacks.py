@@ -14,16 +14,18 @@ the GIL, one block per thread::
 Each SIGUSR2 appends such a dump, with no marker between dumps: a new one starts where a
 thread id already seen in the current one comes again. The main thread is the one that
 runs a module's top level (a ``<module>`` frame; under ``python -m``, runpy's frames are
-outside it). Torch-free (the doctor reads it).
+outside it). Files are read line by line, keeping one dump at a time. Torch-free (the doctor
+reads it).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-FILE_PATTERN = re.compile(r"stacks_(\d+)\.txt$")
+FILE_PATTERN = re.compile(r"^stacks_(\d+)\.txt$")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
@@ -39,22 +41,22 @@ class Frame:
         return f'  File "{self.file}", line {self.line}, in {self.func}\n'
 
 
-def last_dump(text: str) -> dict[str, list[Frame]]:
-    """The last dump in `text`: thread id -> frames, most recent first."""
-    dumps: list[dict[str, list[Frame]]] = []
+def last_dump(lines: str | Iterable[str]) -> dict[str, list[Frame]]:
+    """The last dump in `lines` (a text, or its lines): thread id -> frames, most recent first."""
+    dump: dict[str, list[Frame]] = {}
     frames: list[Frame] | None = None
-    for line in text.splitlines():
+    for line in lines.splitlines() if isinstance(lines, str) else lines:
         thread = _THREAD.match(line)
         if thread is not None:
             tid = thread.group(1)
-            if not dumps or tid in dumps[-1]:
-                dumps.append({})
-            frames = dumps[-1].setdefault(tid, [])
+            if tid in dump:
+                dump = {}
+            frames = dump.setdefault(tid, [])
             continue
         frame = _FRAME.match(line)
         if frame is not None and frames is not None:
             frames.append(Frame(frame.group(1), int(frame.group(2)), frame.group(3)))
-    return dumps[-1] if dumps else {}
+    return dump
 
 
 def main_thread(dump: dict[str, list[Frame]]) -> list[Frame] | None:
@@ -66,10 +68,11 @@ def read_main_stacks(directory: Path) -> dict[int, list[Frame]]:
     """pid -> the main thread's frames of the last dump, for every stacks file of `directory`."""
     out: dict[int, list[Frame]] = {}
     for path in sorted(directory.glob("stacks_*.txt")):
-        match = FILE_PATTERN.search(path.name)
+        match = FILE_PATTERN.match(path.name)
         if match is None:
             continue
-        frames = main_thread(last_dump(path.read_text(errors="replace")))
+        with open(path, errors="replace") as f:
+            frames = main_thread(last_dump(f))
         if frames:
             out[int(match.group(1))] = frames
     return out

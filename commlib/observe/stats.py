@@ -1,17 +1,19 @@
 """The doctor's statistics: latency and bandwidth per op and size, and how long ranks waited for each other.
 
-`op_stats(run)` and `stragglers(run)` are tables over the log model (`commlib.observe.model`);
-`straggler_stats(attempts)` is what the straggler rule (`commlib.observe.blame`) judges by.
+`op_stats(run)` and `stragglers(run)` are tables over the log model (`commlib.observe.model`),
+from what it accumulated as it read (`Quantiles` sketches: exact up to a few thousand values,
+within 0.5 % beyond); `straggler_stats(attempts)` is what the straggler rule
+(`commlib.observe.blame`) judges by.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from commlib.observe.model import AttemptLog, RunLogs
+from commlib.observe.sketch import Quantiles
 
 # op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after
 # NCCL-tests' PERFORMANCE.md. `bytes` in the log is what one rank contributes (its input),
@@ -55,11 +57,6 @@ class OpStat:
     busbw_gbps: float | None
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted, non-empty list."""
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
-
-
 def stragglers(run: RunLogs) -> list[StragglerStat]:
     """Per rank, the time others waited for it: (last start - first start) when it arrived last, else 0.
 
@@ -71,29 +68,21 @@ def stragglers(run: RunLogs) -> list[StragglerStat]:
 
 
 def straggler_stats(attempts: Iterable[AttemptLog]) -> list[StragglerStat]:
-    waits: dict[int, list[float]] = defaultdict(list)
+    collectives: dict[int, int] = defaultdict(int)
     last_count: dict[int, int] = defaultdict(int)
+    waited: dict[int, Quantiles] = defaultdict(Quantiles)
     for att in attempts:
-        for comm in att.comms.values():
-            members = comm.member_ranks()
-            if len(members) < 2:
-                continue
-            for calls in comm.calls.values():
-                starts = {r: c.start_ns for r, c in calls.items() if c.start_ns is not None}
-                if len(starts) != len(members):
-                    continue
-                first = min(starts.values())
-                last_rank = max(starts, key=lambda r: starts[r])
-                last_count[last_rank] += 1
-                for r, ts in starts.items():
-                    waits[r].append((ts - first) / 1e9 if r == last_rank else 0.0)
-    out = []
-    for r, values in sorted(waits.items()):
-        values.sort()
-        out.append(StragglerStat(rank=r, collectives=len(values), last_count=last_count[r],
-                                 waited_total_s=sum(values), waited_p50_s=_percentile(values, 0.5),
-                                 waited_p99_s=_percentile(values, 0.99)))
-    return out
+        for r, n in att.waited().items():
+            w = att.waits.get(r)
+            last = w.last_count if w is not None else 0
+            collectives[r] += n
+            last_count[r] += last
+            waited[r].add_zeros(n - last)
+            if w is not None:
+                waited[r].merge(w.lags)
+    return [StragglerStat(rank=r, collectives=collectives[r], last_count=last_count[r],
+                          waited_total_s=q.total, waited_p50_s=q.quantile(0.5), waited_p99_s=q.quantile(0.99))
+            for r, q in sorted(waited.items()) if q.count]
 
 
 def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | None, float | None]:
@@ -111,19 +100,16 @@ def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | Non
 
 def op_stats(run: RunLogs) -> list[OpStat]:
     """Latency and bandwidth per (op, communicator size, bytes) over completed collectives."""
-    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    samples: dict[tuple[str, int, int], Quantiles] = defaultdict(Quantiles)
     for att in run.attempts.values():
         for comm in att.comms.values():
             n = comm.size or len(comm.members)
-            every = [c for calls in comm.calls.values() for c in calls.values()] + list(comm.p2p_calls.values())
-            for c in every:
-                if c.status == "ok" and c.duration_s is not None and c.source == "log":
-                    samples[(c.op, n, int(c.bytes or 0))].append(c.duration_s)
+            for (op, nbytes), q in comm.latencies().items():
+                samples[(op, n, nbytes)].merge(q)
     out = []
-    for (op, n, nbytes), values in sorted(samples.items()):
-        values.sort()
-        p50 = _percentile(values, 0.5)
+    for (op, n, nbytes), q in sorted(samples.items()):
+        p50 = q.quantile(0.5)
         algbw, busbw = bandwidth(op, nbytes, n, p50)
-        out.append(OpStat(op=op, comm_size=n, bytes=nbytes, samples=len(values), p50_s=p50,
-                          p99_s=_percentile(values, 0.99), algbw_gbps=algbw, busbw_gbps=busbw))
+        out.append(OpStat(op=op, comm_size=n, bytes=nbytes, samples=q.count, p50_s=p50,
+                          p99_s=q.quantile(0.99), algbw_gbps=algbw, busbw_gbps=busbw))
     return out

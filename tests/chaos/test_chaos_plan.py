@@ -176,6 +176,61 @@ def test_cli_rejects_a_bad_plan_before_starting_anything(tmp_path, capsys):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("args, field, words", [
+    # The default run: 30 steps, collective deadline 10 s, job timeout 900 s.
+    (["--fault", "straggler:rank=1,ms=999999"], "faults[0].ms", "under the collective deadline of 10 s"),
+    (["--job-timeout", "60", "--fault", "straggler:rank=1,ms=5000,step=11"], "faults[0].ms",
+     "5000 ms before each collective of 20 step(s) adds 100 s at least; found that past the job's timeout of 60 s"),
+    (["--fault", "kill:rank=1,rank=0,step=5"], "--fault kill:rank=1,rank=0,step=5.rank", "given twice (1, then 0)"),
+    (["--fault", "kill:rank=1,after_s=inf"], "--fault kill:rank=1,after_s=inf.after_s", "expected a finite number"),
+    (["--fault", "kill:rank=1,after_s=nan"], "--fault kill:rank=1,after_s=nan.after_s", "expected a finite number"),
+    (["--fault", "kill:rank=1,after_s=-2"], "--fault kill:rank=1,after_s=-2.after_s", "expected a non-negative"),
+    (["--fault", "hang:rank=1,after_s=900"], "faults[0].after_s", "before the job's timeout of 900 s"),
+    (["--fault", "kill:rank=1,step=31"], "faults[0].step", "at most 30, its --steps); found 31"),
+    (["--fault", "kill:rank=1,step=5", "--", "--steps", "4"], "faults[0].step", "at most 4"),
+])
+def test_cli_refuses_a_fault_that_never_fires_or_never_finishes(tmp_path, capsys, args, field, words):
+    run_dir = tmp_path / "run"
+    assert cli(["run", "--run-dir", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"{field}: " in err and words in err, err
+    assert not run_dir.exists()
+
+
+def test_cli_refuses_a_run_dir_or_timeout_it_cannot_use(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    assert cli(["run", "--run-dir", str(afile)]) == 2
+    assert f"--run-dir {afile}: expected a new or empty directory; found a file" in capsys.readouterr().err
+    assert cli(["run", "--run-dir", str(afile / "run")]) == 2
+    assert f"expected a directory to create it in; found {afile}, a file" in capsys.readouterr().err
+    assert afile.read_text() == "not a directory"
+    for bad in ("inf", "nan", "-5", "0"):
+        with pytest.raises(SystemExit) as exited:
+            cli(["run", "--run-dir", str(tmp_path / "run"), "--job-timeout", bad])
+        assert exited.value.code == 2
+        assert "--job-timeout: expected a positive, finite number of seconds" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_same_field_twice_in_a_plan_file_is_refused(tmp_path):
+    (tmp_path / "plan.yaml").write_text("faults:\n  - {type: kill, rank: 1, step: 5}\n"
+                                        "  - {type: kill, rank: 1, rank: 0, step: 5}\n")
+    with pytest.raises(PlanError, match=r"plan\.yaml:3\.rank: given twice \(1, then 0\)"):
+        load_plan(tmp_path / "plan.yaml")
+    (tmp_path / "plan.json").write_text('{"faults": [{"type": "kill", "rank": 1, "step": 5, "step": 6}]}')
+    with pytest.raises(PlanError, match=r"plan\.json\.step: given twice \(5, then 6\)"):
+        load_plan(tmp_path / "plan.json")
+
+
+def test_run_job_refuses_a_step_past_the_run_before_starting_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(PlanError, match=r"faults\[0\]\.step: expected a step the run reaches \(at most 8"):
+        run_job(Job(trainer_args=("--steps", "8")), Plan((parse_shorthand("kill:rank=1,step=9"),)).resolve(2),
+                run_dir)
+    assert not run_dir.exists()
+
+
 def test_cli_rejects_a_network_fault_the_job_cannot_have(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert cli(["run", "--run-dir", str(run_dir), "--fault", "partition:rank=1,step=2,duration_s=3"]) == 2

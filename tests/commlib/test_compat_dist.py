@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -121,3 +124,44 @@ def test_dist_reductions_map_every_torch_spelling() -> None:
         to_reduction(dist.ReduceOp.PREMUL_SUM)
     with pytest.raises(TypeError, match="found 'sum'"):
         to_reduction("sum")
+
+
+def test_backfill_adds_only_the_newer_names_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import _functional_collectives as funcol
+
+    modules = {False: dist, True: funcol}
+    sentinel = object()
+    monkeypatch.setattr(dist, "gather_single", sentinel, raising=False)  # a newer name that exists: kept
+    monkeypatch.setattr(compat, "BACKFILLED", {})
+    before = {name: getattr(modules[row.functional], name, None) for name, row in compat.RENAMES.items()}
+    try:
+        added = compat.backfill()
+        for name, row in compat.RENAMES.items():
+            now = getattr(modules[row.functional], name, None)
+            if before[name] is not None:
+                assert now is before[name] and name not in added, name
+            elif name in added:
+                assert now is compat.resolve(name) and added[name] in row.old_names, name
+        assert dist.gather_single is sentinel
+        if before["set_timeout"] is None:  # torch 2.13: torchtitan 0.3.0's name, bound to the older one
+            assert added["set_timeout"] == "_set_pg_timeout"
+            assert dist.set_timeout is dist.distributed_c10d._set_pg_timeout
+        assert compat.BACKFILLED == added and compat.backfill() == {}  # a second call adds nothing
+    finally:
+        for name in compat.BACKFILLED:
+            delattr(modules[compat.RENAMES[name].functional], name)
+
+
+def test_backfill_is_asked_for_where_the_backend_registers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from commlib import _torch_backend
+
+    if not hasattr(dist, "set_timeout"):  # torch 2.13; this process imported it without COMMLIB_BACKFILL
+        # torch registers the backend at `import torch` (its entry point): the script imports nothing else.
+        probe = "import torch.distributed as dist; print(dist.set_timeout.__name__)"
+        shown = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "COMMLIB_BACKFILL": "1"},
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and shown.stdout.strip() == "_set_pg_timeout", shown.stderr[-2000:]
+        assert '"added":["torch.distributed.set_timeout = _set_pg_timeout"]' in shown.stderr  # logged (stderr)
+    monkeypatch.setenv("COMMLIB_BACKFILL", "yes")
+    with pytest.raises(ValueError, match="expected COMMLIB_BACKFILL to be 1 .* or 0; found 'yes'"):
+        _torch_backend.register()

@@ -1,15 +1,20 @@
 """In-job recovery (commlib.recovery) on real processes over gloo: the group objects stay,
-the engines under them are new, collectives work again, and every bound holds."""
+the engines under them are new, collectives work again, and every bound holds; a failed
+recovery names the ranks behind it, and no recovery reuses an earlier one's epoch or keys."""
 
 import os
+import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import commlib
-from commlib.process_group import commlib_groups
+from backend_world import init_commlib
+from commlib.process_group import CommlibProcessGroup, commlib_groups
+from commlib.recovery import OUTCOME_GRACE_S
 from commlib.testing import run
 
 
@@ -75,23 +80,82 @@ def test_repeated_recoveries_stop_at_the_limit_with_a_clear_error():
         assert "expected at most 2 in-job recoveries" in message
 
 
-def _one_rank_never_joins(comm):
-    if comm.rank == 1:
-        time.sleep(6.0)  # alive, but does not join within rank 0's join deadline
-        return None
+def _recovery_outcome(policy: commlib.RecoveryPolicy) -> dict | None:
+    """What a new `Recovery`'s recover raised, timed; None when it completed."""
     start = time.monotonic()
     try:
-        commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=2.0)).recover(RuntimeError("test"))
+        commlib.Recovery(policy).recover(RuntimeError("test"))
     except commlib.RecoveryFailed as exc:
-        return exc.reason, exc.missing_ranks, time.monotonic() - start, str(exc)
+        return {"reason": exc.reason, "epoch": exc.epoch, "missing": exc.missing_ranks, "failed": exc.failed_ranks,
+                "waited_s": time.monotonic() - start, "message": str(exc)}
     return None
 
 
-def test_a_rank_that_does_not_join_in_time_fails_the_recovery_in_bounds():
-    reason, missing, waited, message = run(_one_rank_never_joins, world_size=2, timeout=90)[0]
-    assert (reason, missing) == ("join_timeout", [1])
-    assert 2.0 <= waited < 6.0
-    assert "ranks [1] did not" in message
+def _one_rank_joins_too_late(comm):
+    if comm.rank == 1:
+        time.sleep(4.0)  # alive, but joins after rank 0's join deadline has passed
+    return _recovery_outcome(commlib.RecoveryPolicy(join_timeout_s=2.0))
+
+
+def test_a_rank_that_does_not_join_in_time_fails_the_recovery_in_bounds_and_is_refused_when_it_comes():
+    gave_up, late = run(_one_rank_joins_too_late, world_size=2, timeout=90)
+    assert (gave_up["reason"], gave_up["epoch"], gave_up["missing"]) == ("join_timeout", 1, [1]), gave_up
+    assert 2.0 <= gave_up["waited_s"] < 4.0
+    assert "ranks [1] did not" in gave_up["message"]
+    # The late rank is refused at the join, at once, instead of passing on rank 0's stale key.
+    assert (late["reason"], late["epoch"], late["missing"], late["failed"]) == ("refused", 1, [1], [0]), late
+    assert late["waited_s"] < 1.0
+    assert ("found rank 0 had given up on it (join_timeout: ranks [1] did not join within 2 s), so this rank came "
+            "too late") in late["message"]
+
+
+def _recover_with_a_new_object_each_time(comm):
+    dist.group.WORLD.set_timeout(timedelta(seconds=2))  # each rebuild's bound, kept across recoveries
+    done = []
+    for i in range(2):
+        if comm.rank == 1 and i == 1:
+            time.sleep(0.5)  # rank 0 comes first to the second recovery: it must not read the first one's keys
+        done.append(commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=10)).recover(RuntimeError(f"failure {i}")))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return [d.epoch for d in done], [d.rebuild_s for d in done], t.item(), commlib.current().timeout
+
+
+def test_a_new_recovery_object_after_each_failure_takes_a_new_epoch_from_the_store():
+    for epochs, rebuilds, total, deadline in run(_recover_with_a_new_object_each_time, world_size=2, timeout=90):
+        assert epochs == [1, 2] and total == 2.0
+        assert max(rebuilds) < 2.0  # each rebuild within its bound (stale keys would make it time out)
+        assert deadline == 2.0
+
+
+def _a_rank_fails_in_the_rebuild():
+    rank = init_commlib(2.0)  # every group's deadline: the bound of its rebuild
+    policy = commlib.RecoveryPolicy(join_timeout_s=10)
+    if rank == 2:  # a bad engine name: rank 2 raises building its communicators
+        os.environ["COMMLIB_ENGINE"] = "bogus"
+    raised = _recovery_outcome(policy)
+    os.environ.pop("COMMLIB_ENGINE", None)
+    if rank == 2:  # then it dies as its next rebuild starts
+        CommlibProcessGroup.rebuild_communicators = lambda group, epoch: os.kill(os.getpid(), signal.SIGKILL)
+    return raised, _recovery_outcome(policy)
+
+
+def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
+    *survivors, dead = run(_a_rank_fails_in_the_rebuild, world_size=3, backend=None, timeout=90,
+                           allow_dead_ranks=True)
+    assert dead is None  # rank 2 was killed in the second rebuild
+    for raised, died in survivors:
+        # Named with its own error, once this rank's wait for it ended (the group's 2 s deadline) ...
+        outcome = (raised["reason"], raised["epoch"], raised["failed"], raised["missing"])
+        assert outcome == ("rebuild", 1, [2], []), raised
+        assert ("expected every rank to build epoch 1's communicators; ranks [2] raised building theirs"
+                in raised["message"]), raised
+        assert "expected COMMLIB_ENGINE in" in raised["message"]  # rank 2's own error, read from the store
+        assert raised["waited_s"] < 2.0 + OUTCOME_GRACE_S + 1.0
+        # ... and, dead, as the one that never finished: a new Recovery object's new epoch.
+        assert (died["reason"], died["epoch"], died["failed"], died["missing"]) == ("rebuild", 2, [], [2]), died
+        assert "ranks [2] never finished theirs (gone, or stuck)" in died["message"], died
+        assert died["waited_s"] < 2.0 + OUTCOME_GRACE_S + 1.0
 
 
 def test_policy_is_validated():

@@ -47,6 +47,8 @@ def test_split_renumbers_and_hooks_apply(backend: str) -> None:
 def _logged_run(comm: commlib.Communicator) -> None:
     with commlib.context(step=3, phase="forward"):
         comm.all_reduce(torch.ones(8))
+        comm.all_reduce(torch.ones(8), commlib.premul_sum(1.0))
+        comm.broadcast(torch.ones(8), root=0)
 
         def in_thread() -> None:
             with commlib.context(phase="side"):
@@ -62,8 +64,11 @@ def test_logs_are_json_lines_with_context(backend: str, tmp_path: Path) -> None:
     testing.run(_logged_run, 2, backend=backend, log_dir=str(tmp_path))
     for rank in (0, 1):
         events = list(read_events(tmp_path / f"rank{rank}.jsonl"))
-        by_name = {e["event"]: e for e in events}
-        start, end = by_name["collective.start"], by_name["collective.end"]
+        by_name = {e["event"]: e for e in events}  # the last of each event
+        starts = [e for e in events if e["event"] == "collective.start"]
+        # The reduction is on the start (a premul_sum(1.0) once had to be found with a hook).
+        assert [e.get("reduce_op") for e in starts] == ["sum", "premul_sum(1.0)", None]
+        start, end = starts[0], next(e for e in events if e["event"] == "collective.end")
         for e in (start, end):
             assert (e["rank"], e["size"], e["comm"], e["op"], e["seq"], e["step"], e["phase"]) == (
                 rank, 2, "world", "all_reduce", 1, 3, "forward")

@@ -1,9 +1,12 @@
-"""Shared by the doctor's tests (imported from their directory): a run's logs as they were while it still hung."""
+"""Shared by the observe tests (imported from their directory): a run's logs as they were while
+it still hung, and waiting for what another thread or process does."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from commlib.observe.log import read_events
@@ -26,3 +29,13 @@ def live_copy(src: Path, dest: Path) -> Path:
             shutil.copy(dump, dest)
     return dest
 
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Whether `predicate()` came true within `timeout` seconds (polled every 5 ms)."""
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.005)
+    return True

@@ -29,7 +29,6 @@ from commlib.doctor import main, render
 from commlib.observe import log
 from commlib.observe.blame import FROZEN_GRACE_S, Kind
 from commlib.observe.doctor import diagnose
-from commlib.observe.model import load
 from commlib.observe.trace import build_trace
 from doctor_logs import live_copy
 from commlib.testing import outcome, run
@@ -261,7 +260,7 @@ def _check_truncated_last_line_and_unfinished_trace(root: Path, tmp_path: Path) 
     assert d.final.culprits == [1] and d.final.collectives == diagnose(root / "kill").final.collectives
 
     # A collective a rank never left is drawn up to its last event, marked unfinished.
-    trace = build_trace(load(tmp_path / "live"))
+    trace = build_trace(tmp_path / "live")
     unfinished = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["status"] == "unfinished"]
     assert [(e["pid"], e["name"], e["args"]["seq"]) for e in unfinished] == [(0, "all_reduce", 2)]
 

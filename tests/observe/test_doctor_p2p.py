@@ -32,7 +32,6 @@ from commlib.doctor import render
 from commlib.observe import log
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
-from commlib.observe.model import load
 from commlib.observe.trace import build_trace
 from doctor_logs import live_copy
 from commlib.testing import outcome, run
@@ -157,7 +156,7 @@ def test_recv_hung_before_any_deadline(logs: tuple[Path, list[dict[str, Any]]], 
 
 def test_trace_draws_send_recv_and_their_arrows(logs: tuple[Path, list[dict[str, Any]]]) -> None:
     root, _ = logs
-    events = build_trace(load(root / "pipe"))["traceEvents"]
+    events = build_trace(root / "pipe")["traceEvents"]
     slices = sorted((e["pid"], e["name"], e["args"]["seq"], e["args"]["status"]) for e in events
                     if e["ph"] == "X" and e.get("cat") == "p2p")
     assert slices == [(0, "send -> 1", 1, "ok"), (0, "send -> 2", 1, "ok"),

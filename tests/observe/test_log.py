@@ -109,9 +109,17 @@ def _both_paths(root: str) -> dict[str, Any]:
 
 def test_a_collectives_direct_event_path_writes_the_line_structlog_writes(tmp_path: Path) -> None:
     [out] = testing.run(_both_paths, 1, backend=None, args=(str(tmp_path),), timeout=60)
-    via_structlog, direct = (json.loads(line) for line in out["lines"])  # two lines, and no third
+    header, via_structlog, direct = (json.loads(line) for line in out["lines"])  # and no fourth
+    assert (header["event"], header["rank"], header["size"], header["pid"]) == ("log.open", 0, 2, direct["pid"])
     for event in (via_structlog, direct):
         assert event.pop("ts_ns") > 0 and event.pop("mono_ns") > 0
+    # The direct path leaves out the fields the communicator's other events carry.
+    assert (via_structlog.pop("backend"), via_structlog.pop("comm_size")) == ("gloo", 2)
     assert direct == via_structlog
-    assert (direct["rank"], direct["comm"], direct["level"], direct["step"], direct["shapes"]) == (
-        0, "world", "info", 3, [[4, 2]])
+    # Shorter lines: the process's fixed fields only in its log.open line, no level for info.
+    assert not {"host", "size", "level", "backend", "comm_size"} & direct.keys(), direct
+    assert (direct["rank"], direct["comm"], direct["step"], direct["shapes"]) == (0, "world", 3, [[4, 2]])
+    # The reader puts them back.
+    [_, read] = log.read_events(tmp_path / "rank0.jsonl")
+    assert (read["level"], read["size"], read["host"], read.get("peer"), read["backend"], read["comm_size"]) == (
+        "info", 2, header["host"], None, "gloo", 2)

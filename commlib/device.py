@@ -1,0 +1,95 @@
+"""Stream order: what commlib sees of a device whose engine runs ops on streams (CUDA).
+
+On such an engine (nccl; torchcomms on CUDA) an op is enqueued, not run: it starts on the
+device once the caller's stream has reached it and the engine's stream has finished the
+op before it, and it ends some time later. commlib keeps that asynchrony. It never blocks
+the CPU for an op; it puts two events around each one instead, which the watchdog
+(`commlib.watchdog`) reads from its own thread:
+
+- `mark()` before the launch, on the caller's current stream. The engine's stream waits on
+  that point of the caller's stream before the op's kernel can run (c10d's and torchcomms'
+  launches both do), so the op has started on the device once this event has completed
+  and the op queued before it on the same engine stream has ended;
+- after the launch, an event that completes when the op does: for a synchronous call the
+  caller's stream is ordered after the op (`BackendWork.order`, the engine's stream-only
+  wait) and `mark()` records behind it; an asynchronous call must not order the caller's
+  stream yet, so `mark_after(order)` orders a watch stream of the runtime's own instead
+  and records there.
+
+`Work.wait()` then only makes the caller's stream wait for that event (`wait`).
+
+A `Runtime` is the small surface this needs, so that a test engine can bring its own
+(CI has no GPU: tests/commlib/emulated_device.py emulates streams and events on CPU);
+`CudaRuntime` is torch.cuda's. Events are pooled (timing off): one that has completed and
+that no `Work` holds goes back for reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+POOL_CAP = 1024  # completed events kept for reuse per runtime; more are left to the garbage collector
+
+
+class Event(Protocol):
+    def query(self) -> bool:
+        """Whether the stream has reached the event; never blocks."""
+
+
+class Runtime(Protocol):
+    """The stream operations commlib uses (module docstring)."""
+
+    device: torch.device
+
+    def mark(self) -> Event:
+        """A (pooled) event recorded on the caller's current stream."""
+
+    def mark_after(self, order: Callable[[], None]) -> Event:
+        """Run `order()` with the runtime's watch stream current, then record an event on it."""
+
+    def wait(self, event: Event) -> None:
+        """Make the caller's current stream wait for `event`; the CPU does not wait."""
+
+    def release(self, event: Event) -> None:
+        """Hand a completed event that nothing holds back for reuse."""
+
+
+class CudaRuntime:
+    """`Runtime` over torch.cuda, for one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: list[Any] = []  # list.pop and list.append are atomic: the watchdog releases, callers take
+        self._watch: Any = None  # created with the first asynchronous op
+
+    def _event(self) -> Any:
+        pool = self._pool
+        return pool.pop() if pool else torch.cuda.Event()  # timing off, not blocking, not interprocess
+
+    def mark(self) -> Any:
+        event = self._event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark_after(self, order: Callable[[], None]) -> Any:
+        if self._watch is None:
+            self._watch = torch.cuda.Stream(self.device)
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self._watch)
+        try:
+            order()
+        finally:
+            torch.cuda.set_stream(caller)
+        event = self._event()
+        event.record(self._watch)
+        return event
+
+    def wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def release(self, event: Any) -> None:
+        if len(self._pool) < POOL_CAP:
+            self._pool.append(event)

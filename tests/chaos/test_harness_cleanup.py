@@ -1,0 +1,143 @@
+"""A harness killed with SIGKILL leaves nothing behind (`chaos.cleanup`).
+
+`python -m chaos run` on the toy trainer, with a ``disk_full`` tmpfs on its checkpoint dir and,
+in the first test, two nodes in network namespaces with a ``net_delay`` on; the harness gets a
+real SIGKILL while the job trains:
+
+- alone: its supervisor stops every process of the job (hung in the namespaces, since the
+  forwarder died with the harness), unmounts the tmpfs and deletes the namespaces, within
+  `BOUND_S`;
+- together with its supervisor: the agents' parent-death signal stops the job all the same,
+  the tmpfs stays until the next harness starts, which sweeps it.
+
+Root is needed (tmpfs, namespaces); without it the runs fail, saying so. They never skip.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from chaos.cleanup import LOG, state_dir, sweep
+from chaos.disk import unmount
+from chaos.harness import Job, journal, run_job
+from chaos.net import delete_namespace, namespaces
+from chaos.plan import Plan
+from commlib.observe.log import read_events
+
+TOY = str(Path(__file__).with_name("toy_trainer.py"))
+# The supervisor's part: the job gets TERM_GRACE_S (5 s) after SIGTERM before SIGKILL, then the
+# mounts and namespaces go. Twice that, for a loaded machine.
+BOUND_S = 12.0
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`python -m chaos run` of the toy trainer, endless, with `args` (faults, topology)."""
+    cmd = [sys.executable, "-m", "chaos", "run", "--run-dir", str(run_dir), "--trainer", TOY, "--no-verify",
+           "--no-png", "--job-timeout", "300", *args, "--", "--steps", "100000", "--step-time", "0.05"]
+    with open(run_dir.parent / "harness.out", "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_training(harness: subprocess.Popen, run_dir: Path, faults: int) -> None:
+    """Until `faults` faults fired and a rank then completed a step."""
+    give_up = time.monotonic() + 120
+    while time.monotonic() < give_up:
+        assert harness.poll() is None, (run_dir.parent / "harness.out").read_text()
+        fired = [n["ts_ns"] for n in journal(run_dir) if n["event"] == "chaos.fault"]
+        if len(fired) == faults:
+            steps = [e for p in (run_dir / "logs").glob("rank*.jsonl") for e in read_events(p)
+                     if e["event"] == "train.step" and e["ts_ns"] > max(fired)]
+            if steps:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"the job did not train past its faults: {(run_dir.parent / 'harness.out').read_text()}")
+
+
+def _mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+
+
+def _records(harness_pid: int) -> list[Path]:
+    return list(state_dir().glob(f"{harness_pid}-*.jsonl"))
+
+
+def _until(done, bound_s: float) -> float:
+    """Seconds until `done()` held; fails past `bound_s`."""
+    start = time.monotonic()
+    while not done():
+        assert time.monotonic() - start < bound_s, f"not within {bound_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _scrub(run_dir: Path, leftovers, names: list[str]) -> None:
+    """Whatever a failed test left (a test that fails must not break the next ones)."""
+    for pid, _ in leftovers(run_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sweep()
+    unmount(run_dir / "ckpt")
+    for name in names:
+        delete_namespace(name)
+
+
+def test_a_killed_harness_leaves_no_process_mount_or_namespace(tmp_path, leftovers):
+    run_dir = tmp_path / "run"
+    harness = _start(run_dir, "--nnodes", "2", "--nproc-per-node", "1", "--fault", "disk_full:step=3",
+                     "--fault", "net_delay:rank=1,step=4,ms=5,duration_s=600")
+    names: list[str] = []
+    try:
+        _wait_training(harness, run_dir, faults=2)
+        [made] = [n for n in journal(run_dir) if n["event"] == "harness.network"]
+        names = made["namespaces"]
+        tag = names[0].split("-")[2]
+        assert _mounted(run_dir / "ckpt") and set(names) <= set(namespaces()) and leftovers(run_dir)
+        harness.send_signal(signal.SIGKILL)
+        harness.wait()
+
+        def gone() -> bool:
+            links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+            return not (leftovers(run_dir) or _mounted(run_dir / "ckpt") or set(names) & set(namespaces())
+                        or f"cn{tag}" in links or _records(harness.pid))
+
+        took = _until(gone, BOUND_S)
+        print(f"everything gone {took:.1f} s after the SIGKILL")
+        [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
+        assert cleaned["by"] == "supervisor" and cleaned["harness_pid"] == harness.pid, cleaned
+        assert cleaned["mounts"] == [str(run_dir / "ckpt")] and sorted(cleaned["namespaces"]) == sorted(names)
+    finally:
+        harness.kill()
+        _scrub(run_dir, leftovers, names)
+
+
+def test_a_harness_killed_with_its_supervisor_is_swept_at_the_next_start(tmp_path, leftovers):
+    run_dir = tmp_path / "run"
+    harness = _start(run_dir, "--fault", "disk_full:step=3")
+    try:
+        _wait_training(harness, run_dir, faults=1)
+        [supervisor] = [p for p in psutil.Process(harness.pid).children() if "chaos.cleanup" in p.cmdline()]
+        supervisor.kill()  # SIGKILL: it runs no more code of its own, whether reaped yet or not
+        harness.send_signal(signal.SIGKILL)
+        harness.wait()
+        # The agents' parent-death signal: torchrun stops its workers and exits.
+        took = _until(lambda: not leftovers(run_dir), BOUND_S)
+        print(f"the job stopped {took:.1f} s after the SIGKILL")
+        assert _mounted(run_dir / "ckpt") and _records(harness.pid)  # no one left to remove them
+
+        # The next start sweeps them (and then runs its own job).
+        outcome = run_job(Job(trainer=TOY, trainer_args=("--steps", "1")), Plan(), tmp_path / "next", timeout_s=120)
+        assert outcome.ok
+        assert not _mounted(run_dir / "ckpt") and not _records(harness.pid)
+        [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
+        assert cleaned["by"] == f"sweep by {os.getpid()}" and cleaned["mounts"] == [str(run_dir / "ckpt")], cleaned
+    finally:
+        harness.kill()
+        _scrub(run_dir, leftovers, [])

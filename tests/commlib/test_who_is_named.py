@@ -1,0 +1,124 @@
+"""Errors name the right rank, never a live one; a caller's short wait breaks nothing.
+
+Real processes over gloo. A SIGKILLed rank is named by every survivor (its process is gone
+on this host), also by a survivor that reads the announcement of the peer that met the broken
+connection first; a root waiting inside a gather for a late rank is not blamed by a peer that
+left the gather and timed out in the next op; a `Work.wait(timeout)` shorter than the op's
+deadline raises `WaitTimeout` and leaves the op and the communicator alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib import testing
+from commlib.observe.blame import Kind
+from commlib.observe.doctor import diagnose
+
+
+def _rank_killed_mid_collective(comm: commlib.Communicator, victim: int) -> dict[str, object]:
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == victim:
+        time.sleep(0.3)  # every survivor is blocked in all_reduce #2 by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t, timeout=30)
+    except commlib.PeerFailure as exc:
+        return {"elapsed": time.monotonic() - start, "failed": exc.failed_ranks, "message": str(exc)}
+    except commlib.CommError as exc:
+        return {"elapsed": time.monotonic() - start, "failed": None, "message": f"{type(exc).__name__}: {exc}"}
+    return {"elapsed": time.monotonic() - start, "failed": None, "message": "no error"}
+
+
+def test_a_killed_rank_is_the_one_every_survivor_names() -> None:
+    for world, victim in ((3, 2), (4, 1)):
+        results = testing.run(_rank_killed_mid_collective, world, backend="gloo", allow_dead_ranks=True,
+                              args=(victim,), timeout=90)
+        assert results[victim] is None
+        for rank, r in enumerate(results):
+            if rank == victim:
+                continue
+            assert r["failed"] == [victim], (world, rank, r)  # never a survivor, never "some peer"
+            assert f"found rank(s) [{victim}] gone" in r["message"], r
+            assert r["elapsed"] < 5.0, r
+
+
+def _root_waits_in_gather(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.full((2,), float(comm.rank))
+    comm.all_reduce(t)
+    if comm.rank == 2:
+        time.sleep(4.0)  # late for the gather
+        return {}
+    outputs = [torch.empty(2) for _ in range(3)] if comm.rank == 0 else None
+    try:
+        comm.gather(outputs, t, root=0, timeout=8.0)
+        if comm.rank == 1:  # done with its part of the gather; the root is still in it
+            comm.broadcast(t, root=0, timeout=1.5)
+    except commlib.CollectiveTimeout as exc:
+        return {"missing": exc.missing_ranks, "message": str(exc)}
+    except commlib.CommError as exc:
+        return {"missing": None, "message": f"{type(exc).__name__}: {exc}"}
+    return {"missing": None, "message": "no error"}
+
+
+def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(tmp_path: Path) -> None:
+    _, r1, _ = testing.run(_root_waits_in_gather, 3, backend="gloo", timeout=90, log_dir=str(tmp_path))
+    # The doctor, reading the logs, blames the same rank and says why rank 0 is not one.
+    timeouts = [p for p in diagnose(tmp_path).final.problems if p.kind is Kind.TIMEOUT]
+    assert [(p.seq, p.ranks, p.details["waiting"]) for p in timeouts] == [(3, [2], [0])], timeouts
+    assert "rank 0 was still in gather #2, waiting for rank(s) [2]" in timeouts[0].message
+    assert r1["missing"] == [2], r1
+    assert "broadcast #3 on 'world' timed out" in r1["message"], r1
+    assert "rank 0 has not started it: it is still in gather #2, waiting for rank(s) [2]" in r1["message"], r1
+    assert "rank 2 never started it (last reported finishing all_reduce #1" in r1["message"], r1
+
+
+def _short_wait(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.full((4,), float(comm.rank + 1))
+    if comm.rank == 1:
+        time.sleep(1.5)
+        comm.all_reduce(t)
+        p = torch.ones(2)
+        time.sleep(1.0)
+        dist.all_reduce(p)
+        return {"value": t.tolist(), "pg": p.tolist()}
+    work = comm.all_reduce(t, async_op=True, timeout=20.0)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=0.5)
+        short = None
+    except commlib.WaitTimeout as exc:
+        short = {"elapsed": time.monotonic() - start, "message": str(exc), "waited": exc.waited,
+                 "deadline": exc.deadline}
+    work.wait()  # the op went on: this wait picks it up
+    # The same through torch.distributed's Work over the commlib backend (c10d says timedelta).
+    p = torch.ones(2)
+    pg_work = dist.all_reduce(p, async_op=True)
+    try:
+        pg_work.wait(timedelta(seconds=0.3))
+        pg_short = None
+    except commlib.WaitTimeout:
+        pg_short = "WaitTimeout"
+    pg_work.wait()
+    return {"short": short, "value": t.tolist(), "broken": comm.broken, "pg_short": pg_short, "pg": p.tolist()}
+
+
+def test_a_wait_shorter_than_the_deadline_leaves_the_op_and_the_communicator_alive() -> None:
+    r0, r1 = testing.run(_short_wait, 2, backend="gloo", timeout=60)
+    short = r0["short"]
+    assert short is not None and 0.45 <= short["elapsed"] < 1.2, r0
+    assert (short["waited"], short["deadline"]) == (0.5, 20.0)
+    assert "still running" in short["message"] and "wait again" in short["message"]
+    assert r0["value"] == r1["value"] == [3.0] * 4  # the op completed, on both ranks
+    assert not r0["broken"]  # and the peer saw nothing wrong either (it returned its values)
+    assert r0["pg_short"] == "WaitTimeout" and r0["pg"] == r1["pg"] == [2.0, 2.0]
