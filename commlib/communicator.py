@@ -351,10 +351,11 @@ class Communicator:
         self._log.warning("comm.abort", reason=self._dead)
         self._dump("abort")
         self.board.close()
+        # The engine first: an op of a dropped engine work may only end once it is aborted.
+        self._abort_engine()
         if self._in_flight is not None:
             with self._in_flight.lock:
                 self._in_flight.drop()
-        self._abort_engine()
         self._await_engine_abort()
         self.recorder.aborted()  # in-job recovery may rebuild: the process keeps its signal handlers and log
 
@@ -451,8 +452,8 @@ class Communicator:
         # already, by whichever call broke it.
         if self._dead is not None:
             self._ensure_usable(call.op.value)
-        log_on = _log.STATE.enabled
-        if log_on and call.async_op:  # how long the caller's wait blocked, and whether the op was already done
+        wait_from_ns = done_before_wait = None
+        if call.async_op and _log.STATE.enabled:  # how long the caller's wait blocked, and whether the op was already done
             wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
         left = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         # A caller's bound shorter than the deadline's rest is the caller's, not the op's (module docstring).
@@ -472,18 +473,24 @@ class Communicator:
             raise self._peer_left(call, entry, finished)  # a peer's abort announcement, read between slices
         if work is not None:
             work.done = True
+        self._record_end(call, entry, wait_from_ns, done_before_wait)
+        if _PROCESS_HOOKS.post or self.hooks.post:
+            run_hooks(self.hooks, "post", call, entry.duration_s)
+
+    def _record_end(self, call: Collective, entry: FlightEntry, wait_from_ns: int | None = None,
+                    done_before_wait: bool | None = None) -> None:
+        """Record an op that completed: flight recorder, board and `collective.end`, with how long
+        an async caller's wait blocked (`wait_from_ns`: when it began; None where none did)."""
         FlightRecorder.end(entry, "completed")
         if call.peer is None:
             self.board.finished(call.seq, entry.op)
-        if log_on:
+        if _log.STATE.enabled:
             fields = {"op": entry.op, "seq": call.seq, "bytes": entry.nbytes, "peer": call.peer,
                       "duration_s": entry.duration_s, "status": "ok"}
-            if call.async_op:
+            if wait_from_ns is not None:
                 fields["wait_s"] = (entry.end_mono_ns - wait_from_ns) / 1e9
                 fields["done_before_wait"] = done_before_wait
             self._events.info("collective.end", fields)
-        if _PROCESS_HOOKS.post or self.hooks.post:
-            run_hooks(self.hooks, "post", call, entry.duration_s)
 
     def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
                         since_mono_ns: int) -> bool | dict[str, Any]:
@@ -547,12 +554,7 @@ class Communicator:
         if failure is not None:  # the engine's own verdict on the op: its outputs are not to be used
             self._fail(call, entry, failure, deferred=True)
             return
-        FlightRecorder.end(entry, "completed")
-        if call.peer is None:
-            self.board.finished(call.seq, entry.op)
-        if _log.STATE.enabled:
-            self._events.info("collective.end", {"op": entry.op, "seq": call.seq, "bytes": entry.nbytes,
-                                                 "peer": call.peer, "duration_s": entry.duration_s, "status": "ok"})
+        self._record_end(call, entry)
         self._runtime.release(op.start)
         if not op.held:
             self._runtime.release(op.end)
@@ -572,6 +574,9 @@ class Communicator:
     def _device_op_dropped(self, op: DeviceOp) -> None:
         if op.entry.state == "started":
             FlightRecorder.end(op.entry, "failed")
+        # Kept until its op ends (the abort ends it): dropping a torchcomms work whose op still
+        # runs blocks this thread until then (../shared/TORCHCOMMS_API.md).
+        _abandon(op.work, self._backend)
 
     def _deliver_undelivered(self) -> None:
         """Raise, on the caller's thread, the error the watchdog found (once), after the failure hooks."""

@@ -15,7 +15,8 @@ with real processes over a real engine. This emulates the part of a GPU that pat
   the op starts on the "device" only once the work queued before it has run. `order()`
   makes the current stream wait for the op; an abort aborts gloo, which ends an op stuck
   waiting for a peer with an error (as ncclCommAbort makes a stuck kernel exit). Its works
-  refuse `wait()`: commlib must never block on a stream-ordered engine's op.
+  refuse `wait()`: commlib must never block on a stream-ordered engine's op. Dropping a
+  work whose op still runs blocks until the op ends, as torchcomms' do.
 
 `options()` gives the `EngineOptions` that build commlib process groups over it.
 """
@@ -130,12 +131,13 @@ def runtime() -> EmulatedRuntime:
     return _RUNTIME[0]
 
 
-class EmulatedWork:
-    def __init__(self, rt: EmulatedRuntime) -> None:
-        self._runtime = rt
+class _OpOnDevice:
+    """What the engine stream does with one op, and when it ended; not the work, which the
+    caller may drop while the op runs."""
+
+    def __init__(self) -> None:
         self.end = EmulatedEvent()
         self.error: BaseException | None = None
-        self.waited = 0
 
     def run(self, inner: C10dBackend, call: Collective, timeout: timedelta) -> None:
         """On the engine stream: the gloo op, start to end (an error ends it too)."""
@@ -145,8 +147,19 @@ class EmulatedWork:
         except Exception as exc:
             self.error = exc
 
+
+class EmulatedWork:
+    def __init__(self, rt: EmulatedRuntime, op: _OpOnDevice) -> None:
+        self._runtime = rt
+        self._op = op
+        self.end = op.end
+
     def wait(self, timeout: timedelta) -> bool:
         raise AssertionError("commlib called wait() on a stream-ordered engine's work: the CPU must never block")
+
+    def __del__(self) -> None:
+        # As torchcomms' works do: dropping one whose op still runs blocks until the op ends.
+        self.end.synchronize()
 
     def is_completed(self) -> bool:
         return self.end.query()
@@ -155,7 +168,7 @@ class EmulatedWork:
         self._runtime.current.wait_event(self.end)
 
     def failure(self) -> BaseException | None:
-        return self.error
+        return self._op.error
 
 
 class EmulatedBackend:
@@ -178,13 +191,13 @@ class EmulatedBackend:
 
     def launch(self, call: Collective, timeout: timedelta) -> EmulatedWork:
         self.launched += 1
-        work = EmulatedWork(self.runtime)
+        op = _OpOnDevice()
         ready = EmulatedEvent()
         ready.record(self.runtime.current)  # the engine stream waits for the caller's stream here
         self.stream.wait_event(ready)
-        self.stream.enqueue(lambda: work.run(self.inner, call, timeout))
-        work.end.record(self.stream)
-        return work
+        self.stream.enqueue(lambda: op.run(self.inner, call, timeout))
+        op.end.record(self.stream)
+        return EmulatedWork(self.runtime, op)
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "EmulatedBackend | None":
         inner = self.inner.split(ranks, name, timeout)

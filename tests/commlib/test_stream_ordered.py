@@ -192,3 +192,26 @@ def test_the_consistency_check_holds_on_a_stream_ordered_engine() -> None:
     for r in testing.run(_mismatch, 2, backend=None, timeout=60):
         assert r["outcome"]["type"] == "CollectiveMismatch" and r["outcome"]["differing_ranks"], r
         assert r["launched"] == 1, r
+
+
+def _abort_with_an_op_in_flight() -> dict[str, object]:
+    comm = _init()
+    t = torch.ones(4)
+    comm.all_reduce(t)
+    runtime().synchronize()
+    if comm.rank == 1:
+        time.sleep(3.0)  # never joins #2
+        return {}
+    comm.all_reduce(t)  # in flight: its peer never comes
+    time.sleep(0.3)
+    start = time.monotonic()
+    comm.abort("the trainer gave up")  # what in-job recovery does to every communicator
+    return {"abort_s": time.monotonic() - start, "flight": [e.state for e in comm.recorder.entries()]}
+
+
+def test_an_abort_with_an_op_in_flight_returns_at_once() -> None:
+    # Dropping the work of an op that still runs blocks until the op ends (torchcomms' works
+    # do; the emulated ones too): the engine is aborted first, and the work kept until then.
+    r0, _ = testing.run(_abort_with_an_op_in_flight, 2, backend=None, timeout=60)
+    assert r0["abort_s"] < 2.0, r0
+    assert r0["flight"] == ["completed", "failed"], r0
