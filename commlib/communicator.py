@@ -517,7 +517,7 @@ class Communicator:
         try:
             backend_work = self._backend.launch(call, _timedelta(engine_timeout_s(call.deadline_s)))
             if call.async_op:
-                end = runtime.mark_after(backend_work.order)
+                end = runtime.mark_after(backend_work.order, call.peer)
             else:
                 backend_work.order()
                 end = runtime.mark()

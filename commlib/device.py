@@ -13,8 +13,10 @@ the CPU for an op; it puts two events around each one instead, which the watchdo
 - after the launch, an event that completes when the op does: for a synchronous call the
   caller's stream is ordered after the op (`BackendWork.order`, the engine's stream-only
   wait) and `mark()` records behind it; an asynchronous call must not order the caller's
-  stream yet, so `mark_after(order)` orders a watch stream of the runtime's own instead
-  and records there.
+  stream yet, so `mark_after(order, lane)` orders a watch stream of the runtime's own
+  instead and records there. A runtime serves one communicator, with a watch stream per
+  lane (collectives; send/recv with each peer), as the engine has a stream per lane: on a
+  shared watch stream one op's end event would wait for another's.
 
 `Work.wait()` then only makes the caller's stream wait for that event (`wait`).
 
@@ -47,8 +49,9 @@ class Runtime(Protocol):
     def mark(self) -> Event:
         """A (pooled) event recorded on the caller's current stream."""
 
-    def mark_after(self, order: Callable[[], None]) -> Event:
-        """Run `order()` with the runtime's watch stream current, then record an event on it."""
+    def mark_after(self, order: Callable[[], None], lane: int | None) -> Event:
+        """Run `order()` with the watch stream of `lane` current (None: collectives; a peer: the
+        send/recv with it), then record an event on it."""
 
     def wait(self, event: Event) -> None:
         """Make the caller's current stream wait for `event`; the CPU does not wait."""
@@ -58,12 +61,12 @@ class Runtime(Protocol):
 
 
 class CudaRuntime:
-    """`Runtime` over torch.cuda, for one device."""
+    """`Runtime` over torch.cuda, for one communicator on one device."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: list[Any] = []  # list.pop and list.append are atomic: the watchdog releases, callers take
-        self._watch: Any = None  # created with the first asynchronous op
+        self._watch: dict[int | None, Any] = {}  # per lane, created with its first asynchronous op
 
     def _event(self) -> Any:
         pool = self._pool
@@ -74,17 +77,18 @@ class CudaRuntime:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def mark_after(self, order: Callable[[], None]) -> Any:
-        if self._watch is None:
-            self._watch = torch.cuda.Stream(self.device)
+    def mark_after(self, order: Callable[[], None], lane: int | None) -> Any:
+        watch = self._watch.get(lane)
+        if watch is None:
+            watch = self._watch[lane] = torch.cuda.Stream(self.device)
         caller = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self._watch)
+        torch.cuda.set_stream(watch)
         try:
             order()
         finally:
             torch.cuda.set_stream(caller)
         event = self._event()
-        event.record(self._watch)
+        event.record(watch)
         return event
 
     def wait(self, event: Any) -> None:

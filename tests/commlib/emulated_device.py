@@ -6,11 +6,13 @@ with real processes over a real engine. This emulates the part of a GPU that pat
 - `EmulatedStream`: a device stream, a thread that runs its tasks in order;
 - `EmulatedEvent`: recorded on a stream, complete once the stream has reached it (an event
   never recorded is complete, as in CUDA); `query()` never blocks;
-- `EmulatedRuntime`: commlib's `Runtime` over them, one per process (the device), whose
-  current stream is the "default stream"; `busy(s)` runs a kernel of `s` seconds on the
-  current stream, `synchronize()` is the host waiting for the device;
+- `EmulatedDevice`: one per process (`device()`), whose current stream is the "default
+  stream"; `busy(s)` runs a kernel of `s` seconds on it, `synchronize()` is the host
+  waiting for it;
+- `EmulatedRuntime`: commlib's `Runtime` over them, one per communicator, as `CudaRuntime`;
 - `EmulatedBackend`: commlib's `Backend` over a gloo `C10dBackend`. A launch enqueues the
-  op on the communicator's own engine stream (as NCCL has one per group): the engine stream
+  op on the communicator's own engine stream for its lane (as NCCL has one per group for
+  collectives, and one per pair of ranks for send/recv): the engine stream
   waits for the caller's stream to reach the launch, then runs the gloo op to its end, so
   the op starts on the "device" only once the work queued before it has run. `order()`
   makes the current stream wait for the op; an abort aborts gloo, which ends an op stuck
@@ -72,63 +74,68 @@ class EmulatedStream:
             self._tasks.get()()
 
 
-class EmulatedRuntime:
-    """commlib's `Runtime` (commlib/device.py) on the emulated device."""
-
-    device = torch.device("cpu")
+class EmulatedDevice:
+    """The process's emulated device: its current ("default") stream, and what tests do on it."""
 
     def __init__(self) -> None:
         self.current = EmulatedStream("default")
-        self._watch: EmulatedStream | None = None
-        self._pool: list[EmulatedEvent] = []
-        self.made = 0  # events made, not taken from the pool
 
-    def _event(self) -> EmulatedEvent:
-        if self._pool:
-            return self._pool.pop()
-        self.made += 1
-        return EmulatedEvent()
-
-    def mark(self) -> EmulatedEvent:
-        event = self._event()
-        event.record(self.current)
-        return event
-
-    def mark_after(self, order: Callable[[], None]) -> EmulatedEvent:
-        if self._watch is None:
-            self._watch = EmulatedStream("watch")
-        caller, self.current = self.current, self._watch
-        try:
-            order()
-        finally:
-            self.current = caller
-        event = self._event()
-        event.record(self._watch)
-        return event
-
-    def wait(self, event: EmulatedEvent) -> None:
-        self.current.wait_event(event)
-
-    def release(self, event: EmulatedEvent) -> None:
-        self._pool.append(event)
-
-    # -- what tests do on the device ------------------------------------------------------
     def busy(self, seconds: float) -> None:
         """A kernel of `seconds` on the current stream (torch.cuda._sleep)."""
         self.current.enqueue(lambda: time.sleep(seconds))
 
     def synchronize(self) -> None:
         """The host waits for everything enqueued on the current stream (torch.cuda.synchronize)."""
-        self.mark().synchronize()
+        event = EmulatedEvent()
+        event.record(self.current)
+        event.synchronize()
 
 
-_RUNTIME: list[EmulatedRuntime] = []  # this process's device, made at first use
+_DEVICE: list[EmulatedDevice] = []  # this process's, made at first use
 
 
-def runtime() -> EmulatedRuntime:
-    if not _RUNTIME:
-        _RUNTIME.append(EmulatedRuntime())
-    return _RUNTIME[0]
+def device() -> EmulatedDevice:
+    if not _DEVICE:
+        _DEVICE.append(EmulatedDevice())
+    return _DEVICE[0]
+
+
+class EmulatedRuntime:
+    """commlib's `Runtime` (commlib/device.py) on the emulated device, for one communicator
+    (as `CudaRuntime` is): its watch streams, one per lane, and its pool of events."""
+
+    def __init__(self, on: EmulatedDevice) -> None:
+        self.on = on
+        self.device = torch.device("cpu")
+        self._watch: dict[int | None, EmulatedStream] = {}
+        self._pool: list[EmulatedEvent] = []
+
+    def _event(self) -> EmulatedEvent:
+        return self._pool.pop() if self._pool else EmulatedEvent()
+
+    def mark(self) -> EmulatedEvent:
+        event = self._event()
+        event.record(self.on.current)
+        return event
+
+    def mark_after(self, order: Callable[[], None], lane: int | None) -> EmulatedEvent:
+        watch = self._watch.get(lane)
+        if watch is None:
+            watch = self._watch[lane] = EmulatedStream(f"watch-{lane}")
+        caller, self.on.current = self.on.current, watch
+        try:
+            order()
+        finally:
+            self.on.current = caller
+        event = self._event()
+        event.record(watch)
+        return event
+
+    def wait(self, event: EmulatedEvent) -> None:
+        self.on.current.wait_event(event)
+
+    def release(self, event: EmulatedEvent) -> None:
+        self._pool.append(event)
 
 
 class _OpOnDevice:
@@ -165,7 +172,7 @@ class EmulatedWork:
         return self.end.query()
 
     def order(self) -> None:
-        self._runtime.current.wait_event(self.end)
+        self._runtime.on.current.wait_event(self.end)
 
     def failure(self) -> BaseException | None:
         return self._op.error
@@ -178,10 +185,10 @@ class EmulatedBackend:
 
     def __init__(self, inner: C10dBackend) -> None:
         self.inner = inner
-        self.runtime = runtime()
+        self.runtime = EmulatedRuntime(device())
         self.name = f"emulated-{inner.name}"
         self.rank, self.size, self.device = inner.rank, inner.size, inner.device
-        self.stream = EmulatedStream(f"engine-{id(self)}")
+        self.streams: dict[int | None, EmulatedStream] = {}  # per lane, as NCCL's: collectives, each peer
         self.launched = 0
 
     @classmethod
@@ -193,10 +200,13 @@ class EmulatedBackend:
         self.launched += 1
         op = _OpOnDevice()
         ready = EmulatedEvent()
-        ready.record(self.runtime.current)  # the engine stream waits for the caller's stream here
-        self.stream.wait_event(ready)
-        self.stream.enqueue(lambda: op.run(self.inner, call, timeout))
-        op.end.record(self.stream)
+        ready.record(self.runtime.on.current)  # the engine stream waits for the caller's stream here
+        stream = self.streams.get(call.peer)
+        if stream is None:
+            stream = self.streams[call.peer] = EmulatedStream(f"engine-{id(self)}-{call.peer}")
+        stream.wait_event(ready)
+        stream.enqueue(lambda: op.run(self.inner, call, timeout))
+        op.end.record(stream)
         return EmulatedWork(self.runtime, op)
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "EmulatedBackend | None":

@@ -23,7 +23,7 @@ import commlib.dist as cdist
 from commlib import testing
 
 import emulated_device
-from emulated_device import runtime
+from emulated_device import device
 
 DEADLINE_S = 1.0
 DETECTION_S = 0.5  # the issue's bound on seeing an expired deadline
@@ -47,7 +47,7 @@ def _never_blocks() -> dict[str, object]:
     from fsdp_overlap.comms import CommlibAllGather
 
     comm = _init()
-    rank, rt = comm.rank, runtime()
+    rank, rt = comm.rank, device()
     assert comm.stream_ordered
     ones = [torch.full((4,), float(rank + 1)) for _ in range(6)]
     gathered = torch.empty(8)
@@ -85,7 +85,7 @@ def test_no_entry_point_blocks_the_cpu_and_a_queue_is_no_timeout() -> None:
 
 def _rank1_never_issues(deliver_at: str) -> dict[str, object]:
     comm = _init()
-    rank, rt = comm.rank, runtime()
+    rank, rt = comm.rank, device()
     t = torch.ones(4)
     comm.all_reduce(t, timeout=DEADLINE_S)
     rt.synchronize()
@@ -144,7 +144,7 @@ def _hang_then_recover() -> dict[str, object]:
     """Rank 1's device hangs in op #2 after its start (a long kernel behind the start event, as
     chaos's device hang does): rank 0's #2 times out; both recover in-job and go on."""
     comm = _init()
-    rank, rt = comm.rank, runtime()
+    rank, rt = comm.rank, device()
     hang = commlib.register_pre_hook(lambda call: rt.busy(4.0) if rank == 1 and call.seq == 2 else None)
     t = torch.ones(4)
     comm.all_reduce(t, timeout=DEADLINE_S)
@@ -198,7 +198,7 @@ def _abort_with_an_op_in_flight() -> dict[str, object]:
     comm = _init()
     t = torch.ones(4)
     comm.all_reduce(t)
-    runtime().synchronize()
+    device().synchronize()
     if comm.rank == 1:
         time.sleep(3.0)  # never joins #2
         return {}
@@ -215,3 +215,32 @@ def test_an_abort_with_an_op_in_flight_returns_at_once() -> None:
     r0, _ = testing.run(_abort_with_an_op_in_flight, 2, backend=None, timeout=60)
     assert r0["abort_s"] < 2.0, r0
     assert r0["flight"] == ["completed", "failed"], r0
+
+
+def _p2p_lanes() -> dict[str, object]:
+    """Rank 0 sends to ranks 1 and 2 (async); rank 2 posts its recv 2.5 s late, within that
+    send's 30 s deadline, while the send to rank 1, with a 1 s deadline, ends at once: its own
+    lane, so it is no false timeout behind the other send."""
+    comm = _init()
+    t = torch.full((4,), 7.0)
+    if comm.rank == 0:
+        late = comm.send(t, 2, async_op=True, timeout=30.0)
+        prompt = comm.send(t, 1, async_op=True, timeout=1.0)
+        late.wait()
+        prompt.wait()
+        time.sleep(1.5)
+        prompt_done = prompt.is_completed()
+        error = _raised(lambda: commlib.check(wait=True))
+        return {"prompt_done_early": prompt_done, "error": error}
+    if comm.rank == 2:
+        time.sleep(2.5)
+    comm.recv(t := torch.zeros(4), 0)
+    device().synchronize()
+    commlib.check(wait=True)
+    return {"value": t.tolist()}
+
+
+def test_send_recv_with_each_peer_have_a_lane_of_their_own() -> None:
+    r0, r1, r2 = testing.run(_p2p_lanes, 3, backend=None, timeout=60)
+    assert r0["error"] is None and r0["prompt_done_early"], r0
+    assert r1["value"] == r2["value"] == [7.0] * 4
