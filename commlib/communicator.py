@@ -595,8 +595,11 @@ class Communicator:
         except Exception as exc:
             _report_side_failure(self._log, f"{kind} hook", exc)
 
-    def _report_watchdog_failure(self, exc: BaseException) -> None:
+    def _watchdog_failed(self, exc: BaseException) -> None:
+        """The watchdog could not judge this communicator's ops (a bug): their deadlines no longer
+        hold, so the communicator is aborted, saying why, rather than left to hang unwatched."""
         _report_side_failure(self._log, "watchdog", exc)
+        self.abort(f"aborted: the watchdog could not judge its ops ({type(exc).__name__}: {exc})")
 
     def _thread_store(self) -> dist.Store:
         """The store client for the calling thread: the communicator's own on the thread that made

@@ -99,7 +99,8 @@ class Owner(Protocol):
     def _deliver_undelivered(self) -> None:
         """Raise the error found on the watchdog's thread, if one waits for the caller."""
 
-    def _report_watchdog_failure(self, exc: BaseException) -> None: ...
+    def _watchdog_failed(self, exc: BaseException) -> None:
+        """A scan raised: the communicator cannot be watched any more."""
 
 
 class InFlight:
@@ -213,7 +214,7 @@ class _Watchdog:
                     with in_flight.lock:
                         in_flight.scan(time.monotonic_ns())
                 except Exception as exc:  # the thread must outlive any one communicator's failure
-                    in_flight.comm._report_watchdog_failure(exc)
+                    in_flight.comm._watchdog_failed(exc)
             if not self._forget_idle():
                 return
 

@@ -137,8 +137,11 @@ class C10dWork:
         self.work.wait()
 
     def failure(self) -> BaseException | None:
+        get_verdict = getattr(self.work, "get_future_result", None)  # absent from some torch releases' works
+        if get_verdict is None:
+            return None
         try:
-            verdict = self.work.get_future_result()
+            verdict = get_verdict()
         except RuntimeError:  # engines without one (a torchcomms-routed group's work)
             return None
         if not verdict.done():

@@ -244,3 +244,25 @@ def test_send_recv_with_each_peer_have_a_lane_of_their_own() -> None:
     r0, r1, r2 = testing.run(_p2p_lanes, 3, backend=None, timeout=60)
     assert r0["error"] is None and r0["prompt_done_early"], r0
     assert r1["value"] == r2["value"] == [7.0] * 4
+
+
+def _watchdog_cannot_judge() -> dict[str, object]:
+    comm = _init()
+    launch = comm._backend.launch
+
+    def broken_verdicts(call: object, timeout: object) -> object:
+        work = launch(call, timeout)
+        work.failure = lambda: 1 / 0  # a bug in judging the op, once it has ended
+        return work
+
+    comm._backend.launch = broken_verdicts
+    comm.all_reduce(torch.ones(2))
+    device().synchronize()
+    time.sleep(0.5)  # the watchdog's next passes
+    return {"next": _raised(lambda: comm.all_reduce(torch.ones(2)))}
+
+
+def test_a_watchdog_that_cannot_judge_a_communicator_aborts_it_saying_why() -> None:
+    [r] = testing.run(_watchdog_cannot_judge, 1, backend=None, timeout=60)
+    assert r["next"]["type"] == "CommAborted", r
+    assert "the watchdog could not judge its ops (ZeroDivisionError" in r["next"]["message"], r
