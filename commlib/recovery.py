@@ -50,7 +50,7 @@ the abort is `ncclCommAbort` through the backend's `abort`, in a thread of its o
 abort phase waits on for at most `communicator.ENGINE_ABORT_BOUND_S` (a wedged device can hold it); the
 rebuild is a fresh `ncclCommInitRank` under the new prefix; the closing barrier waits on the
 CPU. On CPU this path runs over the tests' emulated stream-ordered engine
-(tests/commlib/test_stream_ordered.py), on one GPU in scripts/bench_gpu.py; several GPUs
+(tests/commlib/test_stream_ordered.py); scripts/bench_gpu.py checks it on one GPU; several GPUs
 are designed for and untested.
 """
 
