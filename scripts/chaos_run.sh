@@ -4,6 +4,9 @@
 # fault-free run. Extra arguments go to `python -m chaos run` (see --help).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# What the network and disk faults run (ip, mount, ...). Without root it can only say what is
+# missing: those faults need root anyway, and the default job needs none of it.
+"$root/scripts/system_packages.sh" run || true
 "$root/scripts/bootstrap.sh"
 cd "$root"
 exec .venv/bin/python -m chaos run "$@"

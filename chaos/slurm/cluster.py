@@ -63,6 +63,7 @@ NETNS_DIR = Path("/run/netns")
 RUN_DIR = Path("/run")
 PREFIX = "cslurm"
 _NETNS = re.compile(rf"^{PREFIX}-(\d+)-([0-9a-f]+)-(ctl|node\d+)$")
+# What the cluster runs; scripts/system_packages.sh installs them (its ``slurm`` set), never this module.
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "nsenter", "unshare", "ip", "mount")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 CTL = "ctl"
@@ -111,21 +112,6 @@ def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None]
 
 
-def install_packages() -> None:
-    """apt-get the Debian packages of munge and Slurm when a tool is missing (a no-op otherwise)."""
-    if not missing_tools():
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise ClusterUnavailable(f"chaos.slurm.cluster: `{' '.join(cmd)}` exited {done.returncode}: "
-                                     f"{(done.stderr or done.stdout).strip()[-800:]}")
-    if missing_tools():
-        raise ClusterUnavailable(f"chaos.slurm.cluster: expected {list(TOOLS)} after installing {list(PACKAGES)}; "
-                                 f"still missing {missing_tools()}")
-
-
 class Cluster:
     """A local Slurm cluster kept in `directory` (module docstring)."""
 
@@ -169,8 +155,9 @@ class Cluster:
                                      f"uid {os.geteuid()}")
         missing = missing_tools()
         if missing:
-            raise ClusterUnavailable(f"chaos.slurm.cluster: expected {missing} on PATH; install "
-                                     f"{' '.join(PACKAGES)} (`apt-get install -y {' '.join(PACKAGES)}`)")
+            raise ClusterUnavailable(f"chaos.slurm.cluster: expected {missing} on PATH; install them with "
+                                     f"`scripts/system_packages.sh slurm` (Debian's {' '.join(PACKAGES)}; "
+                                     f"scripts/test.sh and `scripts/slurm_cluster.sh up` run it)")
         sweep()
         previous = _read_record(self.directory)
         if previous is not None:
@@ -491,7 +478,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         if args.command == "up":
-            install_packages()
             cluster = Cluster(args.dir, args.nodes).up()
             print(f"up: {cluster.nodes} node(s) {', '.join(cluster.node_names)}; run client commands with\n"
                   f"  {' '.join(cluster.client_prefix())} sbatch ...")

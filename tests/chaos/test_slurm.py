@@ -3,10 +3,12 @@ sbatch job that is preempted, runs out of time and loses a node (real sbatch, re
 real namespaces; root only), and the same one-harness-per-node form without Slurm.
 
 The cluster (three nodes: two for the job, a spare) is brought up once for the module; where
-it cannot be (not root, no packages and no apt-get), the tests fail saying why. The packages
-are installed when missing. One job holds the three whole-job events in turn, each stopping
-a different launch of it, so the cost of starting the job is paid once per event and once
-for the verdict:
+it cannot be (not root, no packages), the tests fail saying why. The packages (munge, Slurm)
+are installed before pytest starts, by the test command (scripts/test.sh runs
+scripts/system_packages.sh), never by a test: another worker's test could run before it.
+
+One job holds the three whole-job events in turn, each stopping a different launch of it, so
+the cost of starting the job is paid once per event and once for the verdict:
 
 - ``preempt:step=2``: a job in the ``urgent`` partition takes the job's nodes; Slurm sends the
   ``--signal`` notice, the batch step passes it on as SIGTERM, every rank stops after step 2
@@ -27,7 +29,7 @@ import pytest
 
 from chaos.plan import Ledger, Plan
 from chaos.slurm.batch import timings
-from chaos.slurm.cluster import Cluster, install_packages, sweep
+from chaos.slurm.cluster import Cluster, sweep
 from commlib.observe.log import attempt_number, read_events
 
 NPROC = 1  # ranks per node: two nodes give the world size of the tiny reference (tests/chaos/conftest.py)
@@ -36,7 +38,6 @@ JOB_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    install_packages()
     with Cluster(tmp_path_factory.mktemp("slurm"), nodes=3, owner=os.getpid()) as up:
         yield up
     assert up.leftovers() == []
