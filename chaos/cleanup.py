@@ -9,6 +9,10 @@ tmpfs (`chaos.disk`) and the nodes' network namespaces (`chaos.net`). `Guard`, o
   harness dies (`chaos.processes`): torchrun then stops its own workers;
 - each mount and namespace is appended to the run's record,
   ``{state dir}/{harness pid}-{token}.jsonl``, *before* it is made;
+- the record is locked (``flock``) from before it has its name until the harness and its
+  supervisor are both gone: the harness takes the lock on the file it then renames into
+  place, and hands the very descriptor to the supervisor, so that the lock is held while
+  either lives and released by the kernel when both are dead, however they died;
 - a supervisor (``python -m chaos.cleanup``, in a session of its own, so that a signal to the
   harness's process group spares it) holds the read end of a pipe whose write end only the
   harness has. When the harness dies, whatever killed it, the pipe closes and the supervisor
@@ -18,8 +22,12 @@ tmpfs (`chaos.disk`) and the nodes' network namespaces (`chaos.net`). `Guard`, o
 
 A run that ends normally removes everything itself, deletes its record, then closes the
 pipe; the supervisor finds no record and exits. When the supervisor died too, the record
-stays, and the next `Guard` to start sweeps it (`sweep`: every record whose harness is gone
-and whose supervisor no longer holds its lock). The state dir is ``/run/chaos`` (gone at
+stays, and the next `Guard` to start sweeps it (`sweep`: every record whose lock is free).
+The lock, not a pid, says whether a run is alive: a pid means nothing outside its PID
+namespace (a harness on a node of the local Slurm cluster, `chaos.slurm.cluster`, shares
+this state dir), and a lock holds across them. A sweep also leaves alone a dead run whose
+processes it cannot see (a record made in a PID namespace that is neither its own nor one
+below it): another sweep, which can, removes it. The state dir is ``/run/chaos`` (gone at
 reboot, with every mount and namespace) or, without root, ``chaos-<uid>`` in the temp dir.
 
 The TUN devices of `chaos.net` need nothing: they live only as long as the harness's
@@ -48,6 +56,7 @@ from chaos.net import delete_namespace, namespace_pids
 from chaos.processes import members, terminate
 
 LOG = "cleanup.log"  # in the run directory: what was removed after its harness died
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC  # the kernel's fixed inode for the machine's first PID namespace
 
 
 def state_dir() -> Path:
@@ -81,29 +90,38 @@ class Guard:
         self.run_dir = run_dir
         self.token = secrets.token_hex(8)
         self.record = state_dir() / f"{os.getpid()}-{self.token}.jsonl"
+        self._lock = -1
         self._pipe = -1
         self._supervisor: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Guard:
         sweep()
         me = psutil.Process()
-        header = {"harness_pid": me.pid, "harness_started": me.create_time(), "run_dir": str(self.run_dir),
-                  "token": self.token}
-        # Whole or absent: a record is never seen without its header.
+        header = {"harness_pid": me.pid, "harness_started": me.create_time(), "pid_ns": pid_namespace(),
+                  "run_dir": str(self.run_dir), "token": self.token}
+        # Whole or absent: a record is never seen without its header, nor unlocked while its run lives.
         partial = self.record.with_suffix(".tmp")
-        partial.write_text(json.dumps(header) + "\n")
-        partial.rename(self.record)
-        read, self._pipe = os.pipe()  # both ends close-on-exec: the agents never hold the write end
+        self._lock = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        read = -1
         try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            os.write(self._lock, (json.dumps(header) + "\n").encode())
+            partial.rename(self.record)
+            read, self._pipe = os.pipe()  # both ends close-on-exec: the agents never hold the write end
             self._supervisor = subprocess.Popen(
-                [sys.executable, "-m", "chaos.cleanup", str(self.record), str(read)], pass_fds=(read,),
-                start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                [sys.executable, "-m", "chaos.cleanup", str(self.record), str(read), str(self._lock)],
+                pass_fds=(read, self._lock), start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL)
         except BaseException:
-            self.record.unlink()
-            os.close(self._pipe)
+            for path in (partial, self.record):
+                path.unlink(missing_ok=True)
+            for fd in (self._pipe, self._lock):
+                if fd >= 0:
+                    os.close(fd)
             raise
         finally:
-            os.close(read)
+            if read >= 0:
+                os.close(read)
         return self
 
     def note_mount(self, path: Path) -> None:
@@ -119,6 +137,7 @@ class Guard:
         os.close(self._pipe)
         assert self._supervisor is not None
         self._supervisor.wait()
+        os.close(self._lock)
 
 
 def _append(record: Path, entry: dict[str, Any]) -> None:
@@ -149,7 +168,8 @@ def clean(entries: list[dict[str, Any]], by: str) -> Cleaned:
 
 
 def sweep() -> list[Cleaned]:
-    """Clean every record whose harness is gone and whose supervisor is gone too."""
+    """Clean every record whose lock is free (its harness and its supervisor are gone) and whose
+    processes this process can see."""
     done = []
     for path in sorted(state_dir().glob("*.jsonl")):
         try:
@@ -159,10 +179,10 @@ def sweep() -> list[Cleaned]:
         with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # its supervisor is alive: it is the one to clean
+            except BlockingIOError:  # its harness or its supervisor is alive
                 continue
             entries = _read(f)
-            if entries is None or _alive(entries[0]):
+            if entries is None or not _sees(entries[0].get("pid_ns")):
                 continue
             done.append(_clean_record(path, entries, f"sweep by {os.getpid()}"))
     return done
@@ -182,31 +202,38 @@ def _read(f: IO[str]) -> list[dict[str, Any]] | None:
     return entries
 
 
-def _alive(header: dict[str, Any]) -> bool:
+def pid_namespace(pid: int | str = "self") -> int | None:
+    """The inode of a process's PID namespace (None once the process is gone)."""
     try:
-        return abs(psutil.Process(header["harness_pid"]).create_time() - header["harness_started"]) < 0.01
-    except psutil.NoSuchProcess:
-        return False
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def _sees(namespace: int | None) -> bool:
+    """Whether this process sees every process of PID namespace `namespace`: its own, one below
+    it (some process of it is visible), or any, from the machine's first namespace."""
+    own = pid_namespace()
+    if namespace is None or namespace == own or own == INITIAL_PID_NAMESPACE:
+        return True
+    return any(pid_namespace(p) == namespace for p in psutil.pids())
 
 
 def _clean_record(path: Path, entries: list[dict[str, Any]], by: str) -> Cleaned:
     cleaned = clean(entries, by)
-    run_dir = Path(cleaned.run_dir)
-    if run_dir.is_dir():
-        with open(run_dir / LOG, "a") as log:
+    try:
+        with open(Path(cleaned.run_dir) / LOG, "a") as log:
             log.write(json.dumps({"ts_ns": time.time_ns(), **asdict(cleaned)}) + "\n")
-    path.unlink()
+    except FileNotFoundError:  # the run directory was deleted: nothing to tell there
+        pass
+    path.unlink(missing_ok=True)
     return cleaned
 
 
-def supervise(record: Path, pipe: int) -> None:
-    """Wait for the harness to end (the pipe closes); clean up after it unless it did."""
-    try:
-        f = open(record)
-    except FileNotFoundError:  # the run ended before this process started
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # held while it lives: `sweep` leaves the record to it
+def supervise(record: Path, pipe: int, lock: int) -> None:
+    """Wait for the harness to end (the pipe closes); clean up after it unless it did. `lock`:
+    the record's descriptor, locked by the harness (module docstring), kept open until done."""
+    with os.fdopen(lock, "r") as f:
         while os.read(pipe, 4096):
             pass
         entries = _read(f)
@@ -215,4 +242,4 @@ def supervise(record: Path, pipe: int) -> None:
 
 
 if __name__ == "__main__":
-    supervise(Path(sys.argv[1]), int(sys.argv[2]))
+    supervise(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

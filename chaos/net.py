@@ -3,8 +3,7 @@
 `Network(nodes)` owns, for the length of a run, everything a network fault acts on:
 
 - one network namespace per node, ``chaos-<pid>-<hex>-n<i>`` (the creating process's pid and
-  a random tag: names never clash with an earlier run's, and `sweep_stale` removes what a
-  run that died without cleaning up left behind), each with ``lo`` up and one TUN device
+  a random tag: names never clash with an earlier run's), each with ``lo`` up and one TUN device
   named `DEVICE` holding the node's address ``10.<a>.<b>.<i+1>/24`` (the route to the
   subnet goes through it);
 - the TUN devices' file descriptors: each device is created here, in the root namespace
@@ -42,7 +41,6 @@ import errno
 import fcntl
 import os
 import random
-import re
 import secrets
 import select
 import struct
@@ -56,7 +54,6 @@ from pathlib import Path
 DEVICE = "cnet0"  # the TUN device's name inside every node's namespace (GLOO_SOCKET_IFNAME)
 MTU = 9000  # jumbo frames, as in a datacenter; fewer packets through the Python forwarder
 NETNS_DIR = Path("/run/netns")
-_NAME = re.compile(r"^chaos-(\d+)-([0-9a-f]+)-n(\d+)$")
 _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
@@ -121,19 +118,6 @@ def namespaces() -> list[str]:
         return []
 
 
-def sweep_stale() -> list[str]:
-    """Delete the namespaces of networks whose creating process is gone (a run killed before its
-    cleanup); returns their names. Namespaces of live processes (concurrent runs) are left alone."""
-    removed = []
-    for name in namespaces():
-        m = _NAME.match(name)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        if delete_namespace(name):
-            removed.append(name)
-    return removed
-
-
 def delete_namespace(name: str) -> bool:
     """Delete the network namespace `name`; whether it was there."""
     return _ip("netns", "del", name, check=False).returncode == 0
@@ -142,16 +126,6 @@ def delete_namespace(name: str) -> bool:
 def namespace_pids(name: str) -> list[int]:
     """The processes in the network namespace `name` (none when it is gone)."""
     return [int(pid) for pid in _ip("netns", "pids", name, check=False).stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Network:
@@ -180,7 +154,6 @@ class Network:
         """Create the namespaces and devices and start forwarding. Raises NetworkUnavailable."""
         if not os.path.exists("/dev/net/tun"):
             raise NetworkUnavailable("chaos.net: expected /dev/net/tun (the TUN driver); found none")
-        sweep_stale()
         try:
             for node in self.nodes:
                 self._make_node(node)

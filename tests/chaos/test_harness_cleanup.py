@@ -1,4 +1,5 @@
-"""A harness killed with SIGKILL leaves nothing behind (`chaos.cleanup`).
+"""A harness killed with SIGKILL leaves nothing behind (`chaos.cleanup`); a live one is never
+swept.
 
 `python -m chaos run` on the toy trainer, with a ``disk_full`` tmpfs on its checkpoint dir and,
 in the first test, two nodes in network namespaces with a ``net_delay`` on; the harness gets a
@@ -9,6 +10,9 @@ real SIGKILL while the job trains:
   `BOUND_S`;
 - together with its supervisor: the agents' parent-death signal stops the job all the same,
   the tmpfs stays until the next harness starts, which sweeps it.
+
+A harness in a PID namespace of its own (as on a node of the local Slurm cluster, which shares
+the records) is swept from this namespace again and again while it starts, and left alone.
 
 Root is needed (tmpfs, namespaces); without it the runs fail, saying so. They never skip.
 """
@@ -36,10 +40,11 @@ TOY = str(Path(__file__).with_name("toy_trainer.py"))
 BOUND_S = 12.0
 
 
-def _start(run_dir: Path, *args: str) -> subprocess.Popen:
-    """`python -m chaos run` of the toy trainer, endless, with `args` (faults, topology)."""
-    cmd = [sys.executable, "-m", "chaos", "run", "--run-dir", str(run_dir), "--trainer", TOY, "--no-verify",
-           "--no-png", "--job-timeout", "300", *args, "--", "--steps", "100000", "--step-time", "0.05"]
+def _start(run_dir: Path, *args: str, prefix: tuple[str, ...] = (), steps: int = 100000) -> subprocess.Popen:
+    """`python -m chaos run` of the toy trainer (endless by default), with `args` (faults,
+    topology), its command line after `prefix`."""
+    cmd = [*prefix, sys.executable, "-m", "chaos", "run", "--run-dir", str(run_dir), "--trainer", TOY, "--no-verify",
+           "--no-png", "--job-timeout", "300", *args, "--", "--steps", str(steps), "--step-time", "0.05"]
     with open(run_dir.parent / "harness.out", "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -67,12 +72,12 @@ def _records(harness_pid: int) -> list[Path]:
     return list(state_dir().glob(f"{harness_pid}-*.jsonl"))
 
 
-def _until(done, bound_s: float) -> float:
+def _until(done, bound_s: float, every_s: float = 0.1) -> float:
     """Seconds until `done()` held; fails past `bound_s`."""
     start = time.monotonic()
     while not done():
         assert time.monotonic() - start < bound_s, f"not within {bound_s} s"
-        time.sleep(0.1)
+        time.sleep(every_s)
     return time.monotonic() - start
 
 
@@ -141,3 +146,27 @@ def test_a_harness_killed_with_its_supervisor_is_swept_at_the_next_start(tmp_pat
     finally:
         harness.kill()
         _scrub(run_dir, leftovers, [])
+
+
+def test_a_sweep_spares_a_harness_in_another_pid_namespace_from_its_first_moment(tmp_path, leftovers):
+    """Its pid means nothing here (it is process 1 of its namespace): only its record's lock,
+    held from the record's first moment, says it is alive."""
+    run_dir = tmp_path / "run"
+    harness = _start(run_dir, prefix=("unshare", "--pid", "--fork", "--mount-proc"), steps=40)
+    swept = []
+    try:
+        def trained() -> bool:
+            assert harness.poll() is None, (run_dir.parent / "harness.out").read_text()
+            swept.extend(c for c in sweep() if c.run_dir == str(run_dir))
+            logs = run_dir / "logs"
+            return logs.is_dir() and any(e["event"] == "train.step" for p in logs.glob("rank*.jsonl")
+                                         for e in read_events(p))
+
+        _until(trained, 120, every_s=0.005)  # from before its record exists to its job training
+        assert swept == []
+        assert harness.wait(timeout=120) == 0, (run_dir.parent / "harness.out").read_text()
+        assert not (run_dir / LOG).exists() and leftovers(run_dir) == []
+    finally:
+        harness.kill()
+        _scrub(run_dir, leftovers, [])
+
