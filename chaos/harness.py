@@ -17,8 +17,9 @@ passes, polling:
 
 The job's processes are `chaos.processes`' to find, signal and stop: on its deadline, on
 Ctrl-C and on SIGTERM the harness stops the whole job (SIGCONT, then SIGTERM to every
-process of the job, then SIGKILL to what is left), and after a normal end it kills anything
-still in the job's process groups (e.g. a compile worker whose parent is gone). For one node
+process of the job, then SIGKILL to what is left; a second Ctrl-C does not cut that short),
+and after a normal end it kills anything still in the job's process groups (e.g. a compile
+worker whose parent is gone). For one node
 of a multi-node job SIGTERM is the scheduler's instead (a preemption, its notice, a requeue;
 Slurm signals every process of the job's step): the harness passes it to its ranks, which
 stop together after the step in progress with a checkpoint of it, and gives the job
@@ -483,29 +484,40 @@ def _poll(tail: LogTail, processes: JobProcesses, faults: ExternalFaults, status
 
 
 class _OutsideStop:
-    """SIGTERM while the job runs (main thread only). For one node of a multi-node job it is the
-    scheduler taking the job back (a preemption, its notice, a requeue): noted in `requested_ns`,
-    and `run_job` lets the job stop by itself, up to `STOP_GRACE_S`. Otherwise it is treated like
-    Ctrl-C, so the job gets cleaned up."""
+    """SIGINT and SIGTERM while the job runs (main thread only). For one node of a multi-node
+    job SIGTERM is the scheduler taking the job back (a preemption, its notice, a requeue): noted
+    in `requested_ns`, and `run_job` lets the job stop by itself, up to `STOP_GRACE_S`. Otherwise
+    the first of them raises KeyboardInterrupt, as Ctrl-C does, and `run_job` stops the job.
+
+    Only the first: a signal after it (a second Ctrl-C) changes nothing, so that no signal can
+    cut short the stop of the job's processes, which must all be gone before the harness removes
+    their namespaces and its record and says it stopped them."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, graceful: bool) -> None:
         self.graceful = graceful
         self.requested_ns: int | None = None
-        self._previous: Any = None
+        self.interrupted = False
+        self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if not self.graceful:
+        if self.interrupted:
+            return
+        if signum == signal.SIGTERM and self.graceful:
+            if self.requested_ns is None:
+                self.requested_ns = time.time_ns()
+        else:
+            self.interrupted = True
             raise KeyboardInterrupt(f"signal {signum}")
-        if self.requested_ns is None:
-            self.requested_ns = time.time_ns()
 
     def __enter__(self) -> _OutsideStop:
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
         except ValueError:  # not the main thread: the caller owns signals
-            self._previous = None
+            self._previous = {}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)

@@ -1,5 +1,5 @@
 """A harness killed with SIGKILL leaves nothing behind (`chaos.cleanup`); a live one is never
-swept.
+swept; a second Ctrl-C never cuts short the stop of a job.
 
 `python -m chaos run` on the toy trainer, with a ``disk_full`` tmpfs on its checkpoint dir and,
 in the first test, two nodes in network namespaces with a ``net_delay`` on; the harness gets a
@@ -12,7 +12,9 @@ real SIGKILL while the job trains:
   the tmpfs stays until the next harness starts, which sweeps it.
 
 A harness in a PID namespace of its own (as on a node of the local Slurm cluster, which shares
-the records) is swept from this namespace again and again while it starts, and left alone.
+the records) is swept from this namespace again and again while it starts, and left alone. A
+network-fault run gets two SIGINTs, or two SIGTERMs: every process of its job is gone by the
+time the harness says it stopped the job.
 
 Root is needed (tmpfs, namespaces); without it the runs fail, saying so. They never skip.
 """
@@ -170,3 +172,33 @@ def test_a_sweep_spares_a_harness_in_another_pid_namespace_from_its_first_moment
         harness.kill()
         _scrub(run_dir, leftovers, [])
 
+
+def test_a_second_signal_never_cuts_short_the_stop_of_a_network_fault_run(tmp_path, leftovers):
+    """Two runs at once (the cost of one): one gets SIGINT twice (Ctrl-C), the other SIGTERM twice."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        (tmp_path / sig.name).mkdir()
+    harnesses = {sig: _start(tmp_path / sig.name / "run", "--nnodes", "2", "--nproc-per-node", "1",
+                             "--fault", "net_delay:rank=1,step=3,ms=5,duration_s=600") for sig in signals}
+    names: dict[signal.Signals, list[str]] = {sig: [] for sig in signals}
+    try:
+        for sig, harness in harnesses.items():
+            run_dir = tmp_path / sig.name / "run"
+            _wait_training(harness, run_dir, faults=1)
+            [made] = [n for n in journal(run_dir) if n["event"] == "harness.network"]
+            names[sig] = made["namespaces"]
+        for sig, harness in harnesses.items():
+            run_dir = tmp_path / sig.name / "run"
+            harness.send_signal(sig)
+            _until(lambda: any(n["event"] == "harness.interrupt" for n in journal(run_dir)), 30, every_s=0.01)
+            harness.send_signal(sig)  # while it stops the job
+            harness.wait(timeout=60)
+            left = leftovers(run_dir)  # the moment it said so and ended
+            said = (run_dir.parent / "harness.out").read_text()
+            assert harness.returncode == 130 and "the job was stopped" in said, (sig.name, said)
+            assert left == [] and not set(names[sig]) & set(namespaces()) and not _records(harness.pid), \
+                (sig.name, left)
+    finally:
+        for sig, harness in harnesses.items():
+            harness.kill()
+            _scrub(tmp_path / sig.name / "run", leftovers, names[sig])
