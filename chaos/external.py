@@ -77,6 +77,9 @@ class ExternalFaults:
         # (start ns, rank, step, step_time_s) of completed steps, but a process's first (it warms up)
         self.step_times: list[tuple[int, int, int, float]] = []
         self._stepped: set[int] = set()  # pids that completed a step
+        # pid -> the attempt its log lines carry: the one every rank agreed, which a worker's
+        # environment only estimates (its node's restart count; `commlib.attempt`)
+        self.attempts: dict[int, int] = {}
         self.windows: list[tuple[_Hold, int]] = []  # lifted network faults, and when they were lifted
 
     # -- what the ranks' logs say ------------------------------------------------------
@@ -84,6 +87,8 @@ class ExternalFaults:
         """A rank's log line: a step starting (its triggers), a step's time (network faults'
         notes), a typed error (what releases a hold)."""
         name, rank, pid = event.get("event"), event.get("rank"), event.get("pid")
+        if isinstance(pid, int) and isinstance(event.get("attempt"), int):
+            self.attempts[pid] = event["attempt"]
         if name == "train.step":
             took = event.get("step_time_s")
             if isinstance(rank, int) and isinstance(took, (int, float)) and pid in self._stepped:
@@ -127,7 +132,7 @@ class ExternalFaults:
             worker = self.processes.worker(int(f.rank))
             if worker is not None and (i, worker.proc.pid, -1) not in self.tried:
                 self.tried.add((i, worker.proc.pid, -1))
-                self._fire(i, f, worker, None, worker.attempt)
+                self._fire(i, f, worker, None, self.attempts.get(worker.proc.pid, worker.attempt))
 
     # -- firing ------------------------------------------------------------------------
     def _fire(self, index: int, fault: Fault, worker: Worker, step: int | None, attempt: int) -> None:

@@ -68,8 +68,8 @@ from chaos.net import DEVICE, Network
 from chaos.plan import FaultType, Ledger, Plan, PlanError, check_network, check_run
 from chaos.processes import JobProcesses, send
 from chaos.progress import Progress
-from commlib.observe.log import (LOG_DIR_ENV, MAX_RESTARTS_ENV, RESTART_ENV, LogTail, attempt_number, event_log,
-                                 read_events)
+from commlib.attempt import MAX_RESTARTS_ENV, NODES_ENV, launch_base
+from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
 __all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV",
@@ -210,9 +210,10 @@ def journal_name(job: Job) -> str:
     return JOURNAL if job.rdzv_endpoint is None else f"harness{job.node_rank or 0}.jsonl"
 
 
-def first_attempt(plan: Plan) -> int:
-    """The attempt number of this launch's first ranks: 0, or further on in a requeued Slurm job."""
-    return attempt_number({**os.environ, RESTART_ENV: "0", MAX_RESTARTS_ENV: str(plan.restarts)})
+def first_attempt(job: Job, plan: Plan) -> int:
+    """The attempt number of this launch's first ranks: 0, or further on in a requeued Slurm job
+    (`commlib.attempt.launch_base`, from torchrun's settings for this job)."""
+    return launch_base({**os.environ, MAX_RESTARTS_ENV: str(plan.restarts), NODES_ENV: str(job.nnodes)})
 
 
 def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s: int | None = None) -> None:
@@ -327,7 +328,7 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     env = _environment(plan, run_dir, start_ns, inject)
     stop = _OutsideStop(job.rdzv_endpoint is not None)
     with (stop, Guard(run_dir) as guard, _fault_resources(job, plan, run_dir, guard) as (disk, network)):
-        notes = event_log(run_dir / journal_name(job), pid=os.getpid(), first_attempt=first_attempt(plan))
+        notes = event_log(run_dir / journal_name(job), pid=os.getpid(), first_attempt=first_attempt(job, plan))
         if network is not None:
             notes.info("harness.network", namespaces=[n.netns for n in network.nodes],
                        addresses=[n.address for n in network.nodes], device=DEVICE)

@@ -62,7 +62,7 @@ def run_node(job: Job, plan: Plan, run_dir: Path, *, reference_root: Path | None
     if outcome.stopped:
         raise Stopped(f"node {node} stopped by SIGTERM (a preemption or its notice): the job stopped after a "
                       f"checkpoint and goes on in its next launch, in {run_dir}")
-    first = first_attempt(plan)
+    first = first_attempt(job, plan)
     reference = None
     if reference_root is not None:
         reference = _reference(job, reference_root, run_dir, first, node, timeout_s, progress, outcome.ok)

@@ -4,9 +4,9 @@ job's processes here only.
 
 Each agent starts in a session of its own (`JobProcesses.launch`), so its process group is
 its pid and nothing it spawns can slip out of the job unseen. A worker is an agent's child,
-matched to its rank and attempt by its environment (``RANK``, and the restart and requeue
-counts of `commlib.observe.log.attempt_number`), never by name; the agents' trees are scanned in one place
-(`_children`), and a worker's environment is read once. `JobProcesses.seen` is every pid of
+matched to its rank and attempt by its environment (``RANK``, and the attempt its torchrun's
+and Slurm's counts estimate: `commlib.attempt.attempt_number`), never by name; the agents'
+trees are scanned in one place (`_children`), and a worker's environment is read once. `JobProcesses.seen` is every pid of
 the job noticed so far: agents, workers, pids in the ranks' logs, and whatever `stop` finds.
 
 The job's life is tied to the harness's: every process of the job inherits the run's token
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import psutil
 
+from commlib.attempt import attempt_number
+
 TERM_GRACE_S = 5.0
 JOB_ENV = "CHAOS_JOB"  # the run's token, in the environment of every process of the job
 _PR_SET_PDEATHSIG = 1
@@ -43,7 +45,7 @@ class Worker:
     proc: psutil.Process
     node: int  # the index of the local agent it runs under (its node, when the nodes run here)
     rank: int | None  # None while its environment is unreadable (not yet exec'd, or gone)
-    attempt: int  # torchrun's restart count
+    attempt: int  # as its environment estimates it (its node's restart count; the ranks agree the exact one)
 
 
 class JobProcesses:
@@ -86,7 +88,7 @@ class JobProcesses:
             if identity is None:
                 env = _environ(proc)
                 rank = int(env["RANK"]) if "RANK" in env else None
-                identity = (rank, _attempt(env))
+                identity = (rank, attempt_number(env))
                 if rank is not None:  # before its exec a child shows the agent's environment
                     self._identities[proc] = identity
             found.append(Worker(proc, node, *identity))
@@ -191,14 +193,6 @@ def send(proc: psutil.Process, sig: signal.Signals) -> str | None:
         return None
     except psutil.NoSuchProcess:
         return f"process {proc.pid} already gone"
-
-
-def _attempt(env: Mapping[str, str]) -> int:
-    # Imported here: the cleanup supervisor (python -m chaos.cleanup) imports this module and
-    # stays light, and commlib's package imports torch.
-    from commlib.observe.log import attempt_number
-
-    return attempt_number(env)
 
 
 def _environ(proc: psutil.Process) -> dict[str, str]:

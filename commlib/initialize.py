@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from commlib import attempt as _attempt
 from commlib.backends.c10d import C10dBackend
 from commlib.communicator import Communicator
 from commlib.errors import CommError
@@ -63,8 +64,9 @@ def init(
                                                        world_size if world_size is not None else -1))
         # torchrun hands every restart of the job the same agent store, with the dead
         # attempt's keys still in it: a rank that starts before its peers would read a peer's
-        # stale gloo address ("Connection refused") and stale progress-board entries.
-        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        # stale gloo address ("Connection refused") and stale progress-board entries. The
+        # attempt is agreed by every rank of every node (a node's restart count is its own).
+        store = dist.PrefixStore(f"attempt{_attempt.agree(store, rank, world_size, timeout_s)}/", store)
     if rank is None or world_size is None:
         raise ValueError(f"commlib.init: expected rank and world_size with an explicit store; "
                          f"found rank={rank}, world_size={world_size}")

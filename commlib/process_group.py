@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 from torch.distributed.constants import default_pg_timeout
 
-from commlib import compat
+from commlib import attempt, compat
 from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator, Work
 from commlib.dist import to_reduction
 from commlib.observe import flight
@@ -131,20 +131,22 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
                         f"{type(engine_options).__name__}")
     is_default = len(opts.global_ranks_in_group) == 0
     options = engine_options or (_DEFAULTS[0] if _DEFAULTS else EngineOptions())
+    # Under torchrun's shared store, keyed under the attempt every rank agreed (not stale keys).
+    store = attempt.scoped(opts.store, opts.group_rank, opts.group_size, is_default, opts.timeout.total_seconds())
     if is_default:
         _DEFAULTS[:] = [options]
         if options.configure_process:
-            _log.configure(opts.group_rank, opts.group_size, store=opts.store)
+            _log.configure(opts.group_rank, opts.group_size, store=store)
             flight.install_sigusr1(_log.log_dir)
         if compat.BACKFILLED:
             _log.get_logger().info("compat.backfilled", names=list(compat.BACKFILLED))
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
     world_rank = opts.group_rank if is_default else dist.get_rank()
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
-    recipe = _Recipe(options, tuple(_devices(options, name)), opts.store, opts.group_rank, opts.group_size,
+    recipe = _Recipe(options, tuple(_devices(options, name)), store, opts.group_rank, opts.group_size,
                      _deadline_of_new_group(opts.timeout, is_default), world_rank)
     _follow_engine_timeouts()
-    group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
+    group = CommlibProcessGroup(recipe.build(store), opts.group_rank, opts.group_size)
     group._recipe = recipe
     return group
 

@@ -65,14 +65,15 @@ from typing import Any
 
 import structlog
 
+# This process's attempt, as every rank of the job agreed it at init (`commlib.attempt`); with
+# an environment, or before the agreement, its estimate from torchrun's and Slurm's counts.
+from commlib.attempt import attempt_number
+
 LOG_DIR_ENV = "COMMLIB_LOG_DIR"
 MAX_MB_ENV = "COMMLIB_LOG_MAX_MB"
 KEEP_ENV = "COMMLIB_LOG_KEEP"
 DEFAULT_MAX_MB = 100.0
 DEFAULT_KEEP = 4
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
-REQUEUE_ENV = "SLURM_RESTART_COUNT"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 JOB_KEY = "commlib/job"  # where ranks without torchrun agree on their job id
 HEADER_EVENT = "log.open"
@@ -99,24 +100,6 @@ def context(**fields: Any) -> Iterator[None]:
 
 def current_context() -> dict[str, Any]:
     return _CONTEXT.get()
-
-
-def attempt_number(environ: Mapping[str, str] = os.environ) -> int:
-    """This process's attempt (sequence numbers start over in each): torchrun's restart count,
-    continued across requeues of a Slurm job. A requeued job (``SLURM_RESTART_COUNT`` n) runs a
-    new torchrun whose count starts at 0 again, so the attempts of the n runs before it come
-    first: up to ``TORCHELASTIC_MAX_RESTARTS`` + 1 per run (torchrun's own setting, the same in
-    every run of the batch script). The numbers stay unique and ordered; a run that restarted
-    less than it could leaves a gap."""
-    values = []
-    for name in (RESTART_ENV, MAX_RESTARTS_ENV, REQUEUE_ENV):
-        raw = environ.get(name) or "0"
-        try:
-            values.append(int(raw))
-        except ValueError:
-            raise ValueError(f"commlib log: expected {name} to be an integer; found {raw!r}") from None
-    restart, max_restarts, requeue = values
-    return requeue * (max_restarts + 1) + restart
 
 
 def job_id(store: Any = None, environ: Mapping[str, str] = os.environ) -> str | None:

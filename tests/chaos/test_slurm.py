@@ -1,6 +1,7 @@
 """chaos on a real Slurm cluster: the local cluster in namespaces (`chaos.slurm.cluster`), one
-sbatch job that is preempted, runs out of time and loses a node (real sbatch, real requeues,
-real namespaces; root only), and the same one-harness-per-node form without Slurm.
+sbatch job that is preempted, runs out of time and loses a node, and whose ranks are killed
+and hung on either node in between (real sbatch, real requeues, real namespaces; root only).
+The same one-harness-per-node form without Slurm: tests/chaos/test_multinode.py.
 
 The cluster (three nodes: two for the job, a spare) is brought up once for the module; where
 it cannot be (not root, no packages), the tests fail saying why. The packages (munge, Slurm)
@@ -10,14 +11,19 @@ scripts/system_packages.sh), never by a test: another worker's test could run be
 One job holds the three whole-job events in turn, each stopping a different launch of it, so
 the cost of starting the job is paid once per event and once for the verdict:
 
-- ``preempt:step=2``: a job in the ``urgent`` partition takes the job's nodes; Slurm sends the
-  ``--signal`` notice, the batch step passes it on as SIGTERM, every rank stops after step 2
+- ``preempt:step=1``: a job in the ``urgent`` partition takes the job's nodes; Slurm sends the
+  ``--signal`` notice, the batch step passes it on as SIGTERM, every rank stops after step 1
   with a checkpoint of it, and the job requeues itself;
 - ``time_limit:step=4``: the job's time limit is lowered; Slurm's notice comes at its next
   check, and the same stop and requeue follow, with the time limit given back;
-- ``node_loss:rank=1,step=6``: the node of rank 1 loses power (links cut, every process
+- ``node_loss:rank=1,step=7``: the node of rank 1 loses power (links cut, every process
   SIGKILLed); Slurm declares it down, requeues the job onto the spare, and it resumes from the
   last checkpoint.
+
+After each of them, a restart inside the launch, begun on one node (torchrun counts it on that
+node only; every rank agrees on the attempt all the same: `commlib.attempt`): rank 1 killed at
+step 3, rank 0 killed at step 6, rank 1 hung at step 8 (on the spare); a step completes after
+each fault before the next.
 """
 
 import json
@@ -53,11 +59,12 @@ def _sbatch(cluster, run_dir, faults, tiny_args, reference_dir):
 
 
 def test_attempts_continue_across_requeues():
-    env = {"TORCHELASTIC_MAX_RESTARTS": "4"}
-    first = [attempt_number({**env, "TORCHELASTIC_RESTART_COUNT": str(r)}) for r in range(5)]
+    """A launch has at most nodes x max restarts + 1 rounds (each spends a node's restart)."""
+    env = {"TORCHELASTIC_MAX_RESTARTS": "2", "GROUP_WORLD_SIZE": "2"}
+    first = [attempt_number({**env, "TORCHELASTIC_RESTART_COUNT": str(r)}) for r in range(3)]
     requeued = [attempt_number({**env, "TORCHELASTIC_RESTART_COUNT": str(r), "SLURM_RESTART_COUNT": "1"})
-                for r in range(5)]
-    assert first == [0, 1, 2, 3, 4] and requeued == [5, 6, 7, 8, 9]
+                for r in range(3)]
+    assert first == [0, 1, 2] and requeued == [5, 6, 7]
     with pytest.raises(ValueError, match="SLURM_RESTART_COUNT to be an integer; found 'x'"):
         attempt_number({"SLURM_RESTART_COUNT": "x"})
 
@@ -87,24 +94,31 @@ def test_a_crashed_owners_cluster_is_swept_and_down_leaves_nothing(tmp_path):
     assert orphan.leftovers() == []
 
 
-def test_preemption_time_limit_and_a_lost_node_in_one_requeued_job(cluster, tmp_path, tiny_args, reference_dir,
-                                                                   leftovers):
+def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in_between(cluster, tmp_path, tiny_args,
+                                                                                         reference_dir, leftovers):
     run_dir = tmp_path / "run"
-    done = _sbatch(cluster, run_dir, ["preempt:step=2", "time_limit:step=4", "node_loss:rank=1,step=6"], tiny_args,
+    # A completed step after each fault, before the next: each one's recovery is checked.
+    done = _sbatch(cluster, run_dir, ["preempt:step=1", "kill:rank=1,step=3", "time_limit:step=4", "kill:rank=0,step=6",
+                                      "node_loss:rank=1,step=7", "hang:rank=1,step=8,duration_s=15"], tiny_args,
                    reference_dir)
     report = json.loads((run_dir / "report.json").read_text())
     assert done.returncode == 0 and report["passed"], done.stdout + done.stderr
     assert report["bitwise_verified"], report["bitwise_reason"]
     assert {"preempted_cleanly", "requeued", "lost_node_resumed", "lost_node_named", "losses_bitwise",
             "history_exact", "state_bitwise"} <= set(report["checks"])
-    preempt, time_limit, lost = report["faults"]
+    by_type = {}
+    for f in report["faults"]:
+        by_type.setdefault(f["type"], []).append(f)
+    [preempt], [time_limit], [lost], kills, [hang] = (by_type[t] for t in ("preempt", "time_limit", "node_loss",
+                                                                            "kill", "hang"))
+    assert [(f["rank"], f["step"]) for f in kills] == [(1, 3), (0, 6)] and (hang["rank"], hang["step"]) == (1, 8)
 
     # Each whole-job stop: every rank stopped after the very step, checkpointed, and Slurm ran
     # the job again, which resumed from that step.
-    for stop, step in ((preempt, 2), (time_limit, 4)):
+    for stop, step in ((preempt, 1), (time_limit, 4)):
         assert (stop["step"], stop["resumed_from"], stop["steps_reexecuted"]) == (step, step, 0), stop
     preempted = [e for e in read_events(run_dir / "logs" / "rank0.jsonl") if e["event"] == "train.preempted"]
-    assert [e["step"] for e in preempted] == [2, 4]
+    assert [e["step"] for e in preempted] == [1, 4]
     # The notice (SIGUSR1 to the batch step) came before each stop; the batch step requeued.
     batch = list(read_events(run_dir / "batch.jsonl"))
     assert [(e["requeue"], e["signal"]) for e in batch if e["event"] == "batch.notice"] == [(0, "SIGUSR1"),
@@ -117,51 +131,29 @@ def test_preemption_time_limit_and_a_lost_node_in_one_requeued_job(cluster, tmp_
 
     # The lost node: its ranks named by the doctor, the job requeued onto the spare, resumed
     # from the last checkpoint before the loss.
-    assert lost["lost_ranks"] == [1] and lost["resumed_from"] == lost["last_checkpoint"] == 4, lost
+    assert lost["lost_ranks"] == [1] and lost["resumed_from"] == lost["last_checkpoint"] == 6, lost
     starts = [e for e in batch if e["event"] == "batch.start"]
     assert [e["requeue"] for e in starts] == [0, 1, 2, 3]
     assert lost["host"] not in _hostnames(cluster, starts[-1]["nodes"])
     assert {s.name: s.state for s in cluster.node_states()}[lost["host"]].startswith("down")
 
     # One attempt numbering across the launches: each requeue's torchrun counts on from where
-    # the launches before it could have got (torchrun's --max-restarts + 1 each).
-    per_launch = Plan.from_dict(json.loads((run_dir / "plan.json").read_text())).restarts + 1
+    # the launches before it could have got (nodes x torchrun's --max-restarts + 1 each), and
+    # inside a launch every rank agrees on each round, whichever node's restart began it.
+    per_launch = 2 * Plan.from_dict(json.loads((run_dir / "plan.json").read_text())).restarts + 1
     launches = [n * per_launch for n in range(4)]
     assert sorted({e["first_attempt"] for e in read_events(run_dir / "harness0.jsonl")
                    if e["event"] == "harness.launch"}) == launches
-    logged = {e["attempt"] for r in range(2) for e in read_events(run_dir / "logs" / f"rank{r}.jsonl")}
-    assert set(launches) <= logged and max(logged) < launches[-1] + per_launch, (logged, launches)
-    assert [f.attempt for f in Ledger(run_dir / "chaos_state").firings()] == launches[:3]
+    logged = [sorted({e["attempt"] for e in read_events(run_dir / "logs" / f"rank{r}.jsonl")}) for r in range(2)]
+    rounds = [launches[0], *(n + r for n in launches[1:] for r in (0, 1))]  # a kill or a hang in each later launch
+    assert logged[0] == logged[1] == rounds, (logged, launches)
+    firings = {f.type: f.attempt for f in Ledger(run_dir / "chaos_state").firings() if f.type != "kill"}
+    kill_attempts = [f.attempt for f in Ledger(run_dir / "chaos_state").firings() if f.type == "kill"]
+    assert firings == {"preempt": launches[0], "time_limit": launches[1] + 1, "node_loss": launches[2] + 1,
+                       "hang": launches[3]} and kill_attempts == [launches[1], launches[2]], (firings, kill_attempts)
     assert leftovers(run_dir) == []
     print("slurm timings:", json.dumps(timings(run_dir)))
 
 
 def _hostnames(cluster, nodelist):
     return cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
-
-
-def test_one_harness_per_node_without_slurm(tmp_path, tiny_args, reference_dir, leftovers):
-    """Two harnesses on this machine, one per node, one run directory: the fault fires once,
-    on the node holding its rank; one verdict, bitwise."""
-    from chaos.harness import free_port
-
-    run_dir = tmp_path / "run"
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen([sys.executable, "-m", "chaos", "run", "--nnodes", "2", "--nproc-per-node", str(NPROC),
-                               "--node-rank", str(n), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-harnesses",
-                               "--run-dir", str(run_dir), "--reference-dir", str(reference_dir), "--no-png",
-                               "--fault", "sigterm:rank=1,step=3", "--", *tiny_args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
-    outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs
-    assert "node 1's part of the job is done" in outs[1] and "PASSED" in outs[0]
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["passed"] and report["bitwise_verified"], outs[0]
-    [fault] = report["faults"]
-    assert (fault["resumed_from"], fault["steps_reexecuted"]) == (3, 0)
-    # Fired once, by the harness whose node ran rank 1.
-    fired = {n: [e for e in read_events(run_dir / f"harness{n}.jsonl") if e["event"] == "chaos.fault"]
-             for n in range(2)}
-    assert sorted(len(v) for v in fired.values()) == [0, 1], fired
-    assert len(Ledger(run_dir / "chaos_state").firings()) == 1
-    assert leftovers(run_dir) == []
