@@ -15,8 +15,11 @@ kills a torchrun agent). Its only command is the batch step's driver (`driver`):
   harness, torchrun agent and rank: the ranks stop together after the step in progress, with
   a checkpoint of it (`chaos.workload.train`), and each harness exits `EXIT_STOPPED`;
 - when the step ended stopped (the notice, or a preemption's SIGTERM without one) it requeues
-  the job itself (``scontrol requeue``): a job that ends within its grace period is otherwise
-  not requeued but ends FAILED. A requeued job runs the script again with
+  the job itself (``scontrol requeue``, `requeue_job`): a job that ends within its grace period
+  is otherwise not requeued but ends FAILED. One that outlasts it is requeued by Slurm, which
+  then sends SIGTERM to the batch step (``batch.sigterm`` says the job was requeued), and the
+  driver's own request fails (``batch.requeue`` says who requeued it, when the driver is still
+  there to say it: Slurm SIGKILLs it KillWait after the SIGTERM). A requeued job runs the script again with
   ``SLURM_RESTART_COUNT`` one higher, the same job id and run directory: each harness joins
   the run, the ledger keeps every fault from firing twice, the trainer resumes from its
   checkpoint, and the attempt numbers go on (`commlib.observe.log.attempt_number`);
@@ -55,6 +58,7 @@ EXIT_STOPPED = 143  # a node's harness stopped by SIGTERM: the job requeues itse
 DEFAULT_NOTICE_S = 90
 DEFAULT_RDZV_PORT = 29400
 POLL_S = 1.0
+REQUEUE_TRIES = 5  # `scontrol requeue` again after a failure, POLL_S apart (`requeue_job`)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -196,7 +200,9 @@ def driver(run_dir: Path) -> int:
             subprocess.run(["scancel", "--signal=TERM", job_id], capture_output=True)
 
     def on_term(signum: int, frame: Any) -> None:
-        notes.info("batch.sigterm")  # Slurm is ending the job (grace over, requeue, node failure)
+        # Slurm is ending the job (a preemption's grace over, a requeue, a node failure), and
+        # SIGKILLs what is left KillWait later: whether it requeued the job is said at once.
+        notes.info("batch.sigterm", requeued=job_state(job_id)[1] > requeue)
 
     signal.signal(signal.SIGUSR1, on_notice)
     signal.signal(signal.SIGTERM, on_term)
@@ -209,11 +215,28 @@ def driver(run_dir: Path) -> int:
         notes.info("batch.end", passed=verdict)
         return 0 if verdict else 1
     if noticed or code == EXIT_STOPPED:
-        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-        notes.info("batch.requeue", exit=done.returncode, said=(done.stderr or done.stdout).strip())
+        requeue_job(job_id, requeue, notes)
         return EXIT_STOPPED
     notes.error("batch.end", passed=None, why=f"srun exited {code} without a verdict")
     return code or 1
+
+
+def requeue_job(job_id: str, requeue: int, notes: Any) -> None:
+    """Requeue this job (its step ended stopped), and say in ``batch.requeue`` whether it is: by
+    this call, or by Slurm itself (a preemption whose grace period ran out before the step
+    ended requeues the job, and `scontrol requeue` then fails), which the job's restart count
+    tells (it passed `requeue`). A failed call is tried again (an answer lost to a busy
+    controller: `chaos.slurm.cluster.MESSAGE_TIMEOUT_S`) until one of them holds."""
+    for turn in range(REQUEUE_TRIES):
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        restarts = job_state(job_id)[1]
+        if done.returncode == 0 or restarts > requeue:
+            notes.info("batch.requeue", requeued=True, by="driver" if done.returncode == 0 else "slurm",
+                       exit=done.returncode, said=(done.stderr or done.stdout).strip(), tries=turn + 1)
+            return
+        time.sleep(POLL_S)
+    notes.error("batch.requeue", requeued=False, exit=done.returncode, said=(done.stderr or done.stdout).strip(),
+                tries=REQUEUE_TRIES)
 
 
 def timings(run_dir: Path) -> dict[str, float | None]:

@@ -123,7 +123,12 @@ def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in
     batch = list(read_events(run_dir / "batch.jsonl"))
     assert [(e["requeue"], e["signal"]) for e in batch if e["event"] == "batch.notice"] == [(0, "SIGUSR1"),
                                                                                           (1, "SIGUSR1")]
-    assert [e["requeue"] for e in batch if e["event"] == "batch.requeue" and e["exit"] == 0] == [0, 1]
+    # Each stopped launch was requeued: by the driver, or by Slurm once a preemption's grace ran
+    # out (a loaded machine's stop can outlast it; then the driver's own request fails, and
+    # Slurm's SIGTERM says so at once: `chaos.slurm.batch.requeue_job`, `driver`).
+    said = [(e["requeue"], e["event"], e["requeued"]) for e in batch if e["event"] in ("batch.requeue", "batch.sigterm")]
+    assert {r for r, _, requeued in said if requeued} >= {0, 1}, said
+    assert all(requeued for _, event, requeued in said if event == "batch.requeue"), said
     [lowered] = [f for f in Ledger(run_dir / "chaos_state").firings() if f.type == "time_limit"]
     assert lowered.detail["limit_min"] < (lowered.detail["limit_before_min"] or float("inf"))
     restored = [e["minutes"] for e in batch if e["event"] == "batch.time_limit_restored"]
