@@ -58,7 +58,9 @@ import torch
 import commlib
 from commlib.observe.log import attempt_number
 from commlib.ops import Collective
-from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKind
+from chaos.fault import DELAY_MARGIN_S, Fault, FaultType, TriggerKind
+from chaos.ledger import Ledger
+from chaos.plan import Plan
 
 # How long a rank waits at a step start for the harness to fire a kill or hang planned there
 # (at most half the collective deadline: peers wait for it in the step's first collective).

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import random
 
-from chaos.plan import Fault, FaultType, Plan, Trigger, TriggerKind
+from chaos.fault import Fault, FaultType, Trigger, TriggerKind
+from chaos.plan import Plan
 
 SOAK_KINDS = (FaultType.KILL, FaultType.SEGFAULT, FaultType.EXIT, FaultType.HANG, FaultType.DELAY, FaultType.RAISE,
               FaultType.CORRUPT, FaultType.KILL_DURING_CHECKPOINT, FaultType.CORRUPT_CHECKPOINT, FaultType.SIGTERM,
