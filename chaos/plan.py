@@ -116,7 +116,7 @@ __all__ = ["DELAY_MARGIN_S", "MAX_LOSS_PCT", "RESTART_MARGIN", "Fault", "FaultTy
 
 RESTART_MARGIN = 2
 DEEPEST_PLAN = 16  # a value within mappings and lists within each other: a plan's are 4 deep
-MOST_PLAN_VALUES = 100_000
+MOST_PLAN_VALUES = 10_000  # a thousand faults
 LARGEST_PLAN_BYTES = 1 << 20
 # Network faults against the collective deadline (README, "Network faults"). After a
 # partition of D seconds, TCP resumes a connection at its next retransmission, and its
