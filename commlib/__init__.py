@@ -9,7 +9,7 @@
 
 One stable API (torchcomms' names) over torchcomms or torch.distributed, per-collective
 deadlines, typed errors naming the ranks that did not arrive, structured logs, a flight
-recorder and a progress board. See README.md.
+recorder and a progress board. See docs/using-commlib.md.
 
 Names are imported lazily, so tools that only read logs (`python -m commlib.doctor`) start
 without importing torch.

@@ -38,7 +38,7 @@ The group object stays while the communicators under it can be replaced
 (`CommlibProcessGroup.replace_communicators`), which is what in-job recovery needs: FSDP2
 and DCP hold the group, not the engine.
 
-Limits (see README, "Use it from an existing trainer"):
+Limits (see docs/torch-backend.md):
 - C++ callers reach only the methods torch's Python-group trampoline forwards (all the
   collectives FSDP2, DDP and the functional collectives use); `reduce`, `gather`, `scatter`
   and list `alltoall` called from C++ would reach the engine registered for the device

@@ -4,7 +4,7 @@ Written against torchcomms' documented Python API (`torchcomms.new_comm`, `Torch
 methods that all take a required positional `async_op` and keyword `hints`/`timeout`,
 `root=` for rooted ops, its own `ReduceOp` with AVG and PREMUL_SUM(factor)). torchcomms
 cannot be installed on the machines this project is developed on, so this module is tested
-against the strict stand-in in tests/torchcomms_standin; see the README for what that
+against the strict stand-in in tests/torchcomms_standin; see docs/torchcomms.md for what that
 does and does not prove.
 
 Rank and size: torchcomms reads them from the environment only (TORCHCOMM_RANK /
