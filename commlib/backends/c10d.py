@@ -35,11 +35,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 from commlib import compat
-from commlib.device import CudaRuntime
+from commlib.device import CudaRuntime, engine_timeout_s
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
 from commlib.observe import log as _log
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
-from commlib.watchdog import engine_timeout_s
 
 ENGINES = ("gloo", "nccl")
 _MAX_OPTIONS = 256  # option objects kept per backend (`C10dBackend._options`)
