@@ -35,7 +35,7 @@ _EXPORTS = {
     "register_failure_hook": "commlib.hooks",
     "init": "commlib.initialize",
     "current": "commlib.process_group",
-    "EngineOptions": "commlib.process_group",
+    "EngineOptions": "commlib.engines",
     "Recovered": "commlib.recovery",
     "Recovery": "commlib.recovery",
     "RecoveryFailed": "commlib.recovery",
