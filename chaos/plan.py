@@ -118,7 +118,7 @@ RESTART_MARGIN = 2
 DEEPEST_PLAN = 16  # a value within mappings and lists within each other: a plan's are 4 deep
 MOST_PLAN_VALUES = 10_000  # a thousand faults
 LARGEST_PLAN_BYTES = 1 << 20
-# Network faults against the collective deadline (README, "Network faults"). After a
+# Network faults against the collective deadline (docs/chaos.md, "Network faults"). After a
 # partition of D seconds, TCP resumes a connection at its next retransmission, and its
 # exponential backoff (200 ms doubling) puts that up to D + 0.2 s after the link is back:
 # a collective caught in it lasts up to 2 D + 0.2 s. A short partition keeps that, plus
