@@ -99,7 +99,7 @@ def _scrub(run_dir: Path, leftovers, names: list[str]) -> None:
 def test_a_killed_harness_leaves_no_process_mount_or_namespace(tmp_path, leftovers):
     run_dir = tmp_path / "run"
     harness = _start(run_dir, "--nnodes", "2", "--nproc-per-node", "1", "--fault", "disk_full:step=3",
-                     "--fault", "net_delay:rank=1,step=4,ms=5,duration_s=600")
+                     "--fault", "net_delay:rank=1,step=4,ms=5,duration_s=200")
     names: list[str] = []
     try:
         _wait_training(harness, run_dir, faults=2)
@@ -179,7 +179,7 @@ def test_a_second_signal_never_cuts_short_the_stop_of_a_network_fault_run(tmp_pa
     for sig in signals:
         (tmp_path / sig.name).mkdir()
     harnesses = {sig: _start(tmp_path / sig.name / "run", "--nnodes", "2", "--nproc-per-node", "1",
-                             "--fault", "net_delay:rank=1,step=3,ms=5,duration_s=600") for sig in signals}
+                             "--fault", "net_delay:rank=1,step=3,ms=5,duration_s=200") for sig in signals}
     names: dict[signal.Signals, list[str]] = {sig: [] for sig in signals}
     try:
         for sig, harness in harnesses.items():

@@ -10,7 +10,6 @@ These need root (network namespaces, /dev/net/tun). Where they cannot be made th
 fail, saying so: they never skip.
 """
 
-import os
 import select
 import statistics
 import subprocess
