@@ -96,9 +96,8 @@ class Guard:
 
     def __enter__(self) -> Guard:
         sweep()
-        me = psutil.Process()
-        header = {"harness_pid": me.pid, "harness_started": me.create_time(), "pid_ns": pid_namespace(),
-                  "run_dir": str(self.run_dir), "token": self.token}
+        header = {"harness_pid": os.getpid(), "pid_ns": _pid_namespace(), "run_dir": str(self.run_dir),
+                  "token": self.token}
         # Whole or absent: a record is never seen without its header, nor unlocked while its run lives.
         partial = self.record.with_suffix(".tmp")
         self._lock = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -202,7 +201,7 @@ def _read(f: IO[str]) -> list[dict[str, Any]] | None:
     return entries
 
 
-def pid_namespace(pid: int | str = "self") -> int | None:
+def _pid_namespace(pid: int | str = "self") -> int | None:
     """The inode of a process's PID namespace (None once the process is gone)."""
     try:
         return os.stat(f"/proc/{pid}/ns/pid").st_ino
@@ -213,10 +212,10 @@ def pid_namespace(pid: int | str = "self") -> int | None:
 def _sees(namespace: int | None) -> bool:
     """Whether this process sees every process of PID namespace `namespace`: its own, one below
     it (some process of it is visible), or any, from the machine's first namespace."""
-    own = pid_namespace()
+    own = _pid_namespace()
     if namespace is None or namespace == own or own == INITIAL_PID_NAMESPACE:
         return True
-    return any(pid_namespace(p) == namespace for p in psutil.pids())
+    return any(_pid_namespace(p) == namespace for p in psutil.pids())
 
 
 def _clean_record(path: Path, entries: list[dict[str, Any]], by: str) -> Cleaned:

@@ -16,6 +16,7 @@ nodes start their workers again for the new rendezvous round without counting on
   both ranks.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chaos.harness import free_port
+from chaos.harness import RUN_DIR_ENV, free_port
 from chaos.plan import Ledger
 from commlib.observe.log import read_events
 
@@ -33,7 +34,8 @@ JOB_TIMEOUT_S = 300
 
 
 def _torchrun(out: Path, *args: str) -> list[subprocess.Popen]:
-    """Two torchrun agents, nodes of one job on loopback, running the probe with `args`."""
+    """Two torchrun agents, nodes of one job on loopback, running the probe with `args`; every
+    process of the job carries `out` as its CHAOS_RUN_DIR (what `leftovers` looks for)."""
     endpoint = f"127.0.0.1:{free_port()}"
     agents = []
     for n in range(2):
@@ -43,11 +45,11 @@ def _torchrun(out: Path, *args: str) -> list[subprocess.Popen]:
                  "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                  endpoint, "--rdzv-id", out.name, "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}",
                  "--local-addr", "127.0.0.1", PROBE, *args, "--out", str(out)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, RUN_DIR_ENV: str(out.absolute())}))
     return agents
 
 
-def test_plain_torchrun_restarts_begun_on_one_node_with_commlib_init_and_the_commlib_backend(tmp_path):
+def test_plain_torchrun_restarts_begun_on_one_node_with_commlib_init_and_the_commlib_backend(tmp_path, leftovers):
     jobs = {}
     for init in ("commlib", "torch"):  # both jobs at once: the cost of one
         (tmp_path / init).mkdir()
@@ -60,11 +62,12 @@ def test_plain_torchrun_restarts_begun_on_one_node_with_commlib_init_and_the_com
             rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
             second = sorted((r["rank"], r["restart_count"], r["attempt"], r["sum"]) for r in rounds if not r["first"])
             assert codes == [0, 0] and second == [(0, 0, 1, 3.0), (1, 1, 1, 3.0)], (init, codes, rounds, said)
+            assert leftovers(out) == []
     finally:
-        for agents in jobs.values():
-            for a in agents:
-                if a.poll() is None:
-                    os.killpg(a.pid, signal.SIGKILL)
+        for init in jobs:
+            for pid, _ in leftovers(tmp_path / init):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_two_harnesses_recover_from_kills_on_either_node_and_a_hang(tmp_path, tiny_args, reference_dir, leftovers):
