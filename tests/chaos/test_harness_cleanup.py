@@ -29,11 +29,10 @@ from pathlib import Path
 
 import psutil
 
-from chaos.cleanup import LOG, state_dir, sweep
+from chaos.cleanup import LOG, Guard, state_dir, sweep
 from chaos.disk import unmount
-from chaos.harness import Job, journal, run_job
+from chaos.harness import journal
 from chaos.net import delete_namespace, namespaces
-from chaos.plan import Plan
 from commlib.observe.log import read_events
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
@@ -139,10 +138,9 @@ def test_a_harness_killed_with_its_supervisor_is_swept_at_the_next_start(tmp_pat
         print(f"the job stopped {took:.1f} s after the SIGKILL")
         assert _mounted(run_dir / "ckpt") and _records(harness.pid)  # no one left to remove them
 
-        # The next start sweeps them (and then runs its own job).
-        outcome = run_job(Job(trainer=TOY, trainer_args=("--steps", "1")), Plan(), tmp_path / "next", timeout_s=120)
-        assert outcome.ok
-        assert not _mounted(run_dir / "ckpt") and not _records(harness.pid)
+        # The next harness's start (the Guard run_job enters before it launches anything) sweeps them.
+        with Guard(tmp_path / "next"):
+            assert not _mounted(run_dir / "ckpt") and not _records(harness.pid)
         [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
         assert cleaned["by"] == f"sweep by {os.getpid()}" and cleaned["mounts"] == [str(run_dir / "ckpt")], cleaned
     finally:
