@@ -21,6 +21,9 @@ import pytest
 from chaos.net import DEVICE, Network, NetworkUnavailable, namespaces
 
 TCP_PORT, UDP_PORT = 7000, 7001
+# The most a round trip over the idle emulator may take: a forwarder in Python adds well under
+# a millisecond on an idle machine, several on a loaded one (7 ms seen with the suite running).
+BASE_RTT_MS = 15.0
 # In node 1: a TCP echo (one byte back per byte; b"c" answers with the UDP datagrams counted so
 # far, as 8 bytes) and a UDP sink.
 PEER = r"""
@@ -160,7 +163,7 @@ def test_each_node_has_its_own_stack_and_nothing_is_left_after_close():
 
 def test_tcp_crosses_the_emulator_and_net_delay_adds_twice_its_latency_to_a_round_trip(net, pair):
     base = statistics.median(pair.ask("rtt 100") for _ in range(3))
-    assert base < 5.0, base  # a forwarder in Python: well under a millisecond when idle
+    assert base < BASE_RTT_MS, base
     sent = net.stats(0).sent
     assert sent > 300 and net.stats(1).received > 300  # the probe's traffic went through the devices
 
@@ -170,11 +173,12 @@ def test_tcp_crosses_the_emulator_and_net_delay_adds_twice_its_latency_to_a_roun
     assert net.stats(0).delayed > 0
 
     net.clear(1)
-    assert pair.ask("rtt 100") < base + 5.0
+    assert pair.ask("rtt 100") < base + BASE_RTT_MS
 
 
 def test_a_partition_blocks_a_connection_and_tcp_resumes_after_it_is_lifted(net, pair):
-    assert pair.ask("rtt 10") < 5.0
+    base = pair.ask("rtt 10")
+    assert base < BASE_RTT_MS, base
     cut_s = 2.0
     net.impair(1, cut=True)
     cut_at = time.monotonic()
@@ -188,7 +192,7 @@ def test_a_partition_blocks_a_connection_and_tcp_resumes_after_it_is_lifted(net,
     resumed_s = time.monotonic() - lifted_at
     # At the next retransmission: the backoff doubles, so at most about as long again as the cut.
     assert resumed_s <= (lifted_at - cut_at) + 0.5, resumed_s
-    assert pair.ask("rtt 10") < 5.0
+    assert pair.ask("rtt 10") < base + BASE_RTT_MS  # nothing of the cut lingers
 
 
 def test_loss_drops_the_fraction_asked_the_same_way_for_the_same_seed():
