@@ -181,7 +181,7 @@ def sweep() -> list[Cleaned]:
             except BlockingIOError:  # its harness or its supervisor is alive
                 continue
             entries = _read(f)
-            if entries is None or not _sees(entries[0].get("pid_ns")):
+            if entries is None or not _sweepable(entries[0]):
                 continue
             done.append(_clean_record(path, entries, f"sweep by {os.getpid()}"))
     return done
@@ -209,11 +209,20 @@ def _pid_namespace(pid: int | str = "self") -> int | None:
         return None
 
 
-def _sees(namespace: int | None) -> bool:
+def _sweepable(header: dict[str, Any]) -> bool:
+    """Whether an unlocked record's run is this sweep's to remove (module docstring)."""
+    if "pid_ns" not in header:
+        # Written by an earlier harness, which locked its record only once its supervisor ran
+        # (another checkout's, on a shared machine): its pid must be gone as well.
+        return not psutil.pid_exists(header["harness_pid"])
+    return _sees(header["pid_ns"])
+
+
+def _sees(namespace: int) -> bool:
     """Whether this process sees every process of PID namespace `namespace`: its own, one below
     it (some process of it is visible), or any, from the machine's first namespace."""
     own = _pid_namespace()
-    if namespace is None or namespace == own or own == INITIAL_PID_NAMESPACE:
+    if namespace == own or own == INITIAL_PID_NAMESPACE:
         return True
     return any(_pid_namespace(p) == namespace for p in psutil.pids())
 
