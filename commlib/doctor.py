@@ -23,7 +23,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from commlib.observe.blame import AttemptFinding
+from commlib.observe.findings import AttemptFinding
 from commlib.observe.doctor import Diagnosis, analyze
 from commlib.observe.model import LogDirError, load
 from commlib.observe.trace import TraceFile, TracePathError

@@ -268,7 +268,10 @@ def verdicts(args: argparse.Namespace) -> int:
         for logdir in args.dirs:
             old, new = _doctor(old_tree, logdir), _doctor(REPO, logdir)
             found = [f"exit {old['exit']} vs {new['exit']}"] if old["exit"] != new["exit"] else []
-            found += _differences(json.loads(old["stdout"]), json.loads(new["stdout"])) if found == [] else []
+            if not found and old["stdout"] and new["stdout"]:
+                found += _differences(json.loads(old["stdout"]), json.loads(new["stdout"]))
+            elif not found and old["stderr"] != new["stderr"]:  # refused (exit 2): the same refusal
+                found.append(f"stderr: {old['stderr'][-300:]!r} vs {new['stderr'][-300:]!r}")
             texts = [subprocess.run([sys.executable, "-m", "commlib.doctor", str(logdir)], cwd=tree, text=True,
                                     env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True).stdout
                      for tree in (old_tree, REPO)]

@@ -1,9 +1,10 @@
 """The doctor's rules: per torchrun attempt, what went wrong, who is blamed for it, and why.
 
 `attempt_finding(att, dumps, final)` applies every rule to one attempt of the log model
-(`commlib.observe.model`) and returns its `AttemptFinding`: a status, the problems found
-(each a `Problem` of one `Kind`, with its culprits in `ranks` and a message saying why),
-and where each rank's log ends.
+(`commlib.observe.records`) and returns its `AttemptFinding` (`commlib.observe.findings`):
+a status, the problems found (each a `Problem` of one `Kind`, with its culprits in `ranks`
+and a message saying why), and where each rank's log ends. The mismatch rule lives in
+`commlib.observe.mismatch`.
 
 Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
 progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
@@ -22,14 +23,15 @@ failure), the rank that arrived last at most of an attempt's collectives (at lea
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from commlib.failures import Failure, classify
-from commlib.observe.model import (AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, RankPosition, p2p_name, peer_of,
-                                   position)
+from commlib.observe.findings import AttemptFinding, Kind, Problem
+from commlib.observe.mismatch import first_mismatch
+from commlib.observe.position import position
+from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, p2p_name, peer_of
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
@@ -44,53 +46,13 @@ STRAGGLER_MIN_LAG_S = 0.02
 STRAGGLER_MIN_COLLECTIVES = 10  # fewer: one late arrival (a rank that hung, then timed out) is no pattern
 
 
-class Kind(enum.StrEnum):
-    """What a problem is. The rules below are named after it: `_timeout`, `_hang`, `_mismatches`,
-    `_dead_ranks`, `_peer_failure`, `_error` and `_app_errors`, `_straggler`; send/recv's `_p2p_*`."""
-
-    TIMEOUT = "timeout"
-    HANG = "hang"
-    MISMATCH = "mismatch"
-    DEAD_RANK = "dead_rank"
-    PEER_FAILURE = "peer_failure"
-    ERROR = "error"
-    STRAGGLER = "straggler"  # not a failure: the attempt may still be ok
-
-
-@dataclass
-class Problem:
-    kind: Kind
-    ranks: list[int]  # culprits (global ranks)
-    comm: str | None
-    op: str | None
-    seq: int | None
-    message: str
-    reporters: list[int] = field(default_factory=list)  # ranks whose logs show it
-    ts_ns: int | None = None  # when it first showed
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class AttemptFinding:
-    attempt: int
-    status: str  # ok | failed | incomplete | recovered (in-job: every problem before every rank's last recovery)
-    ranks: list[int]
-    world_size: int | None
-    collectives: int  # distinct (communicator, seq) started
-    start_ns: int
-    end_ns: int
-    problems: list[Problem]
-    culprits: list[int]  # the culprits of the earliest problem that names any
-    positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
-    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
-
 
 def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> AttemptFinding:
     """Every rule applied to one attempt (`dumps`: the flight-recorder dumps its processes wrote;
     `final`: it is the run's last, so an attempt that simply ends is ok rather than cut short)."""
     problems: list[Problem] = []
     for comm in att.comms.values():
-        mismatches = _mismatches(comm)
+        mismatches = first_mismatch(comm)
         problems += mismatches.values()
         problems += _failures(att, comm, mismatches, dumps)
     problems += _app_errors(att)  # before dead ranks: a backend failure outside commlib is evidence too
@@ -173,79 +135,6 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
 def _ops_text(calls: dict[int, Call]) -> str:
     return "/".join(sorted({c.op for c in calls.values()})) or "?"
 
-
-def _mismatches(comm: CommLog) -> dict[int, Problem]:
-    """The first seq of `comm` at which ranks disagree (later ones are its consequences)."""
-    found = [p for p in (_checked_mismatch(comm), _seen_mismatch(comm)) if p is not None]
-    first = min(found, key=lambda p: p.seq or 0) if found else None
-    return {first.seq: first} if first is not None and first.seq is not None else {}
-
-
-def _checked_mismatch(comm: CommLog) -> Problem | None:
-    """The first mismatch the consistency check raised (`collective.mismatch` events)."""
-    if not comm.mismatches:
-        return None
-    seq = min(comm.mismatches)
-    by_rank = comm.mismatches[seq]
-    ops = {r: ev.get("op") for r, ev in by_rank.items()}
-    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
-                             reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
-                             detail=by_rank[min(by_rank)].get("error"), checked=True)
-
-
-def _seen_mismatch(comm: CommLog) -> Problem | None:
-    """The first seq whose `collective.start` events disagree (the check was off).
-
-    Only calls whose start was logged count: a call made up from its failure event (a rank
-    whose pre-hook raised, or that failed before its start was written) has no shapes to compare.
-    """
-    found = comm.first_differing()
-    if found is None:
-        return None
-    seq, calls, differing = found
-    by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for r, c in sorted(calls.items()):
-        by_sig[c.signature()].append(r)
-    detail = "; ".join(f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})"
-                       for r, c in sorted(calls.items()))
-    problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
-                                reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
-                                detail=detail, checked=False)
-    problem.details["later_differing_seqs"] = differing - 1
-    return problem
-
-
-def _agreement_groups(comm: CommLog, by_rank: dict[int, dict[str, Any]]) -> list[list[int]]:
-    """Ranks that agreed with each other, from each rank's `differing_ranks` (comm ranks)."""
-    differ = {r: {comm.global_rank(d) for d in ev.get("differing_ranks") or []} for r, ev in by_rank.items()}
-    groups: list[list[int]] = []
-    for r in sorted(by_rank):
-        for g in groups:
-            s = g[0]
-            if r not in differ.get(s, set()) and s not in differ.get(r, set()):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
-    return groups
-
-
-def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dict[int, Any], *,
-                      reporters: list[int], ts: int, detail: str | None, checked: bool) -> Problem:
-    groups = sorted(groups, key=lambda g: (-len(g), g))
-    majority = groups[0] if len(groups) > 1 and len(groups[0]) > len(groups[1]) else None
-    culprits = sorted(r for g in groups if g is not majority for r in g)
-    parts = []
-    for g in groups:
-        g_ops = sorted({str(ops[r]) for r in g if r in ops})
-        parts.append(f"ranks {g} issued {'/'.join(g_ops) or '?'}")
-    how = "the consistency check caught it" if checked else "seen in the collective.start events"
-    who = f"the minority {culprits}" if majority else f"no majority: all of {culprits}"
-    message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
-    op_names = sorted({str(o) for o in ops.values()})
-    return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,
-                   {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail,
-                    "checked": checked})
 
 
 def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],

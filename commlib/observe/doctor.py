@@ -15,8 +15,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from commlib.observe.blame import AttemptFinding, attempt_finding
-from commlib.observe.model import DumpInfo, RunLogs, load
+from commlib.observe.blame import attempt_finding
+from commlib.observe.findings import AttemptFinding
+from commlib.observe.model import RunLogs, load
+from commlib.observe.records import DumpInfo
 from commlib.observe.stats import OpStat, StragglerStat, op_stats, stragglers
 
 

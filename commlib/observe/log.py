@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import heapq
-import json
 import logging
 import os
 import re
@@ -64,6 +63,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from commlib.observe.codec import decode, encode
 
 LOG_DIR_ENV = "COMMLIB_LOG_DIR"
 MAX_MB_ENV = "COMMLIB_LOG_MAX_MB"
@@ -412,32 +413,6 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     STATE.enabled = path is not None
     STATE.job = process.job
     return path
-
-
-def _plain(obj: Any) -> Any:
-    """What JSON has no type for: tuples (torch.Size among them) as lists, the rest as text."""
-    return list(obj) if isinstance(obj, tuple) else str(obj)
-
-
-try:
-    import orjson
-except ImportError:  # the doctor reads logs where commlib's dependencies may not all be
-    orjson = None
-
-# Built once: `json.dumps` with options builds a new encoder per call.
-_ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    """`obj` as compact JSON: orjson where installed (a collective's two events are on the
-    hot path: it encodes ~5x faster than the stdlib), the stdlib otherwise; both give the
-    same JSON."""
-    if orjson is not None:
-        return orjson.dumps(obj, default=_plain, option=orjson.OPT_NON_STR_KEYS)
-    return _ENCODER.encode(obj).encode()
-
-
-decode = orjson.loads if orjson is not None else json.loads
 
 
 def get_logger(**bound: Any) -> Any:

@@ -34,8 +34,9 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from commlib.observe.log import encode
-from commlib.observe.model import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer, RunLogs, load
+from commlib.observe.codec import encode
+from commlib.observe.model import RunLogs, load
+from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
 
 # Fields every event carries: the track already says them.
 _COMMON_FIELDS = ("event", "level", "ts_ns", "mono_ns", "rank", "size", "host", "pid", "backend", "comm_rank",
