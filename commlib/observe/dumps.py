@@ -2,10 +2,10 @@
 
 `flight_dumps(directory)` finds the `flight_rank*.json` dumps (`commlib.observe.flight`)
 and `dump_calls` reads one's entries as calls. `add_dump(fold, path, data)` attributes a
-dump to the process that wrote it (a dump names only its pid and its communicator rank)
-and adds to the model the entries its log lacks (a log cut short by a kill); a call its
+dump to the process that wrote it (by its host and pid, which the dump names with its attempt and
+communicator rank) and adds to the model the entries its log lacks (a log cut short by a kill); a call its
 log has gets the dump's call stack. `add_stacks(fold, directory)` gives each rank the main
-thread's innermost frames of its faulthandler stacks (`stacks_{pid}.txt`,
+thread's innermost frames of its faulthandler stacks (`stacks_{host}_{pid}.txt`,
 `commlib.observe.stacks`), which its position shows when no flight-recorder stack says
 where it was.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from commlib.observe.fold import Fold, find_call
 from commlib.observe.records import Call, CommLog, DumpInfo, peer_of
-from commlib.observe.stacks import read_main_stacks
+from commlib.observe.stacks import read_main_stacks, safe_host
 
 FLIGHT_DUMP_KIND = "commlib.flight_recorder"
 
@@ -59,9 +59,20 @@ def dump_calls(data: dict[str, Any]) -> list[Call]:
     return calls
 
 
-def _dump_owner(fold: Fold, pid: Any, comm_name: str, comm_rank: Any) -> tuple[int, int] | None:
-    """(attempt, global rank) of the process that wrote a dump (which names only its pid and comm rank)."""
-    candidates = fold.pids.get(pid, set()) if isinstance(pid, int) else set()
+def _dump_owner(fold: Fold, data: dict[str, Any]) -> tuple[int, int] | None:
+    """(attempt, global rank) of the process that wrote a dump, which names its host, pid, attempt
+    and communicator rank: pids repeat across hosts, and a host may reuse one (a restarted
+    container), so the process is its (host, pid), then the one of the dump's attempt, then the
+    one whose communicator has the dump's rank."""
+    host, pid, comm_name, comm_rank = data.get("host"), data.get("pid"), str(data.get("comm")), data.get("rank")
+    if not isinstance(pid, int):
+        return None
+    if host is None:  # a dump that does not say its host: any host's process with that pid
+        candidates = {c for (h, p), cs in fold.pids.items() if p == pid for c in cs}
+    else:
+        candidates = set(fold.pids.get((host, pid), ()))
+    if len(candidates) > 1 and isinstance(data.get("attempt"), int):
+        candidates = {(a, r) for a, r in candidates if a == data["attempt"]}
     if len(candidates) > 1:
         candidates = {(a, r) for a, r in candidates
                       if (c := fold.attempts[a].comms.get(fold.label(a, r, comm_name))) is not None
@@ -69,11 +80,10 @@ def _dump_owner(fold: Fold, pid: Any, comm_name: str, comm_rank: Any) -> tuple[i
     return next(iter(candidates)) if len(candidates) == 1 else None
 
 
-
 def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
     """Record a dump, and add its entries that the logs lack (a log that was cut short)."""
     comm_name = str(data.get("comm"))
-    where = _dump_owner(fold, data.get("pid"), comm_name, data.get("rank"))
+    where = _dump_owner(fold, data)
     dumped = dump_calls(data)
     info = DumpInfo(path=str(path), rank=data.get("rank", -1), comm=comm_name,
                     attempt=where[0] if where else None, reason=str(data.get("reason")),
@@ -81,7 +91,9 @@ def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
                     entries=sum(1 for x in data.get("entries") or [] if isinstance(x, dict)),
                     unfinished=[{"comm": comm_name, "op": c.op, "seq": c.seq,
                                  **({"peer": c.peer} if c.peer is not None else {})}
-                                for c in dumped if c.status == "started"])
+                                for c in dumped if c.status == "started"],
+                    host=data.get("host") if isinstance(data.get("host"), str) else None,
+                    pid=data.get("pid") if isinstance(data.get("pid"), int) else None)
     if where is None:
         return info
     attempt, rank = where
@@ -139,5 +151,7 @@ def add_stacks(fold: Fold, directory: Path) -> None:
     stacks = read_main_stacks(directory)
     for att in fold.attempts.values():
         for rl in att.ranks.values():
-            if rl.pid in stacks:
-                rl.signal_stack = [f.traceback_line() for f in reversed(stacks[rl.pid])]
+            # A file named by pid alone (written before files named their host) is any host's.
+            frames = stacks.get((safe_host(rl.host), rl.pid)) or stacks.get((None, rl.pid))
+            if frames:
+                rl.signal_stack = [f.traceback_line() for f in reversed(frames)]

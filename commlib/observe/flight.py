@@ -17,7 +17,7 @@ by one dump taken when the interval is over, so the newest state is always dumpe
 storm of signals writes a few files, not one per signal.
 
 SIGUSR2 (`STACKS_SIGNAL`) makes `faulthandler` write the Python stack of every thread of
-the process to ``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level
+the process to ``stacks_{host}_{pid}.txt`` in the log dir (stderr without one). That C-level
 handler needs no GIL, so it answers even for a rank wedged in C code that holds the GIL,
 where the flight-recorder dump (Python) has to wait. Its file must be open before the signal
 comes, yet it should exist only once a dump is in it: it is opened unnamed (`O_TMPFILE`) and
@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from commlib.observe import log as _log
+from commlib.observe.stacks import file_name, safe_host
 from commlib.ops import PLAIN_NAMES, Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
@@ -194,7 +195,9 @@ class FlightRecorder:
         if directory is None:
             sys.stderr.write(data + "\n")
             return None
-        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{os.getpid()}_{next(self._dumps)}_{reason}.json"
+        # Named by the process's host and pid: pids repeat across the hosts sharing a log dir.
+        process = f"{safe_host(socket.gethostname())}_{os.getpid()}"
+        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{process}_{next(self._dumps)}_{reason}.json"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             f.write(data)
@@ -372,13 +375,13 @@ def release() -> None:
     _log.release()
 
 
-STACKS_FILE = "stacks_{pid}.txt"
 STACKS_SIGNAL = signal.SIGUSR2
 
 
 class _StackFile:
     """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), writing into a file that gets
-    its name, `STACKS_FILE` in the log dir, only once a dump is in it (module docstring)."""
+    its name in the log dir (`stacks.file_name`: its host and pid), only once a dump is in it
+    (module docstring)."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
@@ -388,7 +391,7 @@ class _StackFile:
             try:  # unnamed until `publish` links it
                 self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_APPEND, 0o644)
             except OSError:  # a file system without O_TMPFILE: named from the start, as it must be open now
-                self.fd = os.open(directory / STACKS_FILE.format(pid=os.getpid()),
+                self.fd = os.open(directory / file_name(socket.gethostname(), os.getpid()),
                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 self.named = True
         # Chained to our Python-level handler, installed just before: it writes the wakeup
@@ -402,7 +405,7 @@ class _StackFile:
         if self.fd is None or self.named or os.fstat(self.fd).st_size == 0:
             return
         assert self.directory is not None
-        name = STACKS_FILE.format(pid=os.getpid())
+        name = file_name(socket.gethostname(), os.getpid())
         directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: os.link takes that path only with dir fds
             os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory,

@@ -34,7 +34,7 @@ from typing import Any
 from commlib.observe.log import HEADER_EVENT, HEADER_ONLY
 from commlib.observe.records import (ERROR_LEVELS, FAILURE_EVENTS, MISMATCH_EVENT, NOTICE_EVENTS, NOTICE_LEVELS,
                                      AttemptLog, Call, CommLog, ErrorGroup, JobInfo, MixedJobsError, Observer,
-                                     Process, RankLog, disagree, peer_of)
+                                     RankLog, disagree, peer_of)
 
 LATENCY_BLOCK = 256  # durations a communicator gathers per (op, bytes) before they go into its sketch
 
@@ -42,7 +42,7 @@ class Context:
     """What the pass knows of the events of one stream: its file's rank, and the process,
     attempt, rank and communicators of the events last seen (they change seldom)."""
 
-    __slots__ = ("file_rank", "rank", "pid", "job", "host", "attempt", "att", "rl", "comms")
+    __slots__ = ("file_rank", "rank", "pid", "job", "host", "attempt", "att", "rl", "comms", "headers")
 
     def __init__(self, file_rank: int) -> None:
         self.file_rank = file_rank
@@ -54,6 +54,9 @@ class Context:
         self.att: AttemptLog | None = None
         self.rl: RankLog | None = None
         self.comms: dict[str, CommLog] = {}  # name -> current incarnation, for (attempt, rank)
+        # pid -> the fields of its latest log.open line in this stream: a process's events follow
+        # its header in its file, and pids repeat across hosts, so headers are never shared between files.
+        self.headers: dict[Any, dict[str, Any]] = {}
 
 
 class Fold:
@@ -68,12 +71,10 @@ class Fold:
         self.observers = observers
         self.job_filter = job
         self.jobs: dict[str | None, JobInfo] = {}
-        self.headers: dict[Any, dict[str, Any]] = {}  # pid -> its log.open fields
-        self.processes: dict[int, Process] = {}
         self._incarnation: dict[tuple[int, int, str], int] = defaultdict(int)  # (attempt, rank, name)
         self._pending_split: dict[tuple[int, int], tuple[str, str, list[int]]] = {}
-        # pid -> {(attempt, rank)}: more than one only when hosts reuse a pid
-        self.pids: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        # (host, pid) -> {(attempt, rank)}: more than one only where a host reuses a pid
+        self.pids: dict[tuple[str | None, int], set[tuple[int, int]]] = defaultdict(set)
         self._first_timeout: dict[tuple[Any, ...], int] = {}  # a timeout's group -> its first ts_ns
         self._done: dict[int, set[int]] = defaultdict(set)  # attempt -> ranks whose logs of it are over
         self._comms_of: dict[tuple[int, int], set[str]] = defaultdict(set)  # (attempt, rank) -> its communicators
@@ -127,10 +128,10 @@ class Fold:
         coming back here)."""
         pid = e.get("pid")
         if e.get("event") == HEADER_EVENT:
-            self.headers[pid] = {k: e[k] for k in HEADER_ONLY if k in e}
+            context.headers[pid] = {k: e[k] for k in HEADER_ONLY if k in e}
             context.pid = ()  # the next event looks its process up again
             return True
-        header = self.headers.get(pid, {})
+        header = context.headers.get(pid, {})
         context.pid = pid
         context.job = e.get("job", header.get("job"))
         context.host = e.get("host", header.get("host"))
@@ -141,7 +142,7 @@ class Fold:
             if len(self.jobs) > 1 and self.job_filter is None:
                 raise MixedJobsError("a second job", self.jobs)  # `load` names them all
         if isinstance(pid, int):
-            info.pids.add(pid)
+            info.processes.add((context.host, pid))
         if self.job_filter is not None and context.job != self.job_filter:
             context.pid = ()
             return True
@@ -158,7 +159,7 @@ class Fold:
         rl = att.ranks.get(rank)
         if rl is None:
             rl = att.ranks[rank] = RankLog(rank, e, first_ns=ts)
-        header = self.headers.get(context.pid, {})
+        header = context.headers.get(context.pid, {})
         size = e.get("size", header.get("size"))
         if isinstance(size, int):
             att.world_size = max(att.world_size or 0, size)
@@ -167,10 +168,7 @@ class Fold:
         if pid is not None:
             rl.pid = pid
             if isinstance(pid, int):
-                self.pids[pid].add((attempt, rank))
-                known = self.processes.get(pid)
-                if known is None or ts < known.first_ns:
-                    self.processes[pid] = Process(pid, rank, ts)
+                self.pids[(context.host, pid)].add((attempt, rank))
         info = self.jobs[context.job]
         info.ranks.add(rank)
         info.attempts.add(attempt)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,7 @@ from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.fold import Context, Fold
 from commlib.observe.log import Inflater, rank_segments, read_run
 from commlib.observe.reading import RankReader, enough_descriptors, mixed_jobs, stream
-from commlib.observe.records import (AttemptLog, Call, DumpInfo, FileReport, LogDirError, MixedJobsError, Observer,
-                                     Process)
+from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, MixedJobsError, Observer
 
 LISTED = 10  # files an error names one by one
 
@@ -46,7 +45,6 @@ class RunLogs:
     dumps: list[DumpInfo]
     files: list[FileReport]
     job: str | None = None
-    processes_seen: dict[int, Process] = field(default_factory=dict)
     # How to read the same logs again (`events`, `calls`): the directory, or the events given to `build`.
     _source: list[dict[str, Any]] | None = None
     _job_filter: str | None = None
@@ -74,10 +72,6 @@ class RunLogs:
         else:
             load(self.logdir, job=self._job_filter, observers=[collect])
         return collect.calls
-
-    def processes(self) -> dict[int, Process]:
-        """Every process that logged, by pid (hosts reusing a pid share one entry: the earliest)."""
-        return dict(self.processes_seen)
 
 
 class _Collect(Observer):
@@ -131,7 +125,7 @@ def load(logdir: str | os.PathLike[str], job: str | None = None,
     add_stacks(fold, directory)
     fold.finish()
     return RunLogs(str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(),
-                   fold.processes, None, job)
+                   None, job)
 
 
 def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterable[Observer] = ()) -> RunLogs:
@@ -141,15 +135,15 @@ def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterabl
     clocks = [e["ts_ns"] for e in source if isinstance(e.get("ts_ns"), int)]
     for observer in fold.observers if clocks else ():
         observer.begin(min(clocks))
-    contexts: dict[int, Context] = {}
-    inflate = Inflater()
+    streams: dict[int, tuple[Context, Inflater]] = {}  # per rank, as its file would be read
     for event in source:
         if isinstance(event.get("ts_ns"), int):
-            context = contexts.get(event["rank"])
-            if context is None:
-                context = contexts[event["rank"]] = Context(event["rank"])
+            stream = streams.get(event["rank"])
+            if stream is None:
+                stream = streams[event["rank"]] = (Context(event["rank"]), Inflater())
+            context, inflate = stream
             fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
     fold.finish()
-    return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), fold.processes, source)
+    return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), source)
 
 

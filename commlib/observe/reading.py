@@ -229,7 +229,8 @@ def _clock(raw: bytes) -> int | None:
 def mixed_jobs(directory: Path, jobs: dict[str | None, JobInfo]) -> MixedJobsError:
     """The refusal to read several jobs' logs as one, naming every job of the directory (its
     `log.open` lines read again: the pass stops at the first line of a second job)."""
-    seen = {job: JobInfo(job, set(info.ranks), set(info.attempts), set(info.pids)) for job, info in jobs.items()}
+    seen = {job: JobInfo(job, set(info.ranks), set(info.attempts), set(info.processes))
+            for job, info in jobs.items()}
     for paths in rank_segments(directory).values():
         for path in paths:
             with contextlib.suppress(OSError), open(path, "rb") as f:
@@ -241,7 +242,7 @@ def mixed_jobs(directory: Path, jobs: dict[str | None, JobInfo]) -> MixedJobsErr
                         info = seen.setdefault(header.get("job"), JobInfo(header.get("job")))
                         info.ranks.add(header.get("rank"))
                         info.attempts.add(header.get("attempt") or 0)
-                        info.pids.add(header.get("pid"))
+                        info.processes.add((header.get("host"), header.get("pid")))
     listing = "; ".join(info.describe() for info in seen.values())
     return MixedJobsError(f"expected the logs of one job in {directory}; found {len(seen)}: {listing}. "
                           f"Read one of them with --job ID (or move each job's logs to a directory of its own)",

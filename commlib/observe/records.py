@@ -5,7 +5,7 @@ and where the rank was), its communicators (`CommLog`: members, the collectives 
 send/recv not settled yet, failures and mismatches, and what settled calls left in its
 accumulators), and its error-level events (`ErrorGroup`); a rank's view of one collective
 or send/recv (`Call`); what was read of each file (`FileReport`), each job (`JobInfo`),
-each process (`Process`) and each flight-recorder dump (`DumpInfo`); and what a tool that
+and each flight-recorder dump (`DumpInfo`); and what a tool that
 needs more than the verdicts sees of the pass (`Observer`). The fold
 (`commlib.observe.fold`) fills them in; the reading (`commlib.observe.reading`) feeds it;
 `commlib.observe.model` composes the two. Nothing here reads a file.
@@ -346,7 +346,7 @@ class DumpInfo:
     """A flight-recorder dump found in the log directory."""
 
     path: str
-    rank: int  # global rank when the dump's pid is in the logs; else the communicator rank it names
+    rank: int  # global rank when the dump's process (host, pid) is in the logs; else the communicator rank it names
     comm: str
     attempt: int | None
     reason: str
@@ -355,15 +355,8 @@ class DumpInfo:
     # Entries still "started" at dump time: comm, op, seq, and a send/recv's peer (a global
     # rank once the dump's owner is found in the logs, as `rank`; else its communicator rank).
     unfinished: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Process:
-    """A process that logged: its pid, its global rank, and its first event (wall clock)."""
-
-    pid: int
-    rank: int
-    first_ns: int
+    host: str | None = None  # the process that wrote it
+    pid: int | None = None
 
 
 @dataclass
@@ -398,12 +391,12 @@ class JobInfo:
     job: str | None
     ranks: set[int] = field(default_factory=set)
     attempts: set[int] = field(default_factory=set)
-    pids: set[int] = field(default_factory=set)
+    processes: set[tuple[Any, Any]] = field(default_factory=set)  # (host, pid): pids repeat across hosts
 
     def describe(self) -> str:
         name = repr(self.job) if self.job is not None else "without a job id (an older log format)"
         return (f"job {name}: ranks {_ranges(self.ranks)}, attempt(s) {sorted(self.attempts)}, "
-                f"{len(self.pids)} process(es)")
+                f"{len(self.processes)} process(es)")
 
 
 def _ranges(ranks: Iterable[int]) -> str:

@@ -1,5 +1,5 @@
 """Shared by the observe tests (imported from their directory): a run's logs as they were while
-it still hung, and waiting for what another thread or process does."""
+it still hung, logs written by hand (`Job`), and waiting for what another thread or process does."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from commlib.observe.log import read_events
 
@@ -39,3 +40,61 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+class Job:
+    """Logs written by hand, line by line as commlib writes them (a `log.open` line per process,
+    then its events): for cases no real run can stage on one machine (two hosts, a pid that
+    repeats, a line cut mid-write)."""
+
+    def __init__(self, directory: Path, size: int, job: str = "job-1", t0_ns: int = 1_800_000_000_000_000_000,
+                 tick_ms: float = 1.0) -> None:
+        self.directory = directory
+        self.tick_ms = tick_ms  # between two lines
+        self.size = size
+        self.job = job
+        self.now = t0_ns
+        self.procs: dict[int, dict[str, Any]] = {}  # rank -> its process's fields
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def tick(self, ms: float | None = None) -> int:
+        self.now += int((self.tick_ms if ms is None else ms) * 1e6)
+        return self.now
+
+    def start(self, rank: int, host: str, pid: int, attempt: int = 0) -> None:
+        """A process of `rank` opens its log (appended to the rank's file, as a restart does)."""
+        self.procs[rank] = {"rank": rank, "pid": pid, "attempt": attempt}
+        self.append(rank, {"event": "log.open", "format": 2, "rank": rank, "size": self.size, "host": host,
+                           "pid": pid, "attempt": attempt, "job": self.job, "ts_ns": self.tick()})
+
+    def event(self, rank: int, name: str, **fields: Any) -> dict[str, Any]:
+        e = {**fields, "event": name, "ts_ns": self.tick(), "mono_ns": self.now, **self.procs[rank]}
+        self.append(rank, e)
+        return e
+
+    def append(self, rank: int, event: dict[str, Any] | str) -> None:
+        with open(self.directory / f"rank{rank}.jsonl", "a") as f:
+            f.write(event if isinstance(event, str) else json.dumps(event) + "\n")
+
+    def comm(self, rank: int, name: str = "world", comm_rank: int | None = None, size: int | None = None) -> None:
+        self.event(rank, "comm.init", comm=name, backend="gloo", comm_rank=rank if comm_rank is None else comm_rank,
+                   comm_size=self.size if size is None else size, timeout_s=300.0)
+
+    def collective(self, rank: int, seq: int, op: str = "all_reduce", comm: str = "world", end: bool = True,
+                   comm_rank: int | None = None, **context: Any) -> None:
+        fields = {"comm": comm, "comm_rank": rank if comm_rank is None else comm_rank, "op": op, "seq": seq,
+                  **context}
+        self.event(rank, "collective.start", shapes=[[4]], dtype="torch.float32", bytes=16, root=None, peer=None,
+                   deadline_s=300.0, async_op=False, **fields)
+        if end:
+            self.event(rank, "collective.end", bytes=16, peer=None, duration_s=0.001, status="ok", **fields)
+
+    def flight_dump(self, rank: int, host: str, comm: str, comm_rank: int, entries: list[dict[str, Any]],
+                    name: str) -> Path:
+        proc = self.procs[rank]
+        data = {"kind": "commlib.flight_recorder", "comm": comm, "rank": comm_rank, "world_rank": rank,
+                "attempt": proc["attempt"], "host": host, "pid": proc["pid"], "reason": "sigusr1",
+                "dumped_ns": self.tick(), "dumped_mono_ns": self.now, "capacity": 2000, "entries": entries}
+        path = self.directory / name
+        path.write_text(json.dumps(data))
+        return path
