@@ -8,7 +8,10 @@ of the run had a problem, 1 when the final attempt has one, 3 when earlier attem
 but the final one is clean (a recovered run), and 2 when there is nothing it can judge: the
 directory is missing or holds no readable event, it holds several jobs' logs and --job does
 not pick one, or the trace cannot be written where --trace says (checked before any log is
-read). The analysis itself lives in `commlib.observe` (`model`: the logs read once;
+read, and again before it is moved there). A trace replaces only a regular file (or makes a
+new one): a FIFO, a device or a symlink to one (/dev/null, /dev/stdout) is refused, naming
+what it is; a symlink to a regular file is written through. Rank logs, flight dumps and
+stacks files that are not regular files are named as not read, never waited on. The analysis itself lives in `commlib.observe` (`model`: the logs read once;
 `blame`: the rules; `stats`: the tables; `doctor`: the three composed; `trace`: the trace);
 this module only renders it. Neither imports torch: the logs copied from a cluster can be
 read on a machine without it.
@@ -22,9 +25,11 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 from commlib.observe.findings import AttemptFinding
 from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.log import RANK_FILE
 from commlib.observe.model import LogDirError, load
 from commlib.observe.trace import TraceFile, TracePathError
 
@@ -83,8 +88,8 @@ def render(d: Diagnosis) -> str:
              f"{n_ranks} rank(s) (world size {d.world_size}) on {len(d.hosts)} host(s) {d.hosts}; "
              f"{len(d.attempts)} attempt(s)"]
     for f in d.unreadable:
-        lines.append(_wrap(f"Not read: {f['path']}: {f['why']}. What follows says nothing of that rank's "
-                           f"log there.", ""))
+        what = " What follows says nothing of that rank's log there." if RANK_FILE.match(Path(f["path"]).name) else ""
+        lines.append(_wrap(f"Not read: {f['path']}: {f['why']}.{what}", ""))
     for path, n in d.skipped_lines.items():
         lines.append(_wrap(f"Skipped {n} line(s) of {path} that are not JSON events.", ""))
     lines.append("")
@@ -144,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--job", metavar="ID", help="read only this job's logs (a directory holding several jobs')")
     args = parser.parse_args(argv)
     try:
-        trace = TraceFile(args.trace) if args.trace else None
+        trace = TraceFile(args.trace) if args.trace is not None else None
     except TracePathError as exc:
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2
@@ -156,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         if trace is not None:
             trace.discard()  # no trace, and no part of one
-        if not isinstance(exc, LogDirError):
+        if not isinstance(exc, (LogDirError, TracePathError)):
             raise
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2

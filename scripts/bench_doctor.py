@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from commlib.observe import log  # noqa: E402
+from commlib.observe.logfile import LOG_FORMAT  # noqa: E402
 
 TP = 8
 STRAGGLER, CULPRIT = 5, 637
@@ -107,7 +108,7 @@ def generate(directory: Path, ranks: int, lines: int, seed: int = 0) -> dict[str
     for rank in range(ranks):
         rng = random.Random(seed * 100_003 + rank)
         pid, host = 100_000 + rank, f"node{rank // TP:04d}"
-        out = [_line({"event": "log.open", "format": log.LOG_FORMAT, "rank": rank, "size": ranks, "host": host,
+        out = [_line({"event": "log.open", "format": LOG_FORMAT, "rank": rank, "size": ranks, "host": host,
                       "pid": pid, "attempt": 0, "job": "bench-job", "ts_ns": t0 - 10_000_000, "mono_ns": 1_000})]
         names = {"world": "world", "tp": f"tp{rank // TP}"}
         for comm, comm_rank, comm_size in (("world", rank, ranks), ("tp", rank % TP, TP)):
@@ -244,12 +245,13 @@ def _verdict_of(diagnosis: dict[str, Any]) -> dict[str, Any]:
 
 
 def _differences(old: Any, new: Any, path: str = "", rel: float = 1e-9) -> list[str]:
-    """Where two diagnoses (`--json`) differ, but for the fields this doctor added and float
-    rounding (`rel`: the relative difference taken for rounding)."""
+    """Where two diagnoses (`--json`) differ, but for the fields this doctor added (`ADDED`, and
+    any key the old diagnosis lacks) and float rounding (`rel`: the relative difference taken
+    for rounding)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted((set(old) | set(new)) - (set(ADDED) if path == "" else set()))
+        keys = sorted(set(old) - (set(ADDED) if path == "" else set()))
         return [d for k in keys for d in (
-            [f"{path}.{k}: missing on one side"] if k not in old or k not in new
+            [f"{path}.{k}: missing in this one"] if k not in new
             else _differences(old[k], new[k], f"{path}.{k}", rel))]
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):

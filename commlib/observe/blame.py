@@ -196,7 +196,7 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     missing = sorted((board_missing | set(late) | set(never)) - set(waiting))
     arrived = sorted(r for r in members if r not in missing and r not in waiting)
     deadline = events[0].get("deadline")
-    frozen = _frozen(comm.calls.get(seq, {}), t)
+    frozen = _frozen(att, comm.calls.get(seq, {}), t)
     head = (f"{op} #{seq} on {comm.label!r} timed out"
             + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
             + f" on rank(s) {reporters}")
@@ -254,16 +254,20 @@ def _timeout_problem(att: AttemptLog, comm: CommLog, op: str, seq: int, t: int, 
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": where})
 
 
-def _frozen(calls: dict[int, Call], t: int) -> list[int]:
+def _frozen(att: AttemptLog, calls: dict[int, Call], t: int) -> list[int]:
     """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace).
 
     Reporters count too: a rank stopped past its deadline reports its own timeout once resumed.
+    A rank whose log ends in a line cut short was killed while writing after it entered the
+    call (that line may have been its outcome): it was not silent in it, and is not counted.
     """
     out = []
     for r, c in sorted(calls.items()):
         if c.start_ns is None or c.start_ns > t or c.deadline_s is None:
             continue
         due = c.start_ns + int((c.deadline_s + FROZEN_GRACE_S) * 1e9)
+        if c.end_ns is None and r in att.ranks and att.ranks[r].cut:
+            continue
         if c.end_ns is None or c.end_ns > due:
             out.append(r)
     return out
@@ -392,7 +396,7 @@ def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str
         body = (f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
                 f"both sides issued {op} as their point-to-point op #{seq} with each other")
     else:
-        frozen = _frozen({r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
+        frozen = _frozen(att, {r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
         culprits = frozen
         body = f"rank {peer} posted the matching {want} and the backend did not complete it"
         if frozen:

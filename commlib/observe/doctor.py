@@ -34,7 +34,8 @@ class Diagnosis:
     ops: list[OpStat]
     dumps: list[DumpInfo]
     job: str | None = None  # the job's id (`commlib.observe.log.job_id`); None in logs that carry none
-    unreadable: list[dict[str, str]] = field(default_factory=list)  # {"path", "why"}: rank files nothing was read from
+    # {"path", "why"}: rank files nothing was read from, and flight dumps and stacks files not read
+    unreadable: list[dict[str, str]] = field(default_factory=list)
     skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any
 
     @property
@@ -81,6 +82,7 @@ def analyze(run: RunLogs) -> Diagnosis:
     world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
     return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
                      stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps, job=run.job,
-                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable],
+                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable]
+                     + [{"path": path, "why": why} for path, why in run.skipped or ()],
                      skipped_lines={f.path: f.garbled for f in run.files if f.garbled and f.events})
 

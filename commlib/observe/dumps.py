@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from commlib.observe.files import open_regular
 from commlib.observe.fold import Fold, find_call
 from commlib.observe.records import Call, CommLog, DumpInfo, peer_of
 from commlib.observe.stacks import read_main_stacks, safe_host
@@ -24,13 +25,22 @@ from commlib.observe.stacks import read_main_stacks, safe_host
 FLIGHT_DUMP_KIND = "commlib.flight_recorder"
 
 
-def flight_dumps(directory: str | os.PathLike[str]) -> list[tuple[Path, dict[str, Any]]]:
-    """Every flight-recorder dump (`flight_rank*.json`) of `directory` that reads as one, with its path."""
+def flight_dumps(directory: str | os.PathLike[str],
+                 skipped: list[tuple[str, str]] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Every flight-recorder dump (`flight_rank*.json`) of `directory` that reads as one, with its
+    path; (path, why) of each that could not be read goes into `skipped`."""
     out = []
     for path in sorted(Path(directory).glob("flight_rank*.json")):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            with os.fdopen(open_regular(path), "rb") as f:
+                data = json.loads(f.read())
+        except OSError as exc:  # a FIFO or a device among them is named, never waited on
+            if skipped is not None:
+                skipped.append((str(path), f"{type(exc).__name__}: {exc.strerror or exc}"))
+            continue
+        except ValueError:
+            if skipped is not None:
+                skipped.append((str(path), "not JSON"))
             continue
         if isinstance(data, dict) and data.get("kind") == FLIGHT_DUMP_KIND:
             out.append((path, data))
@@ -146,9 +156,10 @@ def _logged(comm: CommLog, rank: int, call: Call) -> bool:
     return call.seq <= comm.logged.get(rank if call.peer is None else (rank, call.peer), 0)
 
 
-def add_stacks(fold: Fold, directory: Path) -> None:
-    """Each rank's main-thread stack from the last faulthandler dump of its process, where there is one."""
-    stacks = read_main_stacks(directory)
+def add_stacks(fold: Fold, directory: Path, skipped: list[tuple[str, str]] | None = None) -> None:
+    """Each rank's main-thread stack from the last faulthandler dump of its process, where there
+    is one; (path, why) of each stacks file that could not be read goes into `skipped`."""
+    stacks = read_main_stacks(directory, skipped)
     for att in fold.attempts.values():
         for rl in att.ranks.values():
             # A file named by pid alone (written before files named their host) is any host's.

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from commlib import settings
 from commlib.observe import log as _log
 from commlib.observe.stacks import file_name, safe_host
 from commlib.ops import PLAIN_NAMES, Collective
@@ -76,8 +77,12 @@ STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
 DUMPS_ENV = "COMMLIB_FLIGHT_DUMPS"
 INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
+MAX_SIZE = 100_000  # entries a communicator's ring may hold
 DEFAULT_DUMPS = 32
+MAX_DUMPS = 10_000
 DEFAULT_INTERVAL_S = 1.0
+MAX_INTERVAL_S = 3600.0
+FAILED_PAUSE_S = 1.0  # how long the SIGUSR1 thread rests after a turn that failed
 JOIN_S = 5.0  # how long releasing waits for the SIGUSR1 thread to finish a dump under way
 
 
@@ -121,14 +126,14 @@ class FlightRecorder:
 
     def __init__(self, comm: str, rank: int, capacity: int | None = None, world_rank: int | None = None) -> None:
         if capacity is None:
-            capacity = int(os.environ.get(SIZE_ENV, DEFAULT_SIZE))
-        if capacity <= 0:
-            raise ValueError(f"{SIZE_ENV} must be positive; found {capacity}")
+            capacity = settings.env_integer(SIZE_ENV, DEFAULT_SIZE, low=1, high=MAX_SIZE)
+        else:
+            capacity = settings.integer(capacity, "a flight recorder's capacity", low=1, high=MAX_SIZE)
         self.comm = comm
         self.rank = rank
         self.world_rank = rank if world_rank is None else world_rank
         self.capacity = capacity
-        self.with_stacks = os.environ.get(STACKS_ENV, "0") == "1"
+        self.with_stacks = settings.env_flag(STACKS_ENV)
         self._ring: deque[FlightEntry] = deque(maxlen=capacity)
         self._dumps = itertools.count(1)  # next() is atomic: the SIGUSR1 thread dumps too
         self.state = State.OPEN
@@ -214,7 +219,7 @@ class _DumpFiles:
         self._lock = threading.Lock()  # the SIGUSR1 thread and a failing caller both dump
 
     def wrote(self, path: Path) -> None:
-        keep = _budget()[0]
+        keep = dump_budget()[0]
         with self._lock:
             self._paths.append(path)
             while len(self._paths) > keep:
@@ -222,20 +227,11 @@ class _DumpFiles:
                     self._paths.popleft().unlink()
 
 
-def _budget() -> tuple[int, float]:
+def dump_budget() -> tuple[int, float]:
     """(dump files a process keeps, seconds between two SIGUSR1 dumps), from the environment."""
-    raw_keep, raw_interval = os.environ.get(DUMPS_ENV, str(DEFAULT_DUMPS)), os.environ.get(INTERVAL_ENV,
-                                                                                          str(DEFAULT_INTERVAL_S))
-    if not raw_keep.isdigit() or int(raw_keep) < 1:
-        raise ValueError(f"commlib flight recorder: expected {DUMPS_ENV} to be an integer >= 1; found {raw_keep!r}")
-    try:
-        interval = float(raw_interval)
-    except ValueError:
-        interval = -1.0
-    if not interval >= 0:
-        raise ValueError(f"commlib flight recorder: expected {INTERVAL_ENV} to be a number of seconds >= 0; "
-                         f"found {raw_interval!r}")
-    return int(raw_keep), interval
+    keep = settings.env_integer(DUMPS_ENV, DEFAULT_DUMPS, low=1, high=MAX_DUMPS)
+    interval = settings.env_number(INTERVAL_ENV, DEFAULT_INTERVAL_S, low=0, high=MAX_INTERVAL_S, unit="seconds")
+    return keep, interval
 
 
 @functools.cache
@@ -281,7 +277,10 @@ def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:
     The process has one wakeup fd, and it may be someone else's already (asyncio's loop sets
     one to learn of its signals): every byte read is forwarded to that previous fd, so its
     owner still hears of every signal. A SIGUSR1 handler installed before keeps being called.
-    A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again.
+    A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again; a turn of
+    the thread that fails (a setting changed to a bad value since) is logged once, however
+    often it repeats, and the thread rests `FAILED_PAUSE_S` before the next: no failure makes
+    it spin.
     Whoever sets the wakeup fd later takes it over for good, and asyncio does not forward:
     a loop that adds its first signal handler after `commlib.init`, or closes (removing its
     last handler sets the wakeup fd to -1, and a SIGUSR1 handler of its own back to the
@@ -291,7 +290,7 @@ def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:
         return False
     if _INSTALLED:
         return True
-    _budget()  # bad settings fail here, not in the thread at the first signal
+    dump_budget()  # bad settings fail here, not in the thread at the first signal
     _INSTALLED.append(_Installed(directory_fn))
     install_sigusr1.installed = True  # type: ignore[attr-defined]
     return True
@@ -321,9 +320,10 @@ class _Installed:
     def _watch(self) -> None:
         last_round = -float("inf")
         pending = False  # a SIGUSR1 came within the interval: its dump is due when the interval is over
+        said = None  # the last failure logged: one that repeats is logged once
         while True:
             try:
-                interval = _budget()[1]
+                interval = dump_budget()[1]
                 wait = max(0.0, last_round + interval - time.monotonic()) if pending else None
                 if select.select([self.read_fd], [], [], wait)[0]:
                     signals = os.read(self.read_fd, 64)
@@ -342,8 +342,13 @@ class _Installed:
                             recorder.dump(directory, "sigusr1")
                         except Exception as exc:  # the other recorders still dump
                             _dump_failed(exc, recorder.comm)
+                said = None
             except Exception as exc:  # one failure must not silence every later SIGUSR1
-                _dump_failed(exc, None)
+                if repr(exc) != said:
+                    said = repr(exc)
+                    _dump_failed(exc, None)
+                # Whatever failed may fail again at once: rest, so that the thread can never spin.
+                time.sleep(FAILED_PAUSE_S)
 
     def undo(self) -> None:
         """Put back the wakeup fd and the handlers as they were, then stop the thread and close the pipe."""

@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from commlib.observe.log import HEADER_EVENT, HEADER_ONLY
+from commlib.observe.log import HEADER_ONLY
+from commlib.observe.logfile import HEADER_EVENT
 from commlib.observe.records import (ERROR_LEVELS, FAILURE_EVENTS, MISMATCH_EVENT, NOTICE_EVENTS, NOTICE_LEVELS,
                                      AttemptLog, Call, CommLog, ErrorGroup, JobInfo, MixedJobsError, Observer,
                                      RankLog, disagree, peer_of)

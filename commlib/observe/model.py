@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
+from commlib.observe.files import kind
 from commlib.observe.fold import Context, Fold
 from commlib.observe.log import Inflater, rank_segments, read_run
 from commlib.observe.reading import RankReader, enough_descriptors, mixed_jobs, stream
@@ -45,6 +46,7 @@ class RunLogs:
     dumps: list[DumpInfo]
     files: list[FileReport]
     job: str | None = None
+    skipped: list[tuple[str, str]] | None = None  # (path, why) of the dumps and stacks files that could not be read
     # How to read the same logs again (`events`, `calls`): the directory, or the events given to `build`.
     _source: list[dict[str, Any]] | None = None
     _job_filter: str | None = None
@@ -88,9 +90,15 @@ def load(logdir: str | os.PathLike[str], job: str | None = None,
     one pass (`commlib.observe.reading.stream`); with `job`, only that job's events. Raises LogDirError when
     the directory is missing or no file in it holds a readable event, MixedJobsError when it
     holds more than one job's logs and `job` does not pick one."""
+    if not os.fspath(logdir):  # an unset shell variable: never the current directory by accident
+        raise LogDirError("expected a log directory; found an empty path")
     directory = Path(logdir)
     if not directory.is_dir():
-        raise LogDirError(f"expected a log directory; found no directory at {directory}")
+        try:
+            found = f"{kind(os.stat(directory).st_mode)} at {directory}"
+        except OSError as exc:
+            found = f"no directory at {directory} ({exc.strerror or exc})"
+        raise LogDirError(f"expected a log directory; found {found}")
     segments = rank_segments(directory)
     if not segments:
         nested = directory / "logs"
@@ -121,10 +129,11 @@ def load(logdir: str | os.PathLike[str], job: str | None = None,
     if job is not None and not fold.attempts:
         raise LogDirError(f"expected events of job {job!r} in {directory}; found only "
                           + "; ".join(info.describe() for info in fold.jobs.values()))
-    dumps = [add_dump(fold, path, data) for path, data in flight_dumps(directory)]
-    add_stacks(fold, directory)
+    skipped: list[tuple[str, str]] = []
+    dumps = [add_dump(fold, path, data) for path, data in flight_dumps(directory, skipped)]
+    add_stacks(fold, directory, skipped)
     fold.finish()
-    return RunLogs(str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(),
+    return RunLogs(str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(), skipped,
                    None, job)
 
 
@@ -144,6 +153,6 @@ def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterabl
             context, inflate = stream
             fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
     fold.finish()
-    return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), source)
+    return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), None, source)
 
 

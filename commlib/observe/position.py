@@ -43,6 +43,7 @@ class RankPosition:
     last_finished: CallRef | None
     log_ends_ns: int | None  # when this rank's log for the attempt ends
     stack: list[str] | None = None  # call site of last_started, when a dump recorded it
+    cut: bool = False  # its log ends in a line cut short (killed while writing it, or still writing)
 
     def describe(self) -> str:
         parts = []
@@ -61,6 +62,8 @@ class RankPosition:
             parts.append(f"last event {self.last_event}")
         if self.stack:
             parts.append(f"called from {self.stack[-1].strip().splitlines()[0]}")
+        if self.cut:
+            parts.append("then a line cut short (killed while writing it)")
         return "; ".join(parts)
 
 
@@ -90,4 +93,5 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
     return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last_event, last_event_ns=last_event_ns,
                         step=step, phase=phase, last_started=ref(last_started), last_finished=ref(last_finished),
                         log_ends_ns=rl.last_ns,
-                        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack)
+                        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack,
+                        cut=rl.cut and at_ns is None)

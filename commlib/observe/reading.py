@@ -24,7 +24,9 @@ from typing import Any
 
 from commlib.observe.fold import Context, Fold
 from commlib.observe.codec import decode
-from commlib.observe.log import HEADER_EVENT, rank_segments
+from commlib.observe.files import open_regular
+from commlib.observe.log import after_cut, rank_segments
+from commlib.observe.logfile import HEADER_EVENT, HEADER_START
 from commlib.observe.records import FileReport, JobInfo, MixedJobsError
 
 FD_MARGIN = 64  # descriptors left to the rest of the process when every rank's file is open at once
@@ -33,7 +35,6 @@ BATCH = 10_000  # lines the pass reads and folds in at a time (`stream`)
 # expired, a send's or a recv's start or end (as `EventWriter` writes them: the op first).
 TIMEOUT_MARK = b'"collective.timeout"'
 P2P_STARTS = (b'{"op":"send"', b'{"op":"recv"')
-HEADER_START = b'{"event":"' + HEADER_EVENT.encode() + b'"'  # how the writer starts a log.open line
 _CLOCK_AND_RANK = operator.itemgetter(0, 1)
 
 
@@ -70,6 +71,7 @@ class RankReader:
         self.report = self.reports[-1]
         self.head: tuple[int, bytes, FileReport] | None = None  # the next line not taken yet
         self.ordered = False  # a line taken wants its window folded in wall-clock order (`stream`)
+        self.cut = False  # the files end in a line cut short (a kill mid-write), or being written
         self._index = -1
         self._file: Any = None
         self._offset = 0
@@ -89,7 +91,8 @@ class RankReader:
             report = self.report
             for raw in self._lines:
                 if raw[-1] != 10:  # b"\n"
-                    break  # a last line cut short by a kill, or still being written
+                    self.cut = True  # a last line cut short by a kill, or still being written
+                    break
                 at = raw.find(b'"ts_ns":')
                 end = raw.find(b",", at)
                 try:  # the clock read out of the bytes; parsed only when that fails
@@ -100,7 +103,7 @@ class RankReader:
                     report.garbled += 1
                     continue
                 report.events += 1
-                if raw.startswith(HEADER_START):  # only the writer writes them (`log._header_line`)
+                if raw.startswith(HEADER_START):  # only the writer writes them (`logfile.header_line`)
                     report.headers += 1
                 if ts >= until:
                     self.head = (ts, raw, report)
@@ -136,17 +139,18 @@ class RankReader:
             return False
 
     def _open(self) -> bool:
-        path = self.paths[self._index]
-        self.reports[self._index].bytes = os.path.getsize(path)
+        fd = open_regular(self.paths[self._index])
+        self.reports[self._index].bytes = os.fstat(fd).st_size
         if not self.keep_open:
+            os.close(fd)
             return self._refill()
-        self._file = open(path, "rb")
+        self._file = os.fdopen(fd, "rb")
         self._lines = iter(self._file)
         return True
 
     def _refill(self) -> bool:
         """The next block of whole lines of the current file (closed again until the next block)."""
-        with open(self.paths[self._index], "rb") as f:
+        with os.fdopen(open_regular(self.paths[self._index]), "rb") as f:
             f.seek(self._offset)
             lines = f.readlines(self.BLOCK)
             self._offset = f.tell()
@@ -197,7 +201,7 @@ def stream(fold: Fold, readers: list[RankReader]) -> None:
                 try:
                     event = decode(raw)
                 except ValueError:
-                    event = None
+                    event = _after_cut(raw, context, report)
                 if type(event) is dict:
                     add(event, context)
                 else:  # a clock in its bytes, but not a JSON event
@@ -206,9 +210,27 @@ def stream(fold: Fold, readers: list[RankReader]) -> None:
         for reader in live:
             context = contexts[reader.index]
             if reader.head is None and context.att is not None:
+                context.rl.cut = reader.cut  # type: ignore[union-attr]
                 fold.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
         live = [r for r in live if r.head is not None]
         window = max(1, min(window * 4, int(window * BATCH / max(1, lines))))
+
+
+def _after_cut(raw: bytes, context: Context, report: FileReport) -> dict[str, Any] | None:
+    """The header a garbled line hides (`log.after_cut`), its process's line cut short before it
+    counted as garbled and its rank as cut at that point; None where the line hides none."""
+    header = after_cut(raw)
+    try:
+        event = decode(header) if header is not None else None
+    except ValueError:
+        return None
+    if type(event) is not dict:
+        return None
+    report.garbled += 1
+    report.headers += 1
+    if context.rl is not None:
+        context.rl.cut = True
+    return event
 
 
 def _wants_order(raw: bytes) -> bool:
@@ -233,12 +255,12 @@ def mixed_jobs(directory: Path, jobs: dict[str | None, JobInfo]) -> MixedJobsErr
             for job, info in jobs.items()}
     for paths in rank_segments(directory).values():
         for path in paths:
-            with contextlib.suppress(OSError), open(path, "rb") as f:
+            with contextlib.suppress(OSError), os.fdopen(open_regular(path), "rb") as f:
                 for raw in f:
                     if b'"' + HEADER_EVENT.encode() + b'"' not in raw:
                         continue
-                    with contextlib.suppress(ValueError):
-                        header = decode(raw)
+                    with contextlib.suppress(ValueError, AttributeError):
+                        header = decode(raw if raw.startswith(HEADER_START) else after_cut(raw) or raw)
                         info = seen.setdefault(header.get("job"), JobInfo(header.get("job")))
                         info.ranks.add(header.get("rank"))
                         info.attempts.add(header.get("attempt") or 0)

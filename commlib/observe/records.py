@@ -156,6 +156,7 @@ class RankLog:
     last_finished: Call | None = None  # the ok call with the latest end
     first_failure_ns: int | None = None  # its first failure or mismatch event
     recovered: dict[str, Any] | None = None  # its last `recovery.in_job` event
+    cut: bool = False  # its log ends in a line cut short: its process was killed (or is) writing it
 
     @property
     def last_ns(self) -> int:

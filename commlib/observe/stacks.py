@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from commlib.observe.files import open_regular
+
 FILE_PATTERN = re.compile(r"^stacks_(?:(.+)_)?(\d+)\.txt$")  # the host is absent in files written before it was named
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
@@ -76,16 +78,23 @@ def file_name(host: str, pid: int) -> str:
     return f"stacks_{safe_host(host)}_{pid}.txt"
 
 
-def read_main_stacks(directory: Path) -> dict[tuple[str | None, int], list[Frame]]:
+def read_main_stacks(directory: Path, skipped: list[tuple[str, str]] | None = None
+                     ) -> dict[tuple[str | None, int], list[Frame]]:
     """(host as in the file name (`safe_host`), pid) -> the main thread's frames of the last
-    dump, for every stacks file of `directory` (host None: a file named by its pid alone)."""
+    dump, for every stacks file of `directory` (host None: a file named by its pid alone);
+    (path, why) of each that could not be read goes into `skipped`."""
     out: dict[tuple[str | None, int], list[Frame]] = {}
     for path in sorted(directory.glob("stacks_*.txt")):
         match = FILE_PATTERN.match(path.name)
         if match is None:
             continue
-        with open(path, errors="replace") as f:
-            frames = main_thread(last_dump(f))
+        try:
+            with open(open_regular(path), errors="replace") as f:
+                frames = main_thread(last_dump(f))
+        except OSError as exc:  # a FIFO among them is named, never waited on
+            if skipped is not None:
+                skipped.append((str(path), f"{type(exc).__name__}: {exc.strerror or exc}"))
+            continue
         if frames:
             out[(match.group(1), int(match.group(2)))] = frames
     return out

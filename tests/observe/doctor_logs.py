@@ -74,18 +74,18 @@ class Job:
 
     def append(self, rank: int, event: dict[str, Any] | str) -> None:
         with open(self.directory / f"rank{rank}.jsonl", "a") as f:
-            f.write(event if isinstance(event, str) else json.dumps(event) + "\n")
+            f.write(event if isinstance(event, str) else json.dumps(event, separators=(",", ":")) + "\n")
 
     def comm(self, rank: int, name: str = "world", comm_rank: int | None = None, size: int | None = None) -> None:
         self.event(rank, "comm.init", comm=name, backend="gloo", comm_rank=rank if comm_rank is None else comm_rank,
                    comm_size=self.size if size is None else size, timeout_s=300.0)
 
     def collective(self, rank: int, seq: int, op: str = "all_reduce", comm: str = "world", end: bool = True,
-                   comm_rank: int | None = None, **context: Any) -> None:
+                   comm_rank: int | None = None, deadline_s: float = 300.0, **context: Any) -> None:
         fields = {"comm": comm, "comm_rank": rank if comm_rank is None else comm_rank, "op": op, "seq": seq,
                   **context}
         self.event(rank, "collective.start", shapes=[[4]], dtype="torch.float32", bytes=16, root=None, peer=None,
-                   deadline_s=300.0, async_op=False, **fields)
+                   deadline_s=deadline_s, async_op=False, **fields)
         if end:
             self.event(rank, "collective.end", bytes=16, peer=None, duration_s=0.001, status="ok", **fields)
 
