@@ -37,6 +37,7 @@ class Diagnosis:
     # {"path", "why"}: rank files nothing was read from, and flight dumps and stacks files not read
     unreadable: list[dict[str, str]] = field(default_factory=list)
     skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any
+    read: Any = None  # how a verdict read the logs (`commlib.observe.tail.ReadInfo`); None: all of them
 
     @property
     def final(self) -> AttemptFinding | None:

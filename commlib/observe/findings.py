@@ -47,10 +47,10 @@ class AttemptFinding:
     status: str  # ok | failed | incomplete | recovered (in-job: every problem before every rank's last recovery)
     ranks: list[int]
     world_size: int | None
-    collectives: int  # distinct (communicator, seq) started
-    start_ns: int
+    collectives: int | None  # distinct (communicator, seq) started; None where the logs were read from the end
+    start_ns: int | None  # its first event; None where the logs were read from the end
     end_ns: int
     problems: list[Problem]
     culprits: list[int]  # the culprits of the earliest problem that names any
     positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
-    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
+    p2p_ops: int | None = 0  # distinct (communicator, pair, pair seq) started; None as `collectives`

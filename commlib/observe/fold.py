@@ -197,9 +197,9 @@ class Fold:
         comm_rank, comm_size = e.get("comm_rank"), e.get("comm_size")
         if comm_rank is not None and comm.members.get(comm_rank) != rl.rank:
             comm.members[comm_rank] = rl.rank
-            comm.counted = None
+            comm.member_cache = None
         if comm_size is not None and comm.size != comm_size:
-            comm.size, comm.counted = comm_size, None
+            comm.size, comm.member_cache = comm_size, None
         if name == "collective.start":
             self._start(att, comm, rl, e, ts)
         elif name == "collective.end":
@@ -219,7 +219,7 @@ class Fold:
         elif name == "comm.init":
             pending = self._pending_split.pop((att.attempt, rl.rank), None)
             if pending and pending[1] == comm_name and pending[0] in att.comms and comm.parent is None:
-                comm.parent, comm.counted = (att.comms[pending[0]], pending[2]), None
+                comm.parent, comm.member_cache = (att.comms[pending[0]], pending[2]), None
         if notice:  # after its call is handed over: a failure is drawn on the track of its communicator
             self._notice(att, rl, e, comm.label)
 
@@ -366,8 +366,8 @@ class Fold:
         calls = comm.calls[seq]
         if len(calls) < (comm.size or 0):
             done = self._done[att.attempt]
-            if not all(r in calls or r in done for r in comm.member_ranks()):
-                return
+            if len(done) < comm.member_count() - len(calls) or not comm.member_set().difference(calls) <= done:
+                return  # a member may still log it
         del comm.calls[seq]
         del comm.ok[seq]
         if disagree(calls.values()):

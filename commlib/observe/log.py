@@ -86,8 +86,10 @@ JOB_KEY = "commlib/job"  # where ranks without torchrun agree on their job id
 # What the header alone carries; every other line carries the rest of ProcessFields.
 HEADER_ONLY = ("host", "size", "job")
 # What of a communicator's own fields a collective's two lines leave to its other events
-# (`comm.init` first): the readers put them back.
-COMM_ONLY = ("backend", "comm_size")
+# (`comm.init` first): the readers put them back. Its size stays in every line (it costs
+# bytes, not time: it is in the line's pre-encoded tail), so that the last lines of a log say
+# who the members are (`commlib.observe.tail` reads only those).
+COMM_ONLY = ("backend",)
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl(?:\.(\d+))?$")
 
 _CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})

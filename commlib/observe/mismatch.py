@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from commlib.observe.findings import Kind, Problem
-from commlib.observe.records import CommLog
+from commlib.observe.records import CommLog, ranks_text
 
 
 def first_mismatch(comm: CommLog) -> dict[int, Problem]:
@@ -80,9 +80,9 @@ def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dic
     parts = []
     for g in groups:
         g_ops = sorted({str(ops[r]) for r in g if r in ops})
-        parts.append(f"ranks {g} issued {'/'.join(g_ops) or '?'}")
+        parts.append(f"{ranks_text(g)} issued {'/'.join(g_ops) or '?'}")
     how = "the consistency check caught it" if checked else "seen in the collective.start events"
-    who = f"the minority {culprits}" if majority else f"no majority: all of {culprits}"
+    who = f"the minority, {ranks_text(culprits)}" if majority else f"no majority: all of {ranks_text(culprits)}"
     message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
     op_names = sorted({str(o) for o in ops.values()})
     return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,

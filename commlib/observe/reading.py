@@ -163,6 +163,21 @@ class RankReader:
             self._file = None
 
 
+class WindowReader(RankReader):
+    """One rank's lines already read into memory (the end of its files: `commlib.observe.tail`),
+    taken as a `RankReader` takes those of its files; `cut`: they end in a line cut short."""
+
+    def __init__(self, rank: int, path: Path, lines: list[bytes], cut: bool) -> None:
+        super().__init__(rank, [path])
+        self._index = 0
+        self._lines = iter(lines)
+        self.report.bytes = sum(len(line) for line in lines)
+        self.cut = cut
+
+    def _advance(self) -> bool:
+        return False
+
+
 def stream(fold: Fold, readers: list[RankReader]) -> None:
     """Every rank's lines, window by window of wall-clock time: every line before the
     window's end from every rank, then the next window. The window is sized to hold about

@@ -121,6 +121,11 @@ class Call:
     done_before_wait = _Field("_end", "done_before_wait", "An async op: it had finished before its wait began.")
 
     @property
+    def start_logged(self) -> bool:
+        """Its start was read from its `collective.start` (not made up from its end or failure)."""
+        return self._start.get("event") == "collective.start"
+
+    @property
     def root(self) -> int | None:
         return None if self.peer is not None else self._start.get("root")
 
@@ -225,7 +230,7 @@ class CommLog:
     # rank (a send/recv's: (rank, peer)) -> the last seq its log has (sequence numbers only grow in an attempt)
     logged: dict[Any, int] = field(default_factory=dict)
     ok: dict[int, int] = field(default_factory=dict)  # seq -> calls finished ok (unsettled seqs)
-    counted: int | None = None  # len(member_ranks()), until members, size or parent change
+    member_cache: frozenset[int] | None = None  # member_ranks() as a set, until members, size or parent change
 
     def global_rank(self, comm_rank: int) -> int:
         if comm_rank in self.members:
@@ -238,10 +243,13 @@ class CommLog:
         size = self.size if self.size is not None else len(self.members)
         return sorted({self.global_rank(r) for r in range(size)} | set(self.members.values()))
 
+    def member_set(self) -> frozenset[int]:
+        if self.member_cache is None:
+            self.member_cache = frozenset(self.member_ranks())
+        return self.member_cache
+
     def member_count(self) -> int:
-        if self.counted is None:
-            self.counted = len(self.member_ranks())
-        return self.counted
+        return len(self.member_set())
 
     def pair_key(self, rank: int, peer: int, seq: int) -> tuple[int, int, int]:
         """(lower global rank, higher, pair seq) of `rank`'s send/recv with comm rank `peer`."""
@@ -396,18 +404,27 @@ class JobInfo:
 
     def describe(self) -> str:
         name = repr(self.job) if self.job is not None else "without a job id (an older log format)"
-        return (f"job {name}: ranks {_ranges(self.ranks)}, attempt(s) {sorted(self.attempts)}, "
+        return (f"job {name}: ranks [{rank_ranges(self.ranks)}], attempt(s) {sorted(self.attempts)}, "
                 f"{len(self.processes)} process(es)")
 
 
-def _ranges(ranks: Iterable[int]) -> str:
-    out: list[str] = []
-    for r in sorted(ranks):
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """Ranks as ranges, in order: "0-736, 738-999" (a thousand ranks in a few characters)."""
+    out: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
         else:
-            out.append(str(r))
-    return "[" + ", ".join(out) + "]"
+            out.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """"rank 3", "ranks 0-736, 738-999", or "no rank": how the doctor names a set of ranks."""
+    unique = set(ranks)
+    if not unique:
+        return "no rank"
+    return f"rank {next(iter(unique))}" if len(unique) == 1 else f"ranks {rank_ranges(unique)}"
 
 
 class Observer:

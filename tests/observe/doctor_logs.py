@@ -1,5 +1,6 @@
 """Shared by the observe tests (imported from their directory): a run's logs as they were while
-it still hung, logs written by hand (`Job`), and waiting for what another thread or process does."""
+it still hung, logs written by hand (`Job`), the verdict read from the end checked against the
+full read (`same_verdict`), and waiting for what another thread or process does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from commlib.observe.doctor import Diagnosis, diagnose
 from commlib.observe.log import read_events
+from commlib.observe.tail import verdict, verdict_fields
 
 
 def live_copy(src: Path, dest: Path) -> Path:
@@ -30,6 +33,15 @@ def live_copy(src: Path, dest: Path) -> Path:
             shutil.copy(dump, dest)
     return dest
 
+
+
+def same_verdict(logdir: Path, window: int = 600) -> Diagnosis:
+    """The verdict read from the end of each rank's log (`commlib.observe.tail`, with windows of
+    `window` bytes, so that it must decide how far back to read), checked equal to the full read's."""
+    full, tail = diagnose(logdir), verdict(logdir, window=window)
+    assert tail.exit_code == full.exit_code, logdir
+    assert [verdict_fields(a) for a in tail.attempts] == [verdict_fields(a) for a in full.attempts], logdir
+    return tail
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
@@ -81,13 +93,17 @@ class Job:
                    comm_size=self.size if size is None else size, timeout_s=300.0)
 
     def collective(self, rank: int, seq: int, op: str = "all_reduce", comm: str = "world", end: bool = True,
-                   comm_rank: int | None = None, deadline_s: float = 300.0, **context: Any) -> None:
-        fields = {"comm": comm, "comm_rank": rank if comm_rank is None else comm_rank, "op": op, "seq": seq,
-                  **context}
+                   comm_rank: int | None = None, deadline_s: float = 300.0, comm_size: int | None = None,
+                   **context: Any) -> int:
+        """A collective's start (and end); returns when it started."""
+        fields = {"comm": comm, "comm_rank": rank if comm_rank is None else comm_rank,
+                  "comm_size": self.size if comm_size is None else comm_size, "op": op, "seq": seq, **context}
         self.event(rank, "collective.start", shapes=[[4]], dtype="torch.float32", bytes=16, root=None, peer=None,
                    deadline_s=deadline_s, async_op=False, **fields)
+        started = self.now
         if end:
             self.event(rank, "collective.end", bytes=16, peer=None, duration_s=0.001, status="ok", **fields)
+        return started
 
     def flight_dump(self, rank: int, host: str, comm: str, comm_rank: int, entries: list[dict[str, Any]],
                     name: str) -> Path:

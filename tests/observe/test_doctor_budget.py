@@ -28,6 +28,7 @@ from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.model import MixedJobsError, load
 from commlib.observe.trace import build_trace
+from doctor_logs import same_verdict
 
 MAX_MB, KEEP = 0.02, 2  # 20 kB a file: a rotation every ~40 collectives
 COLLECTIVES = 400
@@ -104,6 +105,7 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
     assert len(jobs) == 1 and None not in jobs
 
     d = diagnose(logs)
+    same_verdict(logs)  # read from the end: the same verdict, across the rotated files
     final = d.final
     assert final is not None and (final.status, final.culprits, d.unreadable) == ("failed", [1], [])
     [timeout] = [p for p in final.problems if p.kind is Kind.TIMEOUT]
