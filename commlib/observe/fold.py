@@ -37,7 +37,12 @@ from commlib.observe.records import (ERROR_LEVELS, FAILURE_EVENTS, MISMATCH_EVEN
                                      AttemptLog, Call, CommLog, ErrorGroup, JobInfo, MixedJobsError, Observer,
                                      RankLog, disagree, peer_of)
 
-LATENCY_BLOCK = 256  # durations a communicator gathers per (op, bytes) before they go into its sketch
+class Unplaceable(ValueError):
+    """An event that names no rank or attempt the model can be kept by (a line to count as garbled)."""
+
+
+LATENCY_BLOCK = 256
+RANK_LISTS = ("missing_ranks", "stale_ranks", "failed_ranks", "differing_ranks")  # a failure's ranks  # durations a communicator gathers per (op, bytes) before they go into its sketch
 
 class Context:
     """What the pass knows of the events of one stream: its file's rank, and the process,
@@ -89,7 +94,9 @@ class Fold:
         ts = e["ts_ns"]
         attempt, rank = get("attempt"), get("rank", context.file_rank)
         if attempt != context.attempt or rank != context.rank:
-            self._enter(e, context, int(attempt or 0), int(rank))
+            if type(rank) is not int or (attempt is not None and type(attempt) is not int):
+                raise Unplaceable(f"expected an integer rank and attempt; found {rank!r}, {attempt!r}")
+            self._enter(e, context, attempt or 0, rank)
         rl = context.rl
         rl.last = e  # type: ignore[union-attr]
         if get("step") is not None or get("phase") is not None:
@@ -183,7 +190,7 @@ class Fold:
         att, rl, comm_name = context.att, context.rl, e.get("comm")
         assert att is not None and rl is not None
         notice = name in NOTICE_EVENTS or e.get("level") in NOTICE_LEVELS
-        if name == "recovery.in_job":
+        if name == "recovery.in_job" and type(e.get("epoch")) is int:
             rl.recovered = e
         if not isinstance(comm_name, str):
             if notice:
@@ -206,13 +213,13 @@ class Fold:
             self._close(att, comm, rl, self._call(att, comm, rl, e, ts), e, "ok", ts, e.get("bytes"))
         elif name in FAILURE_EVENTS:
             call = self._call(att, comm, rl, e, ts)
-            comm.failures.append({**e, "label": comm.label})
+            comm.failures.append({**e, **_rank_lists(e), "label": comm.label})
             self._failed(rl, ts)
             self._close(att, comm, rl, call, e, e.get("status") or "failed", ts)
             if name == "collective.timeout":
                 self._snapshot(att, comm, e, ts)
         elif name == MISMATCH_EVENT and isinstance(e.get("seq"), int):
-            comm.mismatches[e["seq"]][rl.rank] = {**e, "label": comm.label}
+            comm.mismatches[e["seq"]][rl.rank] = {**e, **_rank_lists(e), "label": comm.label}
             self._failed(rl, ts)
         elif name == "comm.split":
             self._pending_split[(att.attempt, rl.rank)] = (comm.label, e.get("new_comm"), list(e.get("ranks") or []))
@@ -236,7 +243,8 @@ class Fold:
             observer.notice(att, e, label)
         name = e.get("event", "")
         if e.get("level") in ERROR_LEVELS and name not in NOTICE_EVENTS:
-            key = (str(name), e.get("error_type"))
+            error_type = e.get("error_type")
+            key = (str(name), error_type if error_type is None or isinstance(error_type, str) else str(error_type))
             group = att.errors.get(key)
             if group is None:
                 group = att.errors[key] = ErrorGroup(key[0], key[1], {**e, "label": label})
@@ -327,6 +335,8 @@ class Fold:
                ts: int, nbytes: int | None = None) -> None:
         """`call` ended with `e` (`nbytes`: what its collective.end says it moved)."""
         duration = e.get("duration_s")
+        if type(duration) is not float and not isinstance(duration, int):
+            duration = None  # not a number: an event not of commlib's writing
         call.status = status
         call.end_ns = ts
         call.duration_s = duration
@@ -439,6 +449,12 @@ class Fold:
         n = self._incarnation[(attempt, rank, name)]
         return name if n <= 1 else f"{name}#{n}"
 
+
+
+def _rank_lists(e: dict[str, Any]) -> dict[str, list[int]]:
+    """A failure's lists of ranks, each a list of integers (an event not of commlib's writing may hold anything)."""
+    return {k: [r for r in v if type(r) is int] if isinstance(v, list) else [] for k in RANK_LISTS
+            if (v := e.get(k)) is not None}
 
 
 def _count_waits(att: AttemptLog, comm: CommLog, calls: dict[int, Call]) -> None:

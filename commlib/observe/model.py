@@ -22,6 +22,7 @@ logs of more than one job is refused (`MixedJobsError`, naming each) unless one 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ from typing import Any
 
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.files import kind
-from commlib.observe.fold import Context, Fold
+from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.log import Inflater, rank_segments, read_run
 from commlib.observe.reading import RankReader, enough_descriptors, mixed_jobs, stream
 from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, MixedJobsError, Observer
@@ -151,7 +152,8 @@ def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterabl
             if stream is None:
                 stream = streams[event["rank"]] = (Context(event["rank"]), Inflater())
             context, inflate = stream
-            fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
+            with contextlib.suppress(Unplaceable):  # an event of no rank or attempt the model can keep
+                fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
     fold.finish()
     return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), None, source)
 

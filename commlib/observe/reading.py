@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.fold import Context, Fold
+from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.codec import decode
 from commlib.observe.files import open_regular
 from commlib.observe.log import after_cut, rank_segments
@@ -218,10 +218,15 @@ def stream(fold: Fold, readers: list[RankReader]) -> None:
                 except ValueError:
                     event = _after_cut(raw, context, report)
                 if type(event) is dict:
-                    add(event, context)
-                else:  # a clock in its bytes, but not a JSON event
-                    report.events -= 1
-                    report.garbled += 1
+                    try:
+                        add(event, context)
+                        continue
+                    except MixedJobsError:
+                        raise
+                    except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
+                        pass  # fields of a type commlib never writes: the line is not read
+                report.events -= 1  # a clock in its bytes, but not an event of a rank
+                report.garbled += 1
         for reader in live:
             context = contexts[reader.index]
             if reader.head is None and context.att is not None:

@@ -178,3 +178,17 @@ def test_a_log_dir_argument_that_is_no_directory_is_refused_saying_what_it_is(
                        (str(fifo), "a FIFO at")):
         assert main([arg]) == 2, arg
         assert f"expected a log directory; found {found}" in capsys.readouterr().err
+
+
+def test_events_with_fields_commlib_never_writes_are_skipped_not_a_traceback(tmp_path: Path) -> None:
+    _hang(tmp_path)
+    job = Job(tmp_path, size=2)
+    for wrong in ({"attempt": "x"}, {"rank": "zero"}, {"error_type": ["x"], "level": "error"},
+                  {"epoch": [1], "event": "recovery.in_job"}, {"duration_s": "slow", "event": "collective.end"},
+                  {"missing_ranks": "all", "event": "collective.timeout", "level": "error"}):
+        job.append(0, json.dumps({"event": "train.odd", "comm": "world", "op": "all_reduce", "seq": 9, "pid": 100,
+                                  "rank": 0, "attempt": 0, "ts_ns": job.tick(), **wrong}) + "\n")
+    for args in ([], ["--verdict"], ["--json"]):
+        assert main([str(tmp_path), *args]) == 1, args  # a verdict, and no traceback
+    # Not read: the lines without an integer rank or attempt, and the end whose duration is not a number.
+    assert diagnose(tmp_path).skipped_lines == {str(tmp_path / "rank0.jsonl"): 3}
