@@ -322,13 +322,21 @@ def tails(args: argparse.Namespace) -> int:
     """`--verdict` against the full report on each directory (the tests' logs, say)."""
     differing = 0
     for logdir in args.dirs:
-        tail, m, found = _tail_and_full(logdir)
-        differing += bool(found)
-        print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({tail['read']}; {_verdict(tail['stdout'])})")
-        for line in found[:10]:
-            print(f"    {line}")
-    print(f"{len(args.dirs) - differing} of {len(args.dirs)} directories: the same verdict from the end as from "
-          f"the full read")
+        tail, _, found = _tail_and_full(logdir)
+        differing += _said(logdir, found, f"{tail['read']}; {_verdict(tail['stdout'])}")
+    return _tally(len(args.dirs), differing, "from the end as from the full read")
+
+
+def _said(logdir: Path, found: list[str], summary: str) -> int:
+    """Whether `logdir`'s two verdicts differ (1) or not (0), printed with where they differ."""
+    print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({summary})")
+    for line in found[:10]:
+        print(f"    {line}")
+    return int(bool(found))
+
+
+def _tally(dirs: int, differing: int, how: str) -> int:
+    print(f"{dirs - differing} of {dirs} directories: the same verdict {how}")
     return 1 if differing else 0
 
 
@@ -383,13 +391,8 @@ def verdicts(args: argparse.Namespace) -> int:
                      for tree in (old_tree, REPO)]
             if texts[0] != texts[1]:
                 found.append("the reports' text differs")
-            differing += bool(found)
-            print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({_verdict(new['stdout'])})")
-            for line in found[:10]:
-                print(f"    {line}")
-    print(f"{len(args.dirs) - differing} of {len(args.dirs)} directories: the same verdict from {args.ref} "
-          f"and this one")
-    return 1 if differing else 0
+            differing += _said(logdir, found, _verdict(new["stdout"]))
+    return _tally(len(args.dirs), differing, f"from {args.ref} and this one")
 
 
 # ---------------------------------------------------------------------------------------

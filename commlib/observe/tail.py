@@ -32,7 +32,8 @@ Where the tail cannot decide, the whole directory is read (`commlib.observe.mode
 the verdict says why (`ReadInfo.full_read_because`): an in-job recovery in a window (whether
 the attempt recovered depends on its whole history), the logs of more than one job, a job
 asked for (--job), attempt numbers that go back within a rank's files, a rank's file that
-cannot be read, more files than the process may hold open.
+cannot be read, more files than the process may hold open; and windows that would hold more
+than half of the logs (a hang near their start): the full read streams them in less memory.
 
 What the verdict leaves to the full report (`commlib.observe.doctor.diagnose`): the statistics
 (stragglers, latency, bandwidth) and the counts of collectives and of time; and what lies wholly
@@ -75,6 +76,7 @@ _ATTEMPT = re.compile(rb'"attempt":(\d+)')
 _PID = re.compile(rb'"pid":(\d+)')
 _CLOCK = re.compile(rb'"ts_ns":(\d+)')
 GROWTH = 4  # a window that must reach further back grows this many times over
+MOST = 0.5  # windows that would hold more than this share of the logs: the (streaming) full read instead
 # A rank polling a call: the call's start is looked for this long before its wait says it began
 # (the wait says it on the monotonic clock, the start's line on the wall clock).
 WAIT_MARGIN_NS = 10_000_000
@@ -260,7 +262,7 @@ def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]
              ) -> list[tuple[int, int, str, int, int | None, float]]:
     """(rank, attempt, communicator, seq, peer, when it began) of each call a window shows its rank
     waiting in (`collective.wait_timeout`: a caller's shorter wait, polling an op that goes on)."""
-    out = []
+    out: dict[tuple[int, int, str, int, int | None], float] = {}  # the earliest of a call's waits
     for rank, (_, segments) in ranks.items():
         for s in segments:
             for line in s.lines if not s.whole else ():
@@ -273,8 +275,9 @@ def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]
                 if isinstance(e, dict) and isinstance(e.get("seq"), int) and isinstance(e.get("comm"), str):
                     peer, elapsed = e.get("peer"), e.get("elapsed_s")
                     began = e.get("ts_ns", 0) - (elapsed * 1e9 if isinstance(elapsed, (int, float)) else 0)
-                    out.append((rank, s.attempt, e["comm"], e["seq"], peer if isinstance(peer, int) else None, began))
-    return out
+                    key = (rank, s.attempt, e["comm"], e["seq"], peer if isinstance(peer, int) else None)
+                    out[key] = min(out.get(key, began), began)
+    return [(*key, began) for key, began in out.items()]
 
 
 def _pid(line: bytes) -> bytes | None:
@@ -404,8 +407,14 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
     dumps_read = flight_dumps(directory, skipped)
     grow = set(sizes)
     rounds = 0
+    total = sum(files.size for files, _ in ranks.values())
     while grow:
         rounds += 1
+        planned = sum(min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items()
+                      for s in segments)
+        if planned > total * MOST:  # streamed, the full read holds less and takes no longer
+            return _full(directory, None, f"the verdict needs {planned / max(1, total):.0%} of the logs (a hang or "
+                                          f"failure far back): read in full")
         for rank, (files, segments) in ranks.items():
             for s in segments:
                 if (rank, s.attempt) in grow:
@@ -454,7 +463,6 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
         for key in grow:
             sizes[key] *= GROWTH
     read = sum(len(line) for _, segments in ranks.values() for s in segments for line in s.lines)
-    total = sum(files.size for files, _ in ranks.values())
     info = ReadInfo(read, total, sorted(r for r, (_, segments) in ranks.items() if all(s.whole for s in segments)),
                     rounds)
     atts = fold.attempts

@@ -18,7 +18,7 @@ import pytest
 
 from commlib.doctor import main
 from commlib.observe.records import MixedJobsError
-from commlib.observe.tail import verdict
+from commlib.observe.tail import GROWTH, verdict
 from doctor_logs import Job, same_verdict
 
 WINDOW = 600  # bytes: two or three lines of each rank's log at a time (`same_verdict`'s)
@@ -60,16 +60,18 @@ def _hang(directory: Path, at: float, polls: bool = True) -> Job:
     return job
 
 
-@pytest.mark.parametrize("at", [0.02, 0.5, 0.98])
+@pytest.mark.parametrize("at", [0.02, 0.5, 0.7, 0.98])
 def test_a_hang_anywhere_in_a_long_log_is_the_full_reads(tmp_path: Path, at: float) -> None:
     _hang(tmp_path, at)
     tail = same_verdict(tmp_path)
     [hang] = tail.final.problems  # type: ignore[union-attr]
     assert (hang.kind.value, hang.ranks, hang.seq) == ("hang", [CULPRIT], 2 * int(at * STEPS) + 1)
-    total = tail.read.bytes_total
-    assert tail.read.full_read_because is None and tail.read.bytes_read < total  # never the whole logs
-    if at > 0.9:
-        assert tail.read.bytes_read < total / 10  # a hang at the end: only the end is read
+    read, total = tail.read.bytes_read, tail.read.bytes_total
+    if at <= 0.5:  # the polls reach back to more than half of the logs: streamed in full, and said so
+        assert "of the logs (a hang or failure far back): read in full" in tail.read.full_read_because
+    else:  # read from the end, straight back to where the hang began
+        beyond = RANKS * WINDOW * GROWTH ** 2  # two rounds of windows grown past what they need
+        assert tail.read.full_read_because is None and read < total * (1 - at) * 1.5 + beyond, (read, total)
 
 
 def test_a_deadline_that_expired_names_the_same_culprit_and_places(tmp_path: Path) -> None:
