@@ -92,7 +92,7 @@ class Work:
         # A Work given up on while its op runs (a `WaitTimeout` not waited again): dropping the
         # engine's work would block this thread until the op ends, so it is kept until then.
         if not self.done and self._device_op is None and keep_until_done is not None:  # None: interpreter teardown
-            keep_until_done(self._backend_work, self._comm._backend)
+            keep_until_done(self._backend_work, self._comm._backend, self._backend_work.is_completed)
 
     def is_completed(self) -> bool:
         """Whether the op has ended (on its device, for a stream-ordered engine); never blocks."""
@@ -376,7 +376,7 @@ class Communicator:
                 "op": entry.op, "seq": call.seq, "shapes": entry.shapes, "dtype": entry.dtype, "bytes": entry.nbytes,
                 "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op,
                 "reduce_op": None if reduce_op is None else str(reduce_op)})
-        if start is not None:
+        if self._device is not None:
             op = self._device.launch(call, entry, start)
             return Work(self, call, op.work, entry, op) if call.async_op else None
         try:
@@ -411,7 +411,7 @@ class Communicator:
                             waited_s=budget, deadline_s=call.deadline_s)
             raise self._judge.wait_timeout(call, entry, budget)
         if finished is not True:
-            keep_until_done(backend_work, self._backend)
+            keep_until_done(backend_work, self._backend, backend_work.is_completed)
             if finished is False:
                 raise self._timed_out(call, entry, None)
             raise self._peer_left(call, entry, finished)  # a peer's abort announcement, read between slices

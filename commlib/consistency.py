@@ -124,7 +124,7 @@ class ConsistencyCheck:
         except Exception as exc:
             raise comm._fail(call, self._entry(call, started), exc) from exc
         if outcome is not True:
-            keep_until_done(work, backend)
+            keep_until_done(work, backend, work.is_completed)
             self._failed(call, started, outcome)
         return int(both[0]) == digest == -int(both[1])
 

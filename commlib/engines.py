@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commlib import settings
 from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator
 from commlib.observe import log as _log
 
@@ -42,6 +43,8 @@ class EngineOptions:
     # The default group configures this process's logs (COMMLIB_LOG_DIR) and SIGUSR1 dump,
     # unless its maker (commlib.init) has done so.
     configure_process: bool = True
+    # The device the group's CUDA engine runs on (`main_cuda_device`); commlib.init passes its own.
+    device: torch.device | str | None = None
     # An engine of the caller's own, in place of `engine`: called as
     # `backend_factory(store=, rank=, size=, device=, timeout=)` for every communicator of the
     # group (rebuilt ones too) and returning a `commlib.backends.base.Backend`. The tests'
@@ -106,9 +109,28 @@ def devices_for(options: EngineOptions, name: str) -> list[tuple[torch.device, s
         raise RuntimeError("commlib process group: expected CUDA for the nccl engine; found none")
     if not cuda:
         return [(torch.device("cpu"), name)]
-    main = torch.device("cuda", torch.cuda.current_device())
+    local_rank = settings.env_integer("LOCAL_RANK", -1, low=0)
+    main = main_cuda_device(options.device, local_rank, torch.cuda.device_count(), torch.cuda.current_device)
     # nccl cannot move CPU tensors (object collectives, DCP metadata): a gloo one beside it can.
     return [(main, name)] + ([(torch.device("cpu"), f"{name}.cpu")] if engine == "auto" else [])
+
+
+def main_cuda_device(asked: torch.device | str | None, local_rank: int, device_count: int,
+                     current: Callable[[], int]) -> torch.device:
+    """The CUDA device a group's engine runs on, fixed when the group is made: the one asked for
+    (`EngineOptions.device`, which `commlib.init(device=)` sets), else the one torchrun's
+    LOCAL_RANK gives this rank of its node, else the current device. Never only the current
+    device where anything else says: a trainer may set it after `init_process_group` (or pass
+    only `device_id=`, which a creator that returns its own group never sees), and the
+    watchdog would then read events of another device than the one NCCL runs on."""
+    if asked is not None:
+        device = torch.device(asked)
+        if device.type != "cuda":
+            raise ValueError(f"commlib process group: expected a CUDA device for its CUDA engine; found {device}")
+        return device if device.index is not None else torch.device("cuda", current())
+    if 0 <= local_rank < device_count:
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", current())
 
 
 def build_communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,

@@ -94,6 +94,7 @@ def init(
                                 pg_options=EngineOptions(engine=backend, name=name,
                                                          check_consistency=check_consistency,
                                                          torchcomms_backend=torchcomms_backend,
+                                                         device=dev if dev.type == "cuda" else None,
                                                          configure_process=False))
         comm = current()
     from commlib import dist as commlib_dist
