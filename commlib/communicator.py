@@ -376,7 +376,7 @@ class Communicator:
                 "op": entry.op, "seq": call.seq, "shapes": entry.shapes, "dtype": entry.dtype, "bytes": entry.nbytes,
                 "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op,
                 "reduce_op": None if reduce_op is None else str(reduce_op)})
-        if self._device is not None:
+        if start is not None:
             op = self._device.launch(call, entry, start)
             return Work(self, call, op.work, entry, op) if call.async_op else None
         try:

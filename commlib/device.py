@@ -30,7 +30,7 @@ the runtime's device the thread's current one, so a rank on GPU k never creates 
 GPU 0 from that thread, and `Runtime.side_thread()` puts the watchdog's thread (once) in the
 thread-local capture mode, so its queries never invalidate a CUDA graph that another thread
 is capturing. An op issued while the caller's stream is capturing a graph is not watched at
-all (`mark()` returns None): it is recorded into the graph, not run, and its replays are the
+all (`mark()` returns `CAPTURED`): it is recorded into the graph, not run, and its replays are the
 graph's; and `commlib.check()` on a thread that is capturing reads no event (`capturing()`).
 """
 
@@ -68,14 +68,25 @@ class Event(Protocol):
         """Whether the point it stands for has been reached; never blocks."""
 
 
+class _Captured:
+    """What `Runtime.mark` gives while the caller's stream captures a CUDA graph: no point of a
+    stream that runs now (module docstring)."""
+
+    def query(self) -> bool:
+        return True
+
+
+CAPTURED = _Captured()
+
+
 class Runtime(Protocol):
     """The stream operations commlib uses (module docstring)."""
 
     device: torch.device
 
-    def mark(self) -> Event | None:
-        """A (pooled) event recorded on the caller's current stream of this device; None while
-        that stream is capturing a CUDA graph (the op is then not watched)."""
+    def mark(self) -> Event:
+        """A (pooled) event recorded on the caller's current stream of this device; `CAPTURED`
+        while that stream is capturing a CUDA graph (the op is then not watched)."""
 
     def release(self, event: Event) -> None:
         """Hand a completed event that nothing holds back for reuse."""
@@ -102,7 +113,7 @@ class CudaRuntime:
         # Captures run on the device that is current (torch.cuda.graph's own stream): the one
         # whose current stream this asks about.
         if torch.cuda.is_current_stream_capturing():
-            return None
+            return CAPTURED
         event = self._pool.pop() if self._pool else torch.cuda.Event()  # timing off, not blocking
         event.record(torch.cuda.current_stream(self.device))
         return event

@@ -30,7 +30,7 @@ of an aborted engine may still run until the abort has returned (ncclCommAbort r
 the device has drained them), so each is kept with its tensors until its end is reached or
 the abort has returned: memory an aborted kernel may still write is never handed back early.
 
-An op issued while the caller's stream captures a CUDA graph (`Runtime.mark` gives no start)
+An op issued while the caller's stream captures a CUDA graph (`Runtime.mark` gives `CAPTURED`)
 is recorded into the graph, not run: it is recorded as ended at once and never watched; the
 graph's replays are the caller's (the log says so once per communicator).
 """
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from commlib.backends.base import keep_until_done
-from commlib.device import Event, Runtime, engine_timeout_s
+from commlib.device import CAPTURED, Event, Runtime, engine_timeout_s
 from commlib.errors import CommError
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
@@ -82,9 +82,9 @@ class DeviceOps:
         return self.undelivered is not None
 
     # -- the caller's thread -----------------------------------------------------------
-    def launch(self, call: Collective, entry: FlightEntry, start: Event | None) -> DeviceOp:
+    def launch(self, call: Collective, entry: FlightEntry, start: Event) -> DeviceOp:
         """Launch on the engine and hand the op to the watchdog; the CPU never waits (module
-        docstring). An op captured into a CUDA graph (`start` is None) is not handed over."""
+        docstring). An op captured into a CUDA graph (`start` is `CAPTURED`) is not handed over."""
         comm, backend = self.comm, self.comm._backend
         launched = self._as_all_reduce(call) if call.op is OpName.BARRIER else call
         try:
@@ -95,12 +95,12 @@ class DeviceOps:
                     work.order()
             elif call.async_op:
                 raise RuntimeError(f"backend {backend.name} gave an asynchronous op no end to watch")
-            elif start is not None:  # it ran on the caller's stream: the point right after it is its end
+            else:  # it ran on the caller's stream: the point right after it is its end
                 end = self.runtime.mark()
         except Exception as exc:
             raise comm._fail(call, entry, exc) from exc
         op = DeviceOp(call, entry, work, backend.lane(launched), start, end, work.end is None)
-        if start is None:
+        if start is CAPTURED:
             self._captured(call, entry)
             return op
         self.in_flight.add(op)

@@ -60,8 +60,8 @@ class DeviceOp:
     entry: FlightEntry
     work: BackendWork
     lane: int | None  # the engine lane it runs on (`Backend.lane`)
-    start: Event | None  # on the caller's stream before the launch (`commlib.device`); None: captured, unwatched
-    end: Event | None  # reached once the op has ended: the engine's (`BackendWork.end`) or commlib's own event
+    start: Event  # on the caller's stream before the launch (`commlib.device`)
+    end: Event  # reached once the op has ended: the engine's (`BackendWork.end`) or commlib's own event
     marked_end: bool  # `end` is commlib's own event, which goes back to the pool
     started_mono_ns: int | None = None  # when the watchdog first saw it started on the device
     next_read_ns: int = 0  # when to read the store for a peer's abort announcement next

@@ -40,7 +40,6 @@ from commlib.backends import nccl
 from commlib.backends.gloo_p2p import OnePieceWait, PeerLanes
 from commlib.device import CudaRuntime
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
-from commlib.observe import log as _log
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
 ENGINES = ("gloo", "nccl")

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.backends.c10d import C10dBackend
-from commlib.device import engine_timeout_s
+from commlib.device import CAPTURED, engine_timeout_s
 from commlib.failures import Failure
 from commlib.ops import Collective, OpName, Reduction
 from commlib.process_group import EngineOptions
@@ -199,9 +199,9 @@ class EmulatedRuntime:
         self.created = 0  # events made, not taken from the pool
         self.calls = {"mark": 0}
 
-    def mark(self) -> EmulatedEvent | None:
+    def mark(self) -> Any:
         if self.on.is_capturing():
-            return None
+            return CAPTURED
         self.calls["mark"] += 1
         if self._pool:
             event = self._pool.pop()

@@ -11,9 +11,7 @@ on, and in-job recovery rebuilds the engines and the job goes on.
 
 from __future__ import annotations
 
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,7 +20,6 @@ import commlib
 import commlib.dist as cdist
 from commlib import testing
 
-import emulated_device
 from emulated_device import device, init as _init, raised as _raised
 
 DEADLINE_S = 1.0
