@@ -94,11 +94,12 @@ class ConsistencyCheck:
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
-        differing = sorted(r for v, rs in groups.items() if v != mine for r in rs)
-        detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+        members = comm.members
+        differing = members.global_of(sorted(r for v, rs in groups.items() if v != mine for r in rs))
+        detail = "; ".join(f"{members.names(rs, 'ranks')}: {v}" for v, rs in groups.items())
         error = CollectiveMismatch(
-            f"{call.op} #{call.seq} on {comm.name!r} rank {comm.rank}: expected every rank to issue the same "
-            f"collective; found {detail}", differing_ranks=differing, **comm._judge.where(call))
+            f"{call.op} #{call.seq} on {comm.name!r} {members.name(comm.rank)}: expected every rank to issue the "
+            f"same collective; found {detail}", differing_ranks=differing, **comm._judge.where(call))
         comm._log.error("collective.mismatch", op=call.op.value, seq=call.seq, error=str(error),
                        differing_ranks=differing)
         run_hooks(comm.hooks, "failure", call, error)

@@ -4,8 +4,11 @@ Old and new names both work (`all_gather_into_tensor`, `_all_gather_base` and
 `all_gather_single`; `reduce_scatter_tensor`, `_reduce_scatter_base` and
 `reduce_scatter_single`; `broadcast(tensor, src=...)`, `reduce(tensor, dst=...)`), with no
 FutureWarning, because every call is routed through a `Communicator`: the one passed as
-`group=`, else the default one: the communicator the first `commlib.init` made, or the
-one given to `use(comm)`. Old names come from `commlib.compat`'s table,
+`group=`, else the one given to `use(comm)`, else the one under torch.distributed's default
+group as it is now (a commlib group's: so after in-job recovery calls go to the rebuilt
+communicator, and after `destroy_process_group` nothing here keeps the old one, its sockets
+and its store client, alive). `commlib.init` over a default group of another backend hands
+its communicator to `use`. Old names come from `commlib.compat`'s table,
 so this module holds no list of renames of its own. `src`/`dst` here are ranks of the
 communicator (torch.distributed's `group_src`/`group_dst`), and reductions may be
 `torch.distributed.ReduceOp`s.
@@ -44,7 +47,8 @@ def use(comm: Communicator) -> None:
 
 
 def use_if_unset(comm: Communicator) -> None:
-    """`use(comm)` unless a default is set already (what `commlib.init` does)."""
+    """`use(comm)` unless a default is set already (what `commlib.init` does over another
+    backend's default group; a commlib default group needs none: module docstring)."""
     if not _DEFAULT:
         use(comm)
 
@@ -54,10 +58,15 @@ def _comm(group: Communicator | None) -> Communicator:
         if not isinstance(group, Communicator):
             raise TypeError(f"commlib.dist: expected group to be a commlib Communicator; found {type(group).__name__}")
         return group
-    if not _DEFAULT:
+    if _DEFAULT:
+        return _DEFAULT[0]
+    from commlib.process_group import CommlibProcessGroup  # it imports this module
+
+    world = _tdist.group.WORLD if _tdist.is_initialized() else None
+    if not isinstance(world, CommlibProcessGroup):
         raise RuntimeError("commlib.dist: expected a default communicator; found none "
-                           "(call commlib.dist.use(comm) after commlib.init, or pass group=)")
-    return _DEFAULT[0]
+                           "(call commlib.init, or commlib.dist.use(comm), or pass group=)")
+    return world.communicator()
 
 
 def to_reduction(op: Any) -> Reduction:

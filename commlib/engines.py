@@ -65,12 +65,11 @@ def check_consistency(explicit: bool | None, comm_name: str) -> bool:
     """
     if explicit is not None:
         return explicit
-    for variable, value in ((CHECK_CONSISTENCY_ENV, "1"), (TORCH_DEBUG_ENV, "DETAIL")):
-        if os.environ.get(variable, "").upper() == value:
-            _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True,
-                                   because=f"{variable}={value}")
-            return True
-    return False
+    because = (f"{CHECK_CONSISTENCY_ENV}=1" if settings.env_flag(CHECK_CONSISTENCY_ENV) else
+               f"{TORCH_DEBUG_ENV}=DETAIL" if os.environ.get(TORCH_DEBUG_ENV, "").upper() == "DETAIL" else None)
+    if because is not None:
+        _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True, because=because)
+    return because is not None
 
 
 @dataclass(frozen=True)
@@ -83,22 +82,19 @@ class Recipe:
     rank: int
     size: int
     timeout_s: float
-    world_rank: int
+    global_ranks: tuple[int, ...]  # of the members, by group rank
 
     def build(self, store: dist.Store, timeouts: dict[str, float] | None = None) -> dict[str, Communicator]:
         """The group's communicators; `timeouts`: each device's deadline, where not the recipe's."""
         timeouts = timeouts or {}
         return {device.type: build_communicator(self.options, device, comm_name, store, self.rank, self.size,
-                                           timeouts.get(device.type, self.timeout_s), self.world_rank)
+                                           timeouts.get(device.type, self.timeout_s), self.global_ranks)
                 for device, comm_name in self.devices}
 
 
 def engine_named(options: EngineOptions) -> str:
     """The engine asked for: an explicit choice, else `COMMLIB_ENGINE`, else auto."""
-    engine = options.engine if options.engine != "auto" else os.environ.get(ENGINE_ENV, "auto")
-    if engine not in ENGINES:
-        raise ValueError(f"commlib process group: expected {ENGINE_ENV} in {ENGINES}; found {engine!r}")
-    return engine
+    return options.engine if options.engine != "auto" else settings.env_choice(ENGINE_ENV, ENGINES, "auto")
 
 
 def devices_for(options: EngineOptions, name: str) -> list[tuple[torch.device, str]]:
@@ -134,7 +130,7 @@ def main_cuda_device(asked: torch.device | str | None, local_rank: int, device_c
 
 
 def build_communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,
-                  size: int, timeout_s: float, world_rank: int) -> Communicator:
+                  size: int, timeout_s: float, global_ranks: tuple[int, ...]) -> Communicator:
     engine = engine_named(options)
     store = dist.PrefixStore(f"{device.type}/", store)
     timeout = timedelta(seconds=timeout_s)
@@ -151,4 +147,4 @@ def build_communicator(options: EngineOptions, device: torch.device, name: str, 
         kind = "nccl" if device.type == "cuda" else "gloo"
         impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
     return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, bool(options.check_consistency),
-                        world_rank=world_rank)
+                        global_ranks=global_ranks)

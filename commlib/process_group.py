@@ -111,10 +111,11 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
         if compat.BACKFILLED:
             _log.get_logger().info("compat.backfilled", names=list(compat.BACKFILLED))
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
-    world_rank = opts.group_rank if is_default else dist.get_rank()
+    # The members' global ranks, by group rank (torch lists them for every group but the default one).
+    global_ranks = tuple(range(opts.group_size)) if is_default else tuple(opts.global_ranks_in_group)
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
     recipe = Recipe(options, tuple(devices_for(options, name)), opts.store, opts.group_rank, opts.group_size,
-                     _deadline_of_new_group(opts.timeout, is_default), world_rank)
+                     _deadline_of_new_group(opts.timeout, is_default), global_ranks)
     _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
     group._recipe = recipe
