@@ -39,29 +39,61 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from commlib.backends.base import keep_until_done
+from commlib.backends.base import Backend, keep_until_done
 from commlib.device import CAPTURED, Event, Runtime, engine_timeout_s
 from commlib.errors import CommError
+from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
 from commlib.validation import deadline_timedelta
-from commlib.verdicts import report_side_failure
+from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp, InFlight
 
-if TYPE_CHECKING:
-    from commlib.communicator import Communicator
-
 ENGINE_ABORT_BOUND_S = 10.0  # how long a caller waits for an engine abort running in its own thread
+
+
+class DeviceComm(Protocol):
+    """What `DeviceOps` needs of the communicator whose ops it carries (`Communicator` is one): its
+    engine and board, its one path's records and failures, and its abort."""
+
+    name: str
+    abort_poll_s: float
+    board: ProgressBoard
+    _backend: Backend
+    _judge: Judge
+    _log: Any
+
+    @property
+    def broken(self) -> bool: ...
+
+    def abort(self, reason: str = "aborted") -> None: ...
+
+    def _ensure_usable(self, what: str) -> None: ...
+
+    def _record_end(self, call: Collective, entry: FlightEntry) -> None: ...
+
+    def _run_hooks_quietly(self, kind: str, *args: Any) -> None: ...
+
+    def _run_post_hooks_quietly(self, call: Collective, entry: FlightEntry) -> None: ...
+
+    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *,
+              deferred: bool = False) -> CommError: ...
+
+    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
+                   deferred: bool = False, running_s: float | None = None) -> CommError: ...
+
+    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
+                   deferred: bool = False) -> CommError: ...
 
 
 class DeviceOps:
     """One stream-ordered communicator's side of its ops (module docstring); the watchdog's `Owner`."""
 
-    def __init__(self, comm: "Communicator", runtime: Runtime) -> None:
+    def __init__(self, comm: DeviceComm, runtime: Runtime) -> None:
         self.comm = comm
         self.runtime = runtime
         self.abort_poll_s = comm.abort_poll_s  # the watchdog reads peers' announcements at a wait's pace

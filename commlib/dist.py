@@ -23,21 +23,9 @@ import torch.distributed as _tdist
 
 from commlib import compat
 from commlib.communicator import Communicator, Work
-from commlib.ops import PremulSum, ReduceOp, Reduction, premul_sum
+from commlib.ops import ReduceOp, to_reduction
 
 _DEFAULT: list[Communicator] = []  # the one registry this module owns
-
-_FROM_TORCH = {
-    _tdist.ReduceOp.SUM: ReduceOp.SUM,
-    _tdist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
-    _tdist.ReduceOp.MIN: ReduceOp.MIN,
-    _tdist.ReduceOp.MAX: ReduceOp.MAX,
-    _tdist.ReduceOp.BAND: ReduceOp.BAND,
-    _tdist.ReduceOp.BOR: ReduceOp.BOR,
-    _tdist.ReduceOp.BXOR: ReduceOp.BXOR,
-    _tdist.ReduceOp.AVG: ReduceOp.AVG,
-}
-
 
 def use(comm: Communicator) -> None:
     """Make `comm` the communicator that calls without `group=` go to."""
@@ -67,34 +55,6 @@ def _comm(group: Communicator | None) -> Communicator:
         raise RuntimeError("commlib.dist: expected a default communicator; found none "
                            "(call commlib.init, or commlib.dist.use(comm), or pass group=)")
     return world.communicator()
-
-
-def to_reduction(op: Any) -> Reduction:
-    """A commlib reduction from a commlib or torch.distributed one.
-
-    torch.distributed spells a reduction as a bare `ReduceOp.RedOpType` (`ReduceOp.SUM`), a
-    `ReduceOp` object wrapping one (`ReduceOp(ReduceOp.MAX)`), or `ReduceOp.PREMUL_SUM(factor)`,
-    whose `.op` and `.factor` carry the kind and the factor (FSDP2 passes that one when a
-    gradient divide factor is set).
-    """
-    if isinstance(op, (ReduceOp, PremulSum)):
-        return op
-    kind = getattr(op, "op", op)
-    if kind == _tdist.ReduceOp.PREMUL_SUM:
-        if op is kind:
-            raise TypeError("commlib.dist: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            # Before torch 2.13, `_make_nccl_premul_sum(f)` (FSDP2's gradient divide factor on
-            # nccl) builds a ReduceOp whose factor Python cannot read back.
-            raise TypeError(f"commlib.dist: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
-                            f"found one without `.factor` on torch {torch.__version__}: pass "
-                            f"commlib.premul_sum(factor) instead")
-        return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
-    try:
-        return _FROM_TORCH[kind]
-    except (KeyError, TypeError):
-        raise TypeError(f"commlib.dist: expected a commlib or torch.distributed ReduceOp; found {op!r}") from None
 
 
 def _root(name: str, kwargs: dict[str, Any]) -> int:

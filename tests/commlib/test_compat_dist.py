@@ -114,7 +114,7 @@ def test_dist_unknown_name() -> None:
 
 def test_dist_reductions_map_every_torch_spelling() -> None:
     import commlib
-    from commlib.dist import to_reduction
+    from commlib.ops import to_reduction
 
     assert to_reduction(dist.ReduceOp.AVG) is commlib.ReduceOp.AVG
     assert to_reduction(dist.ReduceOp.SUM) is commlib.ReduceOp.SUM
