@@ -42,7 +42,7 @@ def init(
     CPU and nccl for CUDA), "gloo", "nccl" or "torchcomms". `timeout` is the default
     deadline of every collective (seconds or timedelta). `check_consistency` None: on where
     `COMMLIB_CHECK_CONSISTENCY=1` or `TORCH_DISTRIBUTED_DEBUG=DETAIL` is set
-    (`commlib.process_group.check_consistency`).
+    (`commlib.engines.check_consistency`).
 
     Where no default group exists yet, this makes one with `backend="commlib"`
     (`commlib.process_group`), so FSDP2, DCP and every other torch.distributed caller in the
@@ -83,7 +83,8 @@ def init(
         comm = _over_existing_group(store, rank, world_size, timeout_s, name, dev, check_consistency)
     else:
         from commlib._torch_backend import register
-        from commlib.process_group import EngineOptions, current
+        from commlib.engines import EngineOptions
+        from commlib.process_group import current
 
         if backend == "auto":
             backend = "torchcomms" if _torchcomms_usable() else ("gloo" if dev.type == "cpu" else "auto")
@@ -93,11 +94,14 @@ def init(
                                 pg_options=EngineOptions(engine=backend, name=name,
                                                          check_consistency=check_consistency,
                                                          torchcomms_backend=torchcomms_backend,
+                                                         device=dev if dev.type == "cuda" else None,
                                                          configure_process=False))
         comm = current()
     from commlib import dist as commlib_dist
+    from commlib.process_group import CommlibProcessGroup
 
-    commlib_dist.use_if_unset(comm)
+    if not isinstance(dist.group.WORLD, CommlibProcessGroup):
+        commlib_dist.use_if_unset(comm)  # commlib.dist finds a commlib default group by itself
     return comm
 
 
@@ -126,7 +130,8 @@ def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: flo
     if (dist.get_rank(), dist.get_world_size()) != (rank, size):
         raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
                         f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
-    from commlib.process_group import CommlibProcessGroup, check_consistency as consistency_setting, current
+    from commlib.engines import check_consistency as consistency_setting
+    from commlib.process_group import CommlibProcessGroup, current
 
     if isinstance(dist.group.WORLD, CommlibProcessGroup):
         return current()
@@ -134,5 +139,4 @@ def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: flo
     # calls on that group do not (use backend="commlib" for those).
     impl = C10dBackend(dist.group.WORLD, device, dist.PrefixStore("commlib-splits/", store), owned=False)
     return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s,
-                        consistency_setting(check_consistency, name),
-                        world_rank=rank)
+                        consistency_setting(check_consistency, name))

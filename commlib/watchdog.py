@@ -3,12 +3,14 @@
 On a stream-ordered engine (`commlib.device`) a collective returns as soon as it is
 enqueued and ordered, so nobody waits on the calling thread for it to end. This module
 keeps every such op of the process, per communicator and in the order the device runs them
-(`InFlight`: one queue per engine stream), and one daemon thread per process (`_Watchdog`,
-running while any op is in flight or any error waits for its caller) looks at the head of
-each queue every `POLL_S`:
+(`InFlight`: one queue per engine lane, `Backend.lane`), and one daemon thread per process
+(`_Watchdog`, running while any op is in flight or any error waits for its caller) looks at
+the head of each queue every `POLL_S`, with the communicator's device current on its thread
+and its queries safe from CUDA graph captures (`Runtime.watching`):
 
-- the op's end event has completed: the op is done, and the Communicator records it (flight
-  recorder, progress board, log, post-hooks) and hands its events back to the pool;
+- the op's end has been reached (`BackendWork.end`, or commlib's own end event): the op is
+  done, and the Communicator records it (flight recorder, progress board, log, post-hooks)
+  unless the engine's own verdict says it failed, and hands its events back to the pool;
 - its start event has completed and the op before it has ended: it has started on the
   device, and the board says so (what every rank's device has started is what lets a
   timeout name "issued it, but its GPU never started it");
@@ -42,25 +44,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from commlib.backends.base import BackendWork
-from commlib.device import Event
+from commlib.device import Event, Runtime
 from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective
 
 POLL_S = 0.05  # how often the watchdog looks: an expired deadline is seen within this (and the scan)
-ENGINE_TIMEOUT_MIN_S = 3600.0  # the engine's own timeout on a stream-ordered engine: see `engine_timeout_s`
-ENGINE_TIMEOUT_FACTOR = 10.0
 _WAIT_PAUSE_S = 0.001  # `check(wait=True)`'s pause between two scans
-
-
-def engine_timeout_s(deadline_s: float) -> float:
-    """The timeout a stream-ordered engine is given for an op whose commlib deadline is `deadline_s`.
-
-    Far beyond the deadline: the engine's watchdog counts from the enqueue, so with the
-    deadline itself it would time out an op that merely waits behind earlier GPU work, and
-    it would act first (c10d marks the work failed; torchcomms aborts). commlib's watchdog
-    decides; the engine's timeout only catches what commlib could not.
-    """
-    return max(ENGINE_TIMEOUT_FACTOR * deadline_s, ENGINE_TIMEOUT_MIN_S)
 
 
 @dataclass(slots=True, eq=False)
@@ -70,45 +59,47 @@ class DeviceOp:
     call: Collective
     entry: FlightEntry
     work: BackendWork
+    lane: int | None  # the engine lane it runs on (`Backend.lane`)
     start: Event  # on the caller's stream before the launch (`commlib.device`)
-    end: Event  # completes when the op does
-    held: bool  # a `Work` holds `end`, so it never goes back to the pool
+    end: Event  # reached once the op has ended: the engine's (`BackendWork.end`) or commlib's own event
+    marked_end: bool  # `end` is commlib's own event, which goes back to the pool
     started_mono_ns: int | None = None  # when the watchdog first saw it started on the device
     next_read_ns: int = 0  # when to read the store for a peer's abort announcement next
 
 
 class Owner(Protocol):
-    """What the watchdog needs of the communicator whose ops it watches (`Communicator` is one):
-    the verdicts are the watchdog's, what follows from them is the communicator's."""
+    """What the watchdog needs of the communicator whose ops it watches (`commlib.device_ops.DeviceOps`
+    is its side of them): the verdicts are the watchdog's, what follows from them is the communicator's."""
 
     abort_poll_s: float
     broken: bool
     has_undelivered_error: bool
+    runtime: Runtime
 
-    def _device_op_started(self, op: DeviceOp) -> None: ...
+    def op_started(self, op: DeviceOp) -> None: ...
 
-    def _device_op_ended(self, op: DeviceOp) -> None: ...
+    def op_ended(self, op: DeviceOp) -> None: ...
 
-    def _device_op_expired(self, op: DeviceOp, running_s: float) -> None: ...
+    def op_expired(self, op: DeviceOp, running_s: float) -> None: ...
 
-    def _device_peer_aborted(self, op: DeviceOp) -> bool:
+    def peer_aborted(self, op: DeviceOp) -> bool:
         """Fail `op` if a peer announced it aborted the communicator; whether it did."""
 
-    def _device_op_dropped(self, op: DeviceOp) -> None: ...
+    def op_dropped(self, op: DeviceOp) -> None: ...
 
-    def _deliver_undelivered(self) -> None:
+    def deliver_undelivered(self) -> None:
         """Raise the error found on the watchdog's thread, if one waits for the caller."""
 
-    def _watchdog_failed(self, exc: BaseException) -> None:
+    def watchdog_failed(self, exc: BaseException) -> None:
         """A scan raised: the communicator cannot be watched any more."""
 
 
 class InFlight:
     """One communicator's ops on its device, in the order they run.
 
-    Collectives run on one engine stream, send/recv with each peer on another (nccl's
-    streams), so there is one queue per peer and one (key None) for collectives. Only the
-    head of a queue can be running; the ones behind it wait for it.
+    An engine runs the ops of one lane one after the other (`Backend.lane`: the collectives;
+    send/recv with one peer, where the engine has such lanes), so there is one queue per lane.
+    Only the head of a queue can be running; the ones behind it wait for it.
     """
 
     def __init__(self, comm: Owner) -> None:
@@ -119,9 +110,9 @@ class InFlight:
 
     def add(self, op: DeviceOp) -> None:
         """On the calling thread, after the launch: deque.append needs no lock."""
-        queue = self.queues.get(op.call.peer)
+        queue = self.queues.get(op.lane)
         if queue is None:
-            queue = self.queues[op.call.peer] = deque()
+            queue = self.queues[op.lane] = deque()
         queue.append(op)
         if not self.registered:
             _WATCHDOG.register(self)
@@ -135,12 +126,19 @@ class InFlight:
         if comm.broken:
             self.drop()
             return
+        if not self.pending():
+            return
+        with comm.runtime.watching():
+            self._scan_queues(now_ns)
+
+    def _scan_queues(self, now_ns: int) -> None:
+        comm = self.comm
         for queue in list(self.queues.values()):
             while queue:
                 op = queue[0]
                 if op.end.query():
                     queue.popleft()
-                    comm._device_op_ended(op)
+                    comm.op_ended(op)
                     if comm.broken:  # the engine said the op failed
                         self.drop()
                         return
@@ -150,15 +148,15 @@ class InFlight:
                         break  # still queued behind earlier work on the device
                     op.started_mono_ns = now_ns
                     op.next_read_ns = now_ns + int(comm.abort_poll_s * 1e9)
-                    comm._device_op_started(op)
+                    comm.op_started(op)
                 running_ns = now_ns - op.started_mono_ns
                 if running_ns >= op.call.deadline_s * 1e9:
-                    comm._device_op_expired(op, running_ns / 1e9)
+                    comm.op_expired(op, running_ns / 1e9)
                     self.drop()
                     return
                 if now_ns >= op.next_read_ns:
                     op.next_read_ns = now_ns + int(max(comm.abort_poll_s * 1e9, running_ns / 10))
-                    if comm._device_peer_aborted(op):
+                    if comm.peer_aborted(op):
                         self.drop()
                         return
                 break
@@ -167,7 +165,7 @@ class InFlight:
         """The communicator broke: its ops still queued end with it, their outputs undefined."""
         for queue in self.queues.values():
             while queue:
-                self.comm._device_op_dropped(queue.popleft())
+                self.comm.op_dropped(queue.popleft())
 
     def drain(self, until_mono: float) -> bool:
         """Scan until nothing is in flight (True) or `until_mono` passes (False); the CPU waits."""
@@ -211,10 +209,11 @@ class _Watchdog:
             time.sleep(POLL_S)
             for in_flight in self.watched():
                 try:
+                    in_flight.comm.runtime.side_thread()
                     with in_flight.lock:
                         in_flight.scan(time.monotonic_ns())
                 except Exception as exc:  # the thread must outlive any one communicator's failure
-                    in_flight.comm._watchdog_failed(exc)
+                    in_flight.comm.watchdog_failed(exc)
             if not self._forget_idle():
                 return
 
@@ -256,12 +255,14 @@ def check(wait: bool = False, timeout: float | None = None) -> None:
     """
     until = time.monotonic() + (timeout if timeout is not None else float("inf"))
     for in_flight in _WATCHDOG.watched():
-        if wait:
+        if in_flight.comm.runtime.capturing():
+            pass  # reading an event now would break the caller's own graph capture: the watchdog's thread judges
+        elif wait:
             in_flight.drain(until)
         else:
             with in_flight.lock:
                 in_flight.scan(time.monotonic_ns())
-        in_flight.comm._deliver_undelivered()
+        in_flight.comm.deliver_undelivered()
 
 
 def watched_count() -> int:
