@@ -413,8 +413,8 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
         planned = sum(min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items()
                       for s in segments)
         if planned > total * MOST:  # streamed, the full read holds less and takes no longer
-            return _full(directory, None, f"the verdict needs {planned / max(1, total):.0%} of the logs (a hang or "
-                                          f"failure far back): read in full")
+            return _full(directory, None, f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
+                                          f"(small logs, or a problem far back): read in full")
         for rank, (files, segments) in ranks.items():
             for s in segments:
                 if (rank, s.attempt) in grow:

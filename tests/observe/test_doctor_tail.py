@@ -68,7 +68,7 @@ def test_a_hang_anywhere_in_a_long_log_is_the_full_reads(tmp_path: Path, at: flo
     assert (hang.kind.value, hang.ranks, hang.seq) == ("hang", [CULPRIT], 2 * int(at * STEPS) + 1)
     read, total = tail.read.bytes_read, tail.read.bytes_total
     if at <= 0.5:  # the polls reach back to more than half of the logs: streamed in full, and said so
-        assert "of the logs (a hang or failure far back): read in full" in tail.read.full_read_because
+        assert "of the logs (small logs, or a problem far back): read in full" in tail.read.full_read_because
     else:  # read from the end, straight back to where the hang began
         beyond = RANKS * WINDOW * GROWTH ** 2  # two rounds of windows grown past what they need
         assert tail.read.full_read_because is None and read < total * (1 - at) * 1.5 + beyond, (read, total)
