@@ -149,6 +149,23 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     return group
 
 
+def group_over_store(store: dist.Store, rank: int, size: int, timeout_s: float, name: str,
+                     options: EngineOptions | None = None) -> "CommlibProcessGroup":
+    """A commlib process group over `store` that no `init_process_group` makes, for a library
+    that makes and replaces its groups itself (torchft at each quorum: `commlib.replicas`).
+
+    torch.distributed's registry does not hold it; it logs into this process's log as it is
+    configured, and in-job recovery can rebuild it like any other (it keeps its recipe).
+    """
+    options = options or EngineOptions()
+    options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
+    world_rank = dist.get_rank() if dist.is_initialized() else rank
+    recipe = _Recipe(options, tuple(_devices(options, name)), store, rank, size, timeout_s, world_rank)
+    group = CommlibProcessGroup(recipe.build(store), rank, size)
+    group._recipe = recipe
+    return group
+
+
 def check_consistency(explicit: bool | None, comm_name: str) -> bool:
     """Whether a new communicator checks that every rank issues the same collective.
 
