@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from commlib.observe.blame import AttemptFinding
 from commlib.observe.doctor import Diagnosis, analyze
 from commlib.observe.model import LogDirError, load
+from commlib.observe.replicas import group_dirs, main as replicas_main
 from commlib.observe.trace import TraceFile, TracePathError
 
 WIDTH = 110
@@ -143,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trace", metavar="OUT.json", help="also write a Chrome/Perfetto trace there")
     parser.add_argument("--job", metavar="ID", help="read only this job's logs (a directory holding several jobs')")
     args = parser.parse_args(argv)
+    if group_dirs(args.logdir):  # one log dir per replica group (commlib.replicas): the replicas rule
+        return replicas_main([args.logdir, *(["--json"] if args.json else [])])
     try:
         trace = TraceFile(args.trace) if args.trace else None
     except TracePathError as exc:
