@@ -1,0 +1,112 @@
+"""Replica groups under torchft, commlib's group between them: a group lost, restarted alone,
+healed from a live peer, and the whole run proven bitwise against a replay of its membership.
+
+Two real runs (torchrun per group, torchft's lighthouse on loopback, real signals):
+
+- HSDP, 2 groups of 2 ranks: group 1 is stopped past the deadline at step 4 (the survivors
+  time out and go on alone), let go (it heals from group 0 in its own processes) and killed in
+  the middle of that heal (its torchrun restarts it, and it heals again): the proof holds;
+- DDP, 3 groups of 1 rank, run by a trainer whose heal is broken on purpose: groups 1 and 2
+  are stopped, let go, and heal in their own processes, one keeping its stale state, one
+  skipping its first step after the heal: the proof must fail, naming both.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from chaos.plan import Plan, parse_shorthand
+from chaos.replica_proof import PNG, REPORT, prove, read_record
+from chaos.replicas import ReplicaJob, run_replicas
+
+HERE = Path(__file__).parent
+DEADLINE_S = 3.0
+TINY = ("--steps", "10", "--timeout", str(DEADLINE_S), "--min-step-s", "0.05", "--finish-together-s", "300",
+        "--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64", "--batch-size", "1")
+
+
+def _plan(*faults: str) -> Plan:
+    return Plan(tuple(parse_shorthand(f) for f in faults))
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("replicas") / "hsdp"
+    job = ReplicaJob(replicas=2, group_size=2, trainer_args=TINY)
+    plan = _plan("hang:rank=2,step=4,release=cont", "hang:rank=3,step=4,release=cont",
+                 "kill_during_checkpoint:rank=3,after_s=0")
+    outcome = run_replicas(job, plan, run_dir, timeout_s=900)
+    proof = prove(run_dir)
+    proof.write()
+    return outcome, proof, run_dir
+
+
+def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwise(hsdp_run):
+    outcome, proof, run_dir = hsdp_run
+    assert outcome.ok, outcome
+    assert proof.passed, proof.summary()
+    assert [c.name for c in proof.checks] == ["finished", "survivors_never_restarted", "survivors_every_step_once",
+                                              "no_step_committed_twice", "in_step", "members_committed",
+                                              "every_commit_applied", "replay"]
+    record = read_record(run_dir)
+    # Group 1 healed in its own processes after the hang, was killed in that heal and restarted (once); group 0
+    # ran one process per rank throughout.
+    attempts = {r: {s["attempt"] for s in record.starts if s["replica"] == r} for r in (0, 1)}
+    assert attempts == {0: {0}, 1: {0, 1}}, attempts
+    heals = {(h["attempt"], h["rank"]) for h in record.heals if h["replica"] == 1}
+    assert heals == {(0, 0), (0, 1), (1, 0), (1, 1)} and all(h["replica"] == 1 for h in record.heals), heals
+    # Steps the lost group was out of were committed by group 0 alone, and both took part in the last.
+    assert any(members == [0] for members in proof.membership.values())
+    assert proof.membership[10] == [0, 1]
+    assert [f["fault"] for f in proof.faults] == ["hang", "hang", "kill_during_checkpoint"]
+
+
+def test_the_survivors_typed_errors_name_the_lost_group(hsdp_run):
+    _, proof, run_dir = hsdp_run
+    failures = [json.loads(line) for rank in (0, 1) for line in (run_dir / "logs/replica0" / f"rank{rank}.jsonl").open()
+                if '"replicas.failure"' in line]
+    kinds = {(f["error_type"], tuple(f["failed_replicas"] or ())) for f in failures}
+    # The hang: the survivors' exchange timed out naming group 1; the kill in the heal: a peer failure naming it.
+    assert ("CollectiveTimeout", (1,)) in kinds, kinds
+    assert ("PeerFailure", (1,)) in kinds, kinds
+    hang = proof.faults[0]
+    assert DEADLINE_S <= hang["detected_after_s"] < DEADLINE_S + 2, hang
+
+
+def test_the_report_shows_members_per_step_and_nothing_is_left_running(hsdp_run, leftovers):
+    _, proof, run_dir = hsdp_run
+    written = json.loads((run_dir / REPORT).read_text())
+    assert written["passed"] and written["membership"]["10"] == [0, 1]
+    assert (run_dir / PNG).stat().st_size > 10_000
+    assert leftovers(run_dir) == []
+
+
+def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, leftovers):
+    run_dir = tmp_path / "bad"
+    job = ReplicaJob(replicas=3, trainer=str(HERE / "bad_heal_trainer.py"), trainer_args=TINY)
+    os.environ["BAD_HEAL"] = "1:stale,2:skip"
+    try:
+        outcome = run_replicas(job, _plan("hang:rank=1,step=3,release=cont", "hang:rank=2,step=3,release=cont"),
+                               run_dir, timeout_s=900)
+    finally:
+        del os.environ["BAD_HEAL"]
+    assert outcome.ok, outcome
+    proof = prove(run_dir)
+    record = read_record(run_dir)
+    assert {h["replica"] for h in record.heals} == {1, 2}  # both healed, in their own processes
+    failed = {c.name for c in proof.checks if not c.passed}
+    assert failed == {"in_step", "replay", "every_commit_applied"}, proof.summary()
+    healed = {h["replica"]: h["to_step"] for h in record.heals}
+    # The skipping group is named at its first step after the heal, and only it.
+    assert proof.check("every_commit_applied").found == (f"replica 2 rank 0 committed step {healed[2] + 1} without "
+                                                         f"changing its state"), proof.summary()
+    # The stale group's loss is off from its first step after the heal (computed on weights it should not hold),
+    # while the good group's loss stays right until a bad group's gradient has reached its weights.
+    problems = proof.check("replay").found
+    assert f"replica 1 rank 0: loss differs from the replay's from step {healed[1] + 1} on" in problems, problems
+    good = re.search(r"replica 0 rank 0: loss differs from the replay's from step (\d+) on", problems)
+    assert good is None or int(good.group(1)) > min(healed.values()) + 1, problems
+    assert leftovers(run_dir) == []
