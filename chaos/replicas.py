@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 from chaos.cleanup import Guard
 from chaos.external import ExternalFaults
 from chaos.harness import JOURNAL, POLL_S, RUN_DIR_ENV
+from chaos.harness import _poll as poll_job  # one look at a job: its logs, workers, faults, progress
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.net import DEVICE, Network
 from chaos.plan import FaultType, Ledger, Plan, check_network, check_run
@@ -247,7 +248,7 @@ def run_replicas(job: ReplicaJob, plan: Plan, run_dir: str | os.PathLike[str], *
         ledger = Ledger(run_dir / "chaos_state")
         faults = ExternalFaults(plan, ledger, notes, processes, start_ns, network=network)
         status = Progress(plan, ledger, processes, start_ns, args.steps, progress)
-        tails = [LogTail(log_dir(run_dir, r)) for r in range(job.replicas)]
+        tails = _GroupTails(run_dir, job)
         outcome = ReplicaOutcome(run_dir, start_ns, start_ns, [], lighthouse=lighthouse)
         try:
             for r in range(job.replicas):
@@ -260,11 +261,11 @@ def run_replicas(job: ReplicaJob, plan: Plan, run_dir: str | os.PathLike[str], *
                     outcome.timed_out = True
                     notes.info("harness.timeout", timeout_s=timeout_s)
                     break
-                _poll(tails, job.group_size, processes, faults, status)
+                poll_job(tails, processes, faults, status, start_ns)  # type: ignore[arg-type]
                 time.sleep(POLL_S)
                 if network is not None:
                     network.check()  # a dead forwarder is a dead network: stop rather than time out
-            _poll(tails, job.group_size, processes, faults, status)
+            poll_job(tails, processes, faults, status, start_ns)  # type: ignore[arg-type]
         finally:
             faults.release_holds(force=True)
             processes.stop()
@@ -327,19 +328,21 @@ def _prepare(job: ReplicaJob, plan: Plan, run_dir: Path) -> None:
     (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2) + "\n")
 
 
-def _poll(tails: list[LogTail], group_size: int, processes: ReplicaProcesses, faults: ExternalFaults,
-          status: Progress) -> None:
-    """The groups' new log lines, each rank renamed to its rank in the job, to the fault triggers and the progress."""
-    for replica, tail in enumerate(tails):
-        for event in tail.poll():
-            if isinstance(event.get("rank"), int):
-                event["rank"] = global_rank(replica, event["rank"], group_size)
-            processes.note(event.get("pid"))
-            status.on_event(event)
-            faults.on_event(event)
-    status.scan()
-    faults.poll()
-    status.show()
+class _GroupTails:
+    """Every group's log tail as one, each event's rank renamed to its rank in the job (what plans name)."""
+
+    def __init__(self, run_dir: Path, job: ReplicaJob) -> None:
+        self.tails = [LogTail(log_dir(run_dir, r)) for r in range(job.replicas)]
+        self.group_size = job.group_size
+
+    def poll(self) -> list[dict[str, Any]]:
+        events = []
+        for replica, tail in enumerate(self.tails):
+            for event in tail.poll():
+                if isinstance(event.get("rank"), int):
+                    event["rank"] = global_rank(replica, event["rank"], self.group_size)
+                events.append(event)
+        return events
 
 
 # -- `python -m chaos replicas` (registered by chaos/__main__.py) ---------------------------

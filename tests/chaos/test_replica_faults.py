@@ -24,6 +24,9 @@ from chaos.replicas import ReplicaJob, run_replicas
 
 HERE = Path(__file__).parent
 DEADLINE_S = 3.0
+# A hang held this long: past the deadline, and long enough after it for the survivors to commit steps
+# alone, so that the group let go is behind them and heals (in its own processes).
+HELD_S = DEADLINE_S + 3.0
 TINY = ("--steps", "10", "--timeout", str(DEADLINE_S), "--min-step-s", "0.05", "--finish-together-s", "300",
         "--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64", "--batch-size", "1")
 
@@ -36,8 +39,8 @@ def _plan(*faults: str) -> Plan:
 def hsdp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("replicas") / "hsdp"
     job = ReplicaJob(replicas=2, group_size=2, trainer_args=TINY)
-    plan = _plan("hang:rank=2,step=4,release=cont", "hang:rank=3,step=4,release=cont",
-                 "kill_during_checkpoint:rank=3,after_s=0")
+    plan = _plan(f"hang:rank=2,step=4,release=cont,duration_s={HELD_S}",
+                 f"hang:rank=3,step=4,release=cont,duration_s={HELD_S}", "kill_during_checkpoint:rank=3,after_s=0")
     outcome = run_replicas(job, plan, run_dir, timeout_s=900)
     proof = prove(run_dir)
     proof.write()
@@ -89,8 +92,9 @@ def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, l
     job = ReplicaJob(replicas=3, trainer=str(HERE / "bad_heal_trainer.py"), trainer_args=TINY)
     os.environ["BAD_HEAL"] = "1:stale,2:skip"
     try:
-        outcome = run_replicas(job, _plan("hang:rank=1,step=3,release=cont", "hang:rank=2,step=3,release=cont"),
-                               run_dir, timeout_s=900)
+        outcome = run_replicas(job, _plan(f"hang:rank=1,step=3,release=cont,duration_s={HELD_S}",
+                                          f"hang:rank=2,step=3,release=cont,duration_s={HELD_S}"), run_dir,
+                               timeout_s=900)
     finally:
         del os.environ["BAD_HEAL"]
     assert outcome.ok, outcome
