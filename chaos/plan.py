@@ -103,7 +103,7 @@ from commlib.ops import OpName
 
 DELAY_MARGIN_S = 0.5  # past the peers' deadline: they have timed out when the held collective starts
 RESTART_MARGIN = 2
-# Network faults against the collective deadline (README, "Network faults"). After a
+# Network faults against the collective deadline (docs/chaos.md, "Network faults"). After a
 # partition of D seconds, TCP resumes a connection at its next retransmission, and its
 # exponential backoff (200 ms doubling) puts that up to D + 0.2 s after the link is back:
 # a collective caught in it lasts up to 2 D + 0.2 s. A short partition keeps that, plus

@@ -9,7 +9,7 @@
 
 One stable API (torchcomms' names) over torchcomms or torch.distributed, per-collective
 deadlines, typed errors naming the ranks that did not arrive, structured logs, a flight
-recorder and a progress board. See README.md.
+recorder and a progress board. See docs/using-commlib.md.
 
 Names are imported lazily, so tools that only read logs (`python -m commlib.doctor`) start
 without importing torch.
@@ -35,7 +35,7 @@ _EXPORTS = {
     "register_failure_hook": "commlib.hooks",
     "init": "commlib.initialize",
     "current": "commlib.process_group",
-    "EngineOptions": "commlib.process_group",
+    "EngineOptions": "commlib.engines",
     "Recovered": "commlib.recovery",
     "Recovery": "commlib.recovery",
     "RecoveryFailed": "commlib.recovery",

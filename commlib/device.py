@@ -34,6 +34,20 @@ from typing import Any, Protocol
 import torch
 
 POOL_CAP = 1024  # completed events kept for reuse per runtime; more are left to the garbage collector
+ENGINE_TIMEOUT_MIN_S = 3600.0  # the engine's own timeout on a stream-ordered engine: see `engine_timeout_s`
+ENGINE_TIMEOUT_FACTOR = 10.0
+
+
+def engine_timeout_s(deadline_s: float) -> float:
+    """The timeout a stream-ordered engine is given for an op whose commlib deadline is `deadline_s`.
+
+    Far beyond the deadline: the engine's watchdog counts from the enqueue, so with the
+    deadline itself it would time out an op that merely waits behind earlier GPU work, and
+    it would act first (c10d marks the work failed; torchcomms aborts). commlib's watchdog
+    (`commlib.watchdog`) decides; the engine's timeout only catches what commlib could not.
+    The one home of this rule: the backends set it, the launch passes it.
+    """
+    return max(ENGINE_TIMEOUT_FACTOR * deadline_s, ENGINE_TIMEOUT_MIN_S)
 
 
 class Event(Protocol):

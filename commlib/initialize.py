@@ -42,7 +42,7 @@ def init(
     CPU and nccl for CUDA), "gloo", "nccl" or "torchcomms". `timeout` is the default
     deadline of every collective (seconds or timedelta). `check_consistency` None: on where
     `COMMLIB_CHECK_CONSISTENCY=1` or `TORCH_DISTRIBUTED_DEBUG=DETAIL` is set
-    (`commlib.process_group.check_consistency`).
+    (`commlib.engines.check_consistency`).
 
     Where no default group exists yet, this makes one with `backend="commlib"`
     (`commlib.process_group`), so FSDP2, DCP and every other torch.distributed caller in the
@@ -83,7 +83,8 @@ def init(
         comm = _over_existing_group(store, rank, world_size, timeout_s, name, dev, check_consistency)
     else:
         from commlib._torch_backend import register
-        from commlib.process_group import EngineOptions, current
+        from commlib.engines import EngineOptions
+        from commlib.process_group import current
 
         if backend == "auto":
             backend = "torchcomms" if _torchcomms_usable() else ("gloo" if dev.type == "cpu" else "auto")
@@ -126,7 +127,8 @@ def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: flo
     if (dist.get_rank(), dist.get_world_size()) != (rank, size):
         raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
                         f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
-    from commlib.process_group import CommlibProcessGroup, check_consistency as consistency_setting, current
+    from commlib.engines import check_consistency as consistency_setting
+    from commlib.process_group import CommlibProcessGroup, current
 
     if isinstance(dist.group.WORLD, CommlibProcessGroup):
         return current()

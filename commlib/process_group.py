@@ -14,12 +14,9 @@ calling convention (tensor lists, option objects, old and new method names) into
 on every collective, so it reads each option once and remembers what does not change:
 the group's one communicator, and the commlib reduction of each torch reduction kind.
 
-The engine under each group is chosen by `EngineOptions` (`commlib.init` passes them as
-`pg_options`; groups torch makes by itself inherit the default group's): "auto" is gloo for
-CPU tensors plus nccl for CUDA ones where CUDA is available, or `COMMLIB_ENGINE` (`gloo`,
-`nccl`, `torchcomms`). The consistency check is on where the options say so, else where
-`COMMLIB_CHECK_CONSISTENCY=1` or `TORCH_DISTRIBUTED_DEBUG=DETAIL` is set when the group is
-made (c10d skips its own DETAIL wrapper for a creator that returns a `ProcessGroup`).
+The engine communicators under each group, and how they are built, are `commlib.engines`'s
+(`EngineOptions`, `Recipe`); c10d's calling convention (option objects, tensor lists, the
+c10d `Work` handed back) is translated by `commlib.group_calls`.
 
 Deadlines: `init_process_group(timeout=)` is every collective's default deadline, and every
 group made later without a `timeout=` of its own (`new_group`, DeviceMesh dimensions, groups
@@ -38,7 +35,7 @@ The group object stays while the communicators under it can be replaced
 (`CommlibProcessGroup.replace_communicators`), which is what in-job recovery needs: FSDP2
 and DCP hold the group, not the engine.
 
-Limits (see README, "Use it from an existing trainer"):
+Limits (see docs/torch-backend.md):
 - C++ callers reach only the methods torch's Python-group trampoline forwards (all the
   collectives FSDP2, DDP and the functional collectives use); `reduce`, `gather`, `scatter`
   and list `alltoall` called from C++ would reach the engine registered for the device
@@ -54,11 +51,8 @@ Limits (see README, "Use it from an existing trainer"):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-from dataclasses import dataclass
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,40 +61,14 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 from torch.distributed.constants import default_pg_timeout
 
 from commlib import compat
-from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator, Work
-from commlib.dist import to_reduction
+from commlib.communicator import Communicator
+from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
+from commlib.group_calls import CommlibWork, copy_back, deadline_of, handed_back, one_tensor, reduction_of, strided
 from commlib.observe import flight
 from commlib.observe import log as _log
-from commlib.ops import PremulSum, Reduction
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
-ENGINE_ENV = "COMMLIB_ENGINE"
-ENGINES = ("auto", "gloo", "nccl", "torchcomms")
-TORCH_DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How the communicators under a commlib process group are built."""
-
-    engine: str = "auto"  # auto | gloo | nccl | torchcomms
-    name: str | None = None  # of the communicator; default "world" for the default group, else "group{N}"
-    check_consistency: bool | None = None  # None: from the environment (`check_consistency`)
-    torchcomms_backend: str | None = None  # torchcomms' own engine (gloo, nccl, ...); default by device
-    # The default group configures this process's logs (COMMLIB_LOG_DIR) and SIGUSR1 dump,
-    # unless its maker (commlib.init) has done so.
-    configure_process: bool = True
-    # An engine of the caller's own, in place of `engine`: called as
-    # `backend_factory(store=, rank=, size=, device=, timeout=)` for every communicator of the
-    # group (rebuilt ones too) and returning a `commlib.backends.base.Backend`. The tests'
-    # emulated stream-ordered engine comes in this way (tests/commlib/emulated_device.py).
-    backend_factory: Callable[..., Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"commlib process group: expected engine in {ENGINES}; found {self.engine!r}")
-
 
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
@@ -141,7 +109,7 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
     world_rank = opts.group_rank if is_default else dist.get_rank()
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
-    recipe = _Recipe(options, tuple(_devices(options, name)), opts.store, opts.group_rank, opts.group_size,
+    recipe = Recipe(options, tuple(devices_for(options, name)), opts.store, opts.group_rank, opts.group_size,
                      _deadline_of_new_group(opts.timeout, is_default), world_rank)
     _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
@@ -160,27 +128,10 @@ def group_over_store(store: dist.Store, rank: int, size: int, timeout_s: float, 
     options = options or EngineOptions()
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
     world_rank = dist.get_rank() if dist.is_initialized() else rank
-    recipe = _Recipe(options, tuple(_devices(options, name)), store, rank, size, timeout_s, world_rank)
+    recipe = Recipe(options, tuple(devices_for(options, name)), store, rank, size, timeout_s, world_rank)
     group = CommlibProcessGroup(recipe.build(store), rank, size)
     group._recipe = recipe
     return group
-
-
-def check_consistency(explicit: bool | None, comm_name: str) -> bool:
-    """Whether a new communicator checks that every rank issues the same collective.
-
-    `explicit` (an argument or `EngineOptions`) decides where given; otherwise
-    `COMMLIB_CHECK_CONSISTENCY=1`, or `TORCH_DISTRIBUTED_DEBUG=DETAIL`, whose own check c10d
-    never puts around a commlib group: commlib's stands in for it, and the log says so.
-    """
-    if explicit is not None:
-        return explicit
-    for variable, value in ((CHECK_CONSISTENCY_ENV, "1"), (TORCH_DEBUG_ENV, "DETAIL")):
-        if os.environ.get(variable, "").upper() == value:
-            _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True,
-                                   because=f"{variable}={value}")
-            return True
-    return False
 
 
 def _deadline_of_new_group(timeout: timedelta, is_default: bool) -> float:
@@ -219,26 +170,6 @@ def _follow_engine_timeouts() -> None:
         engine_class._set_default_timeout = set_default_timeout  # type: ignore[union-attr]
 
 
-@dataclass(frozen=True)
-class _Recipe:
-    """How a group's communicators were built, so in-job recovery can build them again."""
-
-    options: EngineOptions
-    devices: tuple[tuple[torch.device, str], ...]  # (device, communicator name), main one first
-    store: dist.Store  # the group's own store, as c10d handed it to `create`
-    rank: int
-    size: int
-    timeout_s: float
-    world_rank: int
-
-    def build(self, store: dist.Store, timeouts: dict[str, float] | None = None) -> dict[str, Communicator]:
-        """The group's communicators; `timeouts`: each device's deadline, where not the recipe's."""
-        timeouts = timeouts or {}
-        return {device.type: _communicator(self.options, device, comm_name, store, self.rank, self.size,
-                                           timeouts.get(device.type, self.timeout_s), self.world_rank)
-                for device, comm_name in self.devices}
-
-
 def commlib_groups() -> list["CommlibProcessGroup"]:
     """Every commlib process group of this process that torch.distributed knows, default group first.
 
@@ -248,156 +179,6 @@ def commlib_groups() -> list["CommlibProcessGroup"]:
     registry = getattr(dist.distributed_c10d, "_world", None)
     groups = list(registry.pg_map) if registry is not None else []
     return [g for g in groups if isinstance(g, CommlibProcessGroup)]
-
-
-def _engine(options: EngineOptions) -> str:
-    """The engine asked for: an explicit choice, else `COMMLIB_ENGINE`, else auto."""
-    engine = options.engine if options.engine != "auto" else os.environ.get(ENGINE_ENV, "auto")
-    if engine not in ENGINES:
-        raise ValueError(f"commlib process group: expected {ENGINE_ENV} in {ENGINES}; found {engine!r}")
-    return engine
-
-
-def _devices(options: EngineOptions, name: str) -> list[tuple[torch.device, str]]:
-    """(device, communicator name) for each communicator of a group: the first is its main one."""
-    engine = _engine(options)
-    cuda = torch.cuda.is_available() and engine != "gloo"
-    if engine == "nccl" and not cuda:
-        raise RuntimeError("commlib process group: expected CUDA for the nccl engine; found none")
-    if not cuda:
-        return [(torch.device("cpu"), name)]
-    main = torch.device("cuda", torch.cuda.current_device())
-    # nccl cannot move CPU tensors (object collectives, DCP metadata): a gloo one beside it can.
-    return [(main, name)] + ([(torch.device("cpu"), f"{name}.cpu")] if engine == "auto" else [])
-
-
-def _communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,
-                  size: int, timeout_s: float, world_rank: int) -> Communicator:
-    engine = _engine(options)
-    store = dist.PrefixStore(f"{device.type}/", store)
-    timeout = timedelta(seconds=timeout_s)
-    if options.backend_factory is not None:
-        impl: Any = options.backend_factory(store=store, rank=rank, size=size, device=device, timeout=timeout)
-    elif engine == "torchcomms":
-        from commlib.backends.torchcomms import TorchcommsBackend
-
-        impl = TorchcommsBackend.create(rank=rank, size=size, store=store, name=name, device=device,
-                                             timeout=timeout, engine=options.torchcomms_backend)
-    else:
-        from commlib.backends.c10d import C10dBackend
-
-        kind = "nccl" if device.type == "cuda" else "gloo"
-        impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
-    return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, bool(options.check_consistency),
-                        world_rank=world_rank)
-
-
-class CommlibWork(dist.Work):
-    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
-
-    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self._works = works
-        self._result = result
-        self._finish = finish  # copies out of a staged buffer, run once after completion
-
-    def restaged(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The op ran on contiguous `copies` of the caller's tensors (`CommlibProcessGroup._restaged`):
-        hand back the caller's tensors, each filled from its copy once the op completes."""
-        assert self._finish is None  # only ops without a staging of their own are restaged
-        originals = {id(copy): original for original, copy in copies}
-        self._result = [originals.get(id(t), t) for t in self._result]
-        self._finish = functools.partial(_copy_back, copies)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        # c10d spells "no timeout" as timedelta(0): the op's own deadline applies then.
-        limit = timeout if timeout else None
-        for work in self._works:
-            work.wait(limit)
-        if self._finish is not None:
-            self._finish()
-            self._finish = None
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def is_success(self) -> bool:
-        return self.is_completed()
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(self._result)
-        return future
-
-
-def _copy_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for original, copy in copies:
-        original.copy_(copy)
-
-
-def _strided(tensors: list[torch.Tensor]) -> bool:
-    """Whether any of `tensors` is not contiguous (`CommlibProcessGroup._restaged` then takes the call)."""
-    return not all(t.is_contiguous() for t in tensors)
-
-
-_NO_TIMEOUT = timedelta(0)  # c10d's options say "unset" with a negative timeout
-
-
-def _deadline(opts: Any) -> float | None:
-    """An op's own timeout from c10d's options; None (the communicator's default) when unset."""
-    timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and timeout > _NO_TIMEOUT:
-        return timeout.total_seconds()
-    return None
-
-
-# A memo, not a registry: c10d reduction -> commlib reduction, filled as reductions are met.
-_REDUCTIONS: dict[Any, Reduction] = {}
-
-
-def _reduction(opts: Any) -> Reduction:
-    """`to_reduction(opts.reduceOp)`, remembered per kind of reduction.
-
-    A c10d `ReduceOp` hashes and compares by its kind alone (reading `.op` would cost more
-    than the lookup), so PREMUL_SUM, whose factor varies, is never remembered.
-    """
-    op = opts.reduceOp
-    reduction = _REDUCTIONS.get(op)
-    if reduction is None:
-        reduction = to_reduction(op)
-        if not isinstance(reduction, PremulSum):
-            _REDUCTIONS[op] = reduction
-    return reduction
-
-
-def _handed_back(async_op: bool, works: list[Work | None], result: list[torch.Tensor],
-                 finish: Any = None) -> CommlibWork | None:
-    """What a collective method returns to c10d: a Work when the caller asked for one.
-
-    c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
-    `async_op=False`) and take None as "the backend completed it" (torch's convention for
-    backends that complete synchronously). So a synchronous call is issued to the
-    Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
-    `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
-    Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
-    """
-    if async_op:
-        return CommlibWork(works, result, finish)  # type: ignore[arg-type]
-    if finish is not None:
-        finish()
-    return None
-
-
-def _one(tensors: list[Any], what: str) -> Any:
-    if len(tensors) != 1:
-        raise ValueError(f"commlib process group {what}: expected one tensor (one device per process); "
-                         f"found {len(tensors)}")
-    return tensors[0]
 
 
 class CommlibProcessGroup(dist.ProcessGroup):
@@ -433,7 +214,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         incarnation is read; the old communicators are aborted first (idempotent). Each new
         one keeps its predecessor's deadline (a trainer may have set it after creation).
         """
-        recipe: _Recipe | None = getattr(self, "_recipe", None)
+        recipe: Recipe | None = getattr(self, "_recipe", None)
         if recipe is None:
             raise RuntimeError(f"commlib process group rank {self.rank()}: expected a group made by the commlib "
                                f"backend's creator (it keeps how to rebuild it); found none to rebuild from")
@@ -518,88 +299,88 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceOptions()
         async_op = opts.asyncOp
-        t = _one(tensors, "allreduce")
+        t = one_tensor(tensors, "allreduce")
         if not t.is_contiguous():
             return self._restaged(self.allreduce, (tensors, opts), writes=(0,))
-        work = self._on(t).all_reduce(t, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], tensors)
+        work = self._on(t).all_reduce(t, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
         async_op = opts.asyncOp
-        if _strided(tensors):
+        if strided(tensors):
             return self._restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
-        op, timeout = _reduction(opts), _deadline(opts)
+        op, timeout = reduction_of(opts), deadline_of(opts)
         works = [self._on(t).all_reduce(t, op, async_op=async_op, timeout=timeout) for t in tensors]
-        return _handed_back(async_op, works, tensors)
+        return handed_back(async_op, works, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BroadcastOptions()
         async_op = opts.asyncOp
-        t = _one(tensors, "broadcast")
+        t = one_tensor(tensors, "broadcast")
         if not t.is_contiguous():
             return self._restaged(self.broadcast, (tensors, opts), writes=(0,))
-        work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], tensors)
+        work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceOptions()
         async_op = opts.asyncOp
-        t = _one(tensors, "reduce")
+        t = one_tensor(tensors, "reduce")
         if not t.is_contiguous():
             return self._restaged(self.reduce, (tensors, opts), writes=(0,))
-        work = self._on(t).reduce(t, opts.rootRank, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], tensors)
+        work = self._on(t).reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
-        t, outputs = _one(inputs, "allgather"), _one(output_lists, "allgather")
-        if _strided([t, *outputs]):
+        t, outputs = one_tensor(inputs, "allgather"), one_tensor(output_lists, "allgather")
+        if strided([t, *outputs]):
             return self._restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
-        work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], outputs)
+        work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], outputs)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
-        if _strided([*inputs, *(o for outs in output_lists for o in outs)]):
+        if strided([*inputs, *(o for outs in output_lists for o in outs)]):
             return self._restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
-        timeout = _deadline(opts)
+        timeout = deadline_of(opts)
         works = [self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
                  for outs, t in zip(output_lists, inputs, strict=True)]
-        return _handed_back(async_op, works, [o for outs in output_lists for o in outs])
+        return handed_back(async_op, works, [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
             return self._restaged(self.all_gather_single, (output, input, opts), writes=(0,))
-        work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], [output])
+        work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], [output])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
-        if _strided([*outputs, *inputs]):
+        if strided([*outputs, *inputs]):
             return self._restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        timeout = _deadline(opts)
+        timeout = deadline_of(opts)
         works = [self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return _handed_back(async_op, works, outputs)
+        return handed_back(async_op, works, outputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
-        t, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
-        if _strided([t, *inputs]):
+        t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
+        if strided([t, *inputs]):
             return self._restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
-        work = self._on(t).reduce_scatter(t, inputs, _reduction(opts), async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], outputs)
+        work = self._on(t).reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> CommlibWork | None:
@@ -607,20 +388,20 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
             return self._restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
-        work = self._on(input).reduce_scatter_single(output, input, _reduction(opts), async_op=async_op,
-                                                     timeout=_deadline(opts))
-        return _handed_back(async_op, [work], [output])
+        work = self._on(input).reduce_scatter_single(output, input, reduction_of(opts), async_op=async_op,
+                                                     timeout=deadline_of(opts))
+        return handed_back(async_op, [work], [output])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
-        if _strided([*outputs, *inputs]):
+        if strided([*outputs, *inputs]):
             return self._restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        op, timeout = _reduction(opts), _deadline(opts)
+        op, timeout = reduction_of(opts), deadline_of(opts)
         works = [self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
                  for o, i in zip(outputs, inputs, strict=True)]
-        return _handed_back(async_op, works, outputs)
+        return handed_back(async_op, works, outputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> CommlibWork | None:
@@ -636,8 +417,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if not (output.is_contiguous() and input.is_contiguous()):
             return self._restaged(self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes,
                                                            opts), writes=(0,))
-        work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], [output])
+        work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], [output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> CommlibWork | None:
@@ -652,45 +433,45 @@ class CommlibProcessGroup(dist.ProcessGroup):
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
         work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=async_op,
-                                                     timeout=_deadline(opts))
+                                                     timeout=deadline_of(opts))
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
                 out.copy_(piece)
 
-        return _handed_back(async_op, [work], outputs, copy_out)
+        return handed_back(async_op, [work], outputs, copy_out)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.GatherOptions()
         async_op = opts.asyncOp
-        t = _one(inputs, "gather")
-        outputs = _one(output_lists, "gather") if output_lists else None
-        if _strided([t, *(outputs or [])]):
+        t = one_tensor(inputs, "gather")
+        outputs = one_tensor(output_lists, "gather") if output_lists else None
+        if strided([t, *(outputs or [])]):
             return self._restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
-        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], outputs or [])
+        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], outputs or [])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                 opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ScatterOptions()
         async_op = opts.asyncOp
-        t = _one(outputs, "scatter")
-        inputs = _one(input_lists, "scatter") if input_lists else None
-        if _strided([t, *(inputs or [])]):
+        t = one_tensor(outputs, "scatter")
+        inputs = one_tensor(input_lists, "scatter") if input_lists else None
+        if strided([t, *(inputs or [])]):
             return self._restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
-        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=_deadline(opts))
-        return _handed_back(async_op, [work], outputs)
+        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        return handed_back(async_op, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
-        t = _one(tensors, "send")
+        t = one_tensor(tensors, "send")
         self._untagged("send", tag)
         if not t.is_contiguous():
             return self._restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
         return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
-        t = _one(tensors, "recv")
+        t = one_tensor(tensors, "recv")
         self._untagged("recv", tag)
         if not t.is_contiguous():
             return self._restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
@@ -703,7 +484,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BarrierOptions()
         async_op = opts.asyncOp
-        return _handed_back(async_op, [self.communicator().barrier(async_op=async_op, timeout=_deadline(opts))], [])
+        return handed_back(async_op, [self.communicator().barrier(async_op=async_op, timeout=deadline_of(opts))], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:
@@ -739,7 +520,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
         work = method(*(staged(arg, i in writes) for i, arg in enumerate(args)))
         if work is None:
-            _copy_back(copies)
+            copy_back(copies)
         else:
             work.restaged(copies)
         return work

@@ -44,6 +44,12 @@ def seconds(timeout: float | timedelta | None, what: str = "timeout") -> float |
     return value
 
 
+@functools.lru_cache(maxsize=64)
+def deadline_timedelta(seconds_: float) -> timedelta:
+    """An op's deadline as the timedelta backends take: one per distinct deadline, not per call."""
+    return timedelta(seconds=seconds_)
+
+
 def _fail(call: Collective, exc_type: type[Exception], problem: str) -> Exception:
     return exc_type(f"{call.op} on {call.comm!r} rank {call.rank}: {problem}")
 

@@ -47,20 +47,7 @@ from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective
 
 POLL_S = 0.05  # how often the watchdog looks: an expired deadline is seen within this (and the scan)
-ENGINE_TIMEOUT_MIN_S = 3600.0  # the engine's own timeout on a stream-ordered engine: see `engine_timeout_s`
-ENGINE_TIMEOUT_FACTOR = 10.0
 _WAIT_PAUSE_S = 0.001  # `check(wait=True)`'s pause between two scans
-
-
-def engine_timeout_s(deadline_s: float) -> float:
-    """The timeout a stream-ordered engine is given for an op whose commlib deadline is `deadline_s`.
-
-    Far beyond the deadline: the engine's watchdog counts from the enqueue, so with the
-    deadline itself it would time out an op that merely waits behind earlier GPU work, and
-    it would act first (c10d marks the work failed; torchcomms aborts). commlib's watchdog
-    decides; the engine's timeout only catches what commlib could not.
-    """
-    return max(ENGINE_TIMEOUT_FACTOR * deadline_s, ENGINE_TIMEOUT_MIN_S)
 
 
 @dataclass(slots=True, eq=False)
@@ -78,28 +65,28 @@ class DeviceOp:
 
 
 class Owner(Protocol):
-    """What the watchdog needs of the communicator whose ops it watches (`Communicator` is one):
-    the verdicts are the watchdog's, what follows from them is the communicator's."""
+    """What the watchdog needs of the communicator whose ops it watches (`commlib.device_ops.DeviceOps`
+    is its side of them): the verdicts are the watchdog's, what follows from them is the communicator's."""
 
     abort_poll_s: float
     broken: bool
     has_undelivered_error: bool
 
-    def _device_op_started(self, op: DeviceOp) -> None: ...
+    def op_started(self, op: DeviceOp) -> None: ...
 
-    def _device_op_ended(self, op: DeviceOp) -> None: ...
+    def op_ended(self, op: DeviceOp) -> None: ...
 
-    def _device_op_expired(self, op: DeviceOp, running_s: float) -> None: ...
+    def op_expired(self, op: DeviceOp, running_s: float) -> None: ...
 
-    def _device_peer_aborted(self, op: DeviceOp) -> bool:
+    def peer_aborted(self, op: DeviceOp) -> bool:
         """Fail `op` if a peer announced it aborted the communicator; whether it did."""
 
-    def _device_op_dropped(self, op: DeviceOp) -> None: ...
+    def op_dropped(self, op: DeviceOp) -> None: ...
 
-    def _deliver_undelivered(self) -> None:
+    def deliver_undelivered(self) -> None:
         """Raise the error found on the watchdog's thread, if one waits for the caller."""
 
-    def _watchdog_failed(self, exc: BaseException) -> None:
+    def watchdog_failed(self, exc: BaseException) -> None:
         """A scan raised: the communicator cannot be watched any more."""
 
 
@@ -140,7 +127,7 @@ class InFlight:
                 op = queue[0]
                 if op.end.query():
                     queue.popleft()
-                    comm._device_op_ended(op)
+                    comm.op_ended(op)
                     if comm.broken:  # the engine said the op failed
                         self.drop()
                         return
@@ -150,15 +137,15 @@ class InFlight:
                         break  # still queued behind earlier work on the device
                     op.started_mono_ns = now_ns
                     op.next_read_ns = now_ns + int(comm.abort_poll_s * 1e9)
-                    comm._device_op_started(op)
+                    comm.op_started(op)
                 running_ns = now_ns - op.started_mono_ns
                 if running_ns >= op.call.deadline_s * 1e9:
-                    comm._device_op_expired(op, running_ns / 1e9)
+                    comm.op_expired(op, running_ns / 1e9)
                     self.drop()
                     return
                 if now_ns >= op.next_read_ns:
                     op.next_read_ns = now_ns + int(max(comm.abort_poll_s * 1e9, running_ns / 10))
-                    if comm._device_peer_aborted(op):
+                    if comm.peer_aborted(op):
                         self.drop()
                         return
                 break
@@ -167,7 +154,7 @@ class InFlight:
         """The communicator broke: its ops still queued end with it, their outputs undefined."""
         for queue in self.queues.values():
             while queue:
-                self.comm._device_op_dropped(queue.popleft())
+                self.comm.op_dropped(queue.popleft())
 
     def drain(self, until_mono: float) -> bool:
         """Scan until nothing is in flight (True) or `until_mono` passes (False); the CPU waits."""
@@ -214,7 +201,7 @@ class _Watchdog:
                     with in_flight.lock:
                         in_flight.scan(time.monotonic_ns())
                 except Exception as exc:  # the thread must outlive any one communicator's failure
-                    in_flight.comm._watchdog_failed(exc)
+                    in_flight.comm.watchdog_failed(exc)
             if not self._forget_idle():
                 return
 
@@ -261,7 +248,7 @@ def check(wait: bool = False, timeout: float | None = None) -> None:
         else:
             with in_flight.lock:
                 in_flight.scan(time.monotonic_ns())
-        in_flight.comm._deliver_undelivered()
+        in_flight.comm.deliver_undelivered()
 
 
 def watched_count() -> int:

@@ -7,7 +7,7 @@
 
 `shard` (shard.py) applies fully_shard and routes FSDP2's collectives through commlib
 (comms.py); `timeline` computes overlap from commlib's log model. The A/B tool needs the
-reference model, so it lives above this package: `chaos.workload.bench_overlap`. See README.md.
+reference model, so it lives above this package: `chaos.workload.bench_overlap`. See docs/fsdp-overlap.md.
 """
 
 from fsdp_overlap.comms import CommlibAllGather, CommlibReduceScatter, FSDPWork

@@ -6,7 +6,7 @@ Modes (`Mode`):
   ``comm.split(all ranks, f"{comm.name}.reduce_scatter")``, so a reduce-scatter does not
   queue behind an in-flight (prefetched) all-gather where a communicator runs one
   collective at a time (NCCL: one stream per communicator). A gloo process group already
-  runs two at once (two worker threads), so on CPU dual changes little (see README).
+  runs two at once (two worker threads), so on CPU dual changes little (see docs/measurements.md).
 - ``single``: both on `comm` (the baseline for dual).
 - ``native``: FSDP2's own ``set_separate_reduce_scatter_group(True)``: a second
   process group created by FSDP itself; it is there to compare against. Over the commlib

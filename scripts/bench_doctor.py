@@ -1,4 +1,4 @@
-"""The doctor at cluster scale, and what a log costs: the figures of README's "`commlib doctor`" section.
+"""The doctor at cluster scale, and what a log costs: the figures of docs/measurements.md, "The doctor and the logs".
 
     .venv/bin/python scripts/bench_doctor.py scale [--ranks 1000] [--lines 1000000 10000000] [--old-lines 1000000]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]

@@ -346,7 +346,7 @@ def require_supported_torch() -> None:
     if not hasattr(nn, "LinearCrossEntropyLoss"):
         raise RuntimeError(f"the reference workload needs torch.nn.LinearCrossEntropyLoss (torch >= 2.13); "
                            f"found torch {torch.__version__} without it. commlib itself supports older torch "
-                           f"(see README, 'Supported torch versions')")
+                           f"(see docs/torch-versions.md)")
 
 
 def loss_options(cfg: ModelConfig) -> nn.LinearCrossEntropyOptions:

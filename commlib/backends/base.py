@@ -7,6 +7,11 @@ runtime, and its works order the caller's stream and report the engine's verdict
 that has ended (`commlib.device`, `commlib.watchdog`). Everything else (validation, sequence numbers, deadlines,
 hooks, logs, flight recording, the progress board) belongs to `Communicator`; a backend
 that repeats any of it is a bug.
+
+Dropping an engine's work whose op still runs blocks the dropping thread until the op ends
+(gloo's and torchcomms' works join the op's thread), so a work given up on while its op
+runs (a caller's shorter wait that passed, an op of a communicator that broke) is kept here
+until it has ended (`keep_until_done`): the one registry of this module.
 """
 
 from __future__ import annotations
@@ -65,3 +70,15 @@ class Backend(Protocol):
 
     def finalize(self) -> None:
         """Release resources after a clean run."""
+
+
+# Works given up on while their op still ran, each with its backend (whose engine must outlive
+# it), pruned at the next give-up (module docstring).
+_KEPT: list[tuple[BackendWork, Backend]] = []
+
+
+def keep_until_done(work: BackendWork, backend: Backend) -> None:
+    """Keep `work` (and `backend`) until its op has ended, so that dropping it never blocks."""
+    _KEPT[:] = [kept for kept in _KEPT if not kept[0].is_completed()]
+    if not work.is_completed():
+        _KEPT.append((work, backend))

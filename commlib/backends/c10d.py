@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 from commlib import compat
-from commlib.device import CudaRuntime
+from commlib.backends.gloo_p2p import OnePieceWait, PeerLanes
+from commlib.device import CudaRuntime, engine_timeout_s
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
 from commlib.observe import log as _log
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
-from commlib.watchdog import engine_timeout_s
 
 ENGINES = ("gloo", "nccl")
 _MAX_OPTIONS = 256  # option objects kept per backend (`C10dBackend._options`)
@@ -131,6 +131,7 @@ class C10dWork:
     work: Any  # torch.distributed.Work
     finish: Callable[[], None] | None = None  # emulation step run after completion
     timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms-routed groups)
+    one_piece: OnePieceWait | None = None  # a gloo send/recv, waited for on its peer's lane (`gloo_p2p`)
 
     def order(self) -> None:
         # Without a timeout NCCL's wait only makes the current stream wait on the op's end event.
@@ -153,10 +154,19 @@ class C10dWork:
                             f"ncclRemoteError: a peer gone or its network failed)")
 
     def wait(self, timeout: timedelta) -> bool:
+        one_piece = self.one_piece
+        if one_piece is not None:
+            if not one_piece.done.wait(timeout.total_seconds()):
+                return False  # the op goes on: only its lane's thread waits in the engine
+            error = one_piece.error
+            if error is not None:
+                if classify_exception(error) is Failure.TIMEOUT:
+                    return False
+                raise error
         # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite timeout,
         # and its is_completed() only turns True inside wait(): the op's deadline is the
         # timeout launch put in its c10d options, so an untimed wait() ends then.
-        if not wait_or_time_out(self.work.wait, *((timeout,) if self.timed_wait else ())):
+        elif not wait_or_time_out(self.work.wait, *((timeout,) if self.timed_wait else ())):
             return False
         if self.finish is not None:
             self.finish()
@@ -164,6 +174,8 @@ class C10dWork:
         return True
 
     def is_completed(self) -> bool:
+        if self.one_piece is not None:
+            return self.one_piece.done.is_set()
         return bool(self.work.is_completed())
 
 
@@ -192,6 +204,9 @@ class C10dBackend:
         # gloo's Work.wait(timeout) only stops waiting; NCCL's aborts the communicator, and a
         # torchcomms-routed group's takes no finite timeout at all.
         self.resumable_wait = self.name == "gloo" and not self._routed
+        # gloo's send/recv waits are made resumable by waiting for them in one piece on a
+        # thread per peer (`gloo_p2p`): its own timed waits close the context's connections.
+        self._peer_lanes = PeerLanes(self.name) if self.resumable_wait else None
         self.runtime = CudaRuntime(device) if device.type == "cuda" and self.name != "gloo" else None
         # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
         # method names, Backend objects to the old ones: look each up once.
@@ -222,7 +237,10 @@ class C10dBackend:
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
         reduce_op = call.reduce_op
         finish = None if reduce_op is None or reduce_op is _SUM else self._emulate(call)
-        return C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
+        work = C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
+        if call.peer is not None and self._peer_lanes is not None:
+            work.one_piece = self._peer_lanes.wait_for(call.peer, work.work, timeout)
+        return work
 
     # One function per op, looked up by op (`_LAUNCH`, below the class): an if-chain over
     # OpName members would read up to a dozen of them per call, and reading an enum member

@@ -4,7 +4,7 @@ Written against torchcomms' documented Python API (`torchcomms.new_comm`, `Torch
 methods that all take a required positional `async_op` and keyword `hints`/`timeout`,
 `root=` for rooted ops, its own `ReduceOp` with AVG and PREMUL_SUM(factor)). torchcomms
 cannot be installed on the machines this project is developed on, so this module is tested
-against the strict stand-in in tests/torchcomms_standin; see the README for what that
+against the strict stand-in in tests/torchcomms_standin; see docs/torchcomms.md for what that
 does and does not prove.
 
 Rank and size: torchcomms reads them from the environment only (TORCHCOMM_RANK /
@@ -18,7 +18,7 @@ never collide.
 On CUDA the communicator is stream-ordered (`commlib.device`): a work's `order` is
 `TorchWork.wait()`, which there only makes the current stream wait, and the deadline is
 commlib's watchdog's; torchcomms' own per-op timeout is set far beyond it
-(`commlib.watchdog.engine_timeout_s`) and `abort_process_on_timeout_or_error` is False, so
+(`commlib.device.engine_timeout_s`) and `abort_process_on_timeout_or_error` is False, so
 torchcomms never acts first. An abort torchcomms decides on anyway (its abort hook) is the
 work's `failure`. On CPU engines (gloo) a wait blocks the CPU under the deadline.
 
@@ -43,10 +43,9 @@ import torch.distributed as dist
 
 from commlib.backends.base import Failure
 from commlib.backends.c10d import classify_exception, wait_or_time_out
-from commlib.device import CudaRuntime
+from commlib.device import CudaRuntime, engine_timeout_s
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
-from commlib.watchdog import engine_timeout_s
 
 INSTALL_HINT = ("install torchcomms (pip install torchcomms, with a torch build it supports; see "
                 "https://github.com/meta-pytorch/torchcomms), or use backend='auto', 'gloo' or 'nccl'")

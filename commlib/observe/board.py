@@ -102,7 +102,7 @@ class ProgressBoard:
         self._warned_ns = 0
         self.closed = False
         # Published once at once, not at the thread's next pass: a rank killed in its first
-        # milliseconds is still found gone by its pid (`Communicator._find_gone_peers`).
+        # milliseconds is still found gone by its pid (`commlib.verdicts.Judge`).
         try:
             self.publish_if_due(time.time_ns())
         except Exception as exc:

@@ -35,7 +35,7 @@ BANDWIDTH: dict[str, tuple[bool, Callable[[int], float]]] = {
 
 @dataclass
 class StragglerStat:
-    """How long the other ranks waited for this rank to arrive (wall clocks: see README)."""
+    """How long the other ranks waited for this rank to arrive (wall clocks: see docs/observability.md)."""
 
     rank: int
     collectives: int
@@ -88,7 +88,7 @@ def straggler_stats(attempts: Iterable[AttemptLog]) -> list[StragglerStat]:
 def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | None, float | None]:
     """(algbw, busbw) in GB/s for `op` on `n` ranks, each contributing `nbytes`, taking `seconds`.
 
-    algbw = S / t, busbw = algbw * factor(n), with NCCL-tests' S and factors (see README).
+    algbw = S / t, busbw = algbw * factor(n), with NCCL-tests' S and factors (see docs/observability.md).
     """
     if op not in BANDWIDTH or nbytes <= 0 or seconds <= 0 or n < 1:
         return None, None

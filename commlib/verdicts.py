@@ -1,0 +1,277 @@
+"""Who failed, and how it is said: the typed error for each way a communicator's op can fail.
+
+`Judge` (one per `Communicator`) reads what the ranks published (the progress board, and
+the abort announcements in the communicator's store) and words the error: a deadline that
+expired is a `CollectiveTimeout` naming the ranks that never arrived, a peer's death or
+abort a `PeerFailure` naming it. It decides and words; it never records, breaks or raises:
+the communicator does that, on its one path, with the error the judge hands back.
+
+Announcements. A rank that breaks or aborts its communicator says so in the communicator's
+store (`ABORT_KEY`: its rank and why; the first one stays). A peer blocked in a collective
+of the same communicator reads that key between slices of its wait (or the watchdog does,
+on a stream-ordered engine) and fails with a `PeerFailure` naming the rank within a
+fraction of a second, instead of waiting out its deadline for a rank that will never come
+(an exception in that rank's step, a rank that timed out on another collective, a rank
+recovering in-job). A peer whose deadline expired in the same collective, which this rank
+had started by then, is no culprit: it arrived like this rank, so this rank fails with the
+same `CollectiveTimeout` naming the ranks that never did (deadlines expire a little apart).
+
+Who is gone, when a peer's connection breaks: the announcement of a peer that aborted on
+purpose names that peer; an announcement made because its maker met a peer's failure names
+what its maker found, never its maker; otherwise the board tells (a process on this host
+that has exited, a heartbeat that stopped), or the error says that nobody could tell.
+
+Store clients: the judge reads and writes through the communicator's own store client on the
+thread that made it, and through a client of its own on any other thread (the watchdog's):
+a TCPStore client serializes its calls, and the watchdog must not queue behind a store wait
+of the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from commlib.backends.base import Backend
+from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure, WaitTimeout
+from commlib.failures import Failure
+from commlib.observe.board import (HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks,
+                                   explain_timeout, find_gone, own_client)
+from commlib.observe.flight import FlightEntry
+from commlib.ops import Collective, OpName
+
+ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
+GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`Judge._find_gone_peers`)
+
+
+class Judge:
+    """Says who failed, for one communicator (module docstring)."""
+
+    def __init__(self, comm: str, rank: int, store: dist.Store, board: ProgressBoard, log: Any,
+                 backend: Backend) -> None:
+        self.comm = comm
+        self.rank = rank
+        self.board = board
+        self._store = store
+        self._log = log
+        self._backend = backend  # what a raw engine failure means is the backend's (`Backend.classify`)
+        self._owner_thread = threading.get_ident()
+        self._side_store: dist.Store | None = None  # the store client of other threads (`store`)
+
+    def store(self) -> dist.Store:
+        """The store client for the calling thread (module docstring)."""
+        if threading.get_ident() == self._owner_thread:
+            return self._store
+        if self._side_store is None:
+            self._side_store = own_client(self._store, self.rank)
+        return self._side_store
+
+    def where(self, call: Collective) -> dict[str, Any]:
+        return {"op": call.op.value, "seq": call.seq, "comm": self.comm, "rank": self.rank}
+
+    # -- announcements -------------------------------------------------------------------
+    def announce(self, reason: str, error: BaseException | None = None, call: Collective | None = None) -> None:
+        """Say in the store that this rank broke or aborted the communicator, and why.
+
+        A collective's timeout adds its op, seq and the ranks that had not started it. A
+        `PeerFailure` marks the announcement as made after a peer's failure, naming whom this
+        rank found failed (if anyone): a reader must not take this rank for the culprit.
+        """
+        announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
+        if isinstance(error, CollectiveTimeout) and call is not None and call.peer is None \
+                and error.missing_ranks is not None:
+            announcement.update(timed_out_in=[error.op, error.seq], missing=error.missing_ranks)
+        elif isinstance(error, PeerFailure):
+            announcement.update(after_peer_failure=True, failed=error.failed_ranks)
+        try:
+            self.store().compare_set(ABORT_KEY, "", json.dumps(announcement))
+        except Exception as exc:  # the store is gone too: peers fall back on their deadlines
+            report_side_failure(self._log, "abort announcement", exc)
+
+    def announced(self) -> dict[str, Any] | None:
+        """The announcement of the peer that aborted this communicator, if one did."""
+        store = self.store()
+        try:
+            if not store.check([ABORT_KEY]):
+                return None
+            announced = json.loads(store.get(ABORT_KEY))
+        except Exception:  # an unreachable store tells nothing: the deadline still holds
+            return None
+        return announced if announced["rank"] != self.rank else None
+
+    # -- verdicts ------------------------------------------------------------------------
+    def engine_failure(self, call: Collective, entry: FlightEntry, exc: BaseException) -> CommError:
+        """The error for an op whose engine raised `exc` (`Backend.classify` says what it means)."""
+        kind = self._backend.classify(exc)
+        if kind is Failure.TIMEOUT:
+            return self.timeout(call, entry, exc)
+        if kind is Failure.PEER:
+            # A peer that aborted on purpose said why before it closed its connections: that,
+            # not the broken connection, is what this rank's error has to say.
+            announced = self.announced()
+            if announced is not None and not announced.get("after_peer_failure"):
+                return self.peer_left(call, entry, announced, exc)
+            return self.peer_gone(call, entry, exc, announced)
+        head = f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank}"
+        if kind is Failure.ABORTED:
+            error: CommError = CommAborted(f"{head}: expected a live communicator; the backend says it is not "
+                                           f"({exc})", **self.where(call))
+        else:
+            error = CommError(f"{head}: {type(exc).__name__}: {exc}", **self.where(call))
+        error.__cause__ = exc
+        return error
+
+    def timeout(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
+                expired_first_on: int | None = None, running_s: float | None = None) -> CollectiveTimeout:
+        """`expired_first_on`: the peer whose deadline for this same collective expired before
+        this rank's, which ends this rank's wait early (`peer_left`). `running_s`: on a
+        stream-ordered engine, how long the op has run since it started on the device (its
+        deadline counts from there, not from the launch)."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9 if running_s is None else running_s
+        try:
+            board = self.board.read(self.store())
+            if call.peer is not None:
+                message, missing, stale = _explain_p2p_timeout(call, self.comm, elapsed, board)
+            else:
+                diagnosis = explain_timeout(call.op.value, call.seq, self.comm, self.rank, elapsed,
+                                            board, time.time_ns())
+                message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
+            # Where the ranks it waited for are stuck: their stacks, for the doctor.
+            asked = ask_for_stacks(board, sorted(set(missing) | set(stale)))
+            if asked:
+                self._log.info("comm.asked_for_stacks", op=call.op.value, seq=call.seq, ranks=asked)
+        except Exception as exc:  # the store itself may be gone with a dead rank 0
+            message = (f"{call.op} #{call.seq} on {self.comm!r} timed out after {elapsed:.1f} s on rank "
+                       f"{self.rank}; the progress board could not be read ({exc})")
+            missing, stale = None, None
+        if running_s is not None:
+            issued_s = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+            message += (f" (its deadline counts from its start on the device; it was issued {issued_s:.1f} s ago. "
+                        f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
+                        f"roll the step back)")
+        if expired_first_on is not None:
+            message += (f" (rank {expired_first_on}'s deadline for it expired first: this rank stopped waiting "
+                        f"before its own {call.deadline_s:g} s)")
+        error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s, missing_ranks=missing,
+                                  stale_ranks=stale, **self.where(call))
+        if cause is not None:
+            error.__cause__ = cause
+        return error
+
+    def peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any],
+                  cause: BaseException | None = None) -> CommError:
+        """The error for `call` once a peer's abort announcement was read.
+
+        `cause`: the engine's own failure, when the peer's abort reached this rank as a
+        broken connection rather than between two wait slices.
+        """
+        peer, reason = announced["rank"], announced["reason"]
+        if announced.get("after_peer_failure"):
+            # The peer only met a failure first: name what it found, or find out here.
+            return self.peer_gone(call, entry, cause, announced)
+        in_this_call = call.peer is None and announced.get("timed_out_in") == [call.op.value, call.seq]
+        if in_this_call and self.rank not in announced["missing"]:
+            # The peer's deadline expired first in this same collective, which this rank had
+            # started by then: its wait is doomed by the same absent ranks. Blaming the peer,
+            # which arrived too, would send the operator to the wrong rank; this is the same
+            # timeout.
+            return self.timeout(call, entry, cause, expired_first_on=peer)
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
+            found = (f"found rank {peer} had stopped waiting for it at its deadline and aborted the communicator, "
+                     f"naming ranks {announced['missing']} (this one among them) as never having started it: "
+                     f"this rank arrived late")
+        else:
+            found = f"found rank {peer} had aborted the communicator ({reason})"
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank} after {elapsed:.1f} s: "
+                            f"expected every peer to complete it; {found}", failed_ranks=[peer], **self.where(call))
+        if cause is not None:
+            error.__cause__ = cause
+        return error
+
+    def peer_gone(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
+                  announced: dict[str, Any] | None) -> PeerFailure:
+        """A `PeerFailure` naming the peers that are gone, as far as anyone can tell (module docstring)."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        if announced is not None and announced.get("failed"):
+            gone = list(announced["failed"])
+            how = f"as rank {announced['rank']}, which met the failure first and aborted the communicator, found"
+        else:
+            gone, how = self._find_gone_peers(None if announced is None else announced["rank"])
+            if announced is not None:
+                how += f"; rank {announced['rank']} met the failure first and aborted the communicator"
+        found = f"found rank(s) {gone} gone ({how})" if gone else f"found a peer gone ({how})"
+        if cause is not None:
+            found += f"; the backend said: {first_line(cause)}"
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank} after {elapsed:.1f} s: "
+                            f"expected every peer alive; {found}", failed_ranks=gone or None, **self.where(call))
+        if cause is not None:
+            error.__cause__ = cause
+        return error
+
+    def wait_timeout(self, call: Collective, entry: FlightEntry, waited_s: float) -> WaitTimeout:
+        """A caller's shorter wait passed: the op and the communicator stay as they are."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        return WaitTimeout(f"{call.op} #{call.seq} on {self.comm!r} rank {self.rank}: expected it to complete within "
+                           f"the wait's {waited_s:g} s; found it still running after {elapsed:.1f} s of its "
+                           f"{call.deadline_s:g} s deadline (the op goes on; wait again)",
+                           waited=waited_s, deadline=call.deadline_s, **self.where(call))
+
+    def _find_gone_peers(self, announcer: int | None) -> tuple[list[int], str]:
+        """The peers that are gone (`board.find_gone`) and how that was found; no ranks where
+        nobody could tell. The board is read again for a while: a killed process closes its
+        sockets before /proc shows it gone (`GONE_GRACE_S`), and another host's heartbeat
+        takes up to `STALE_AFTER_S` to go stale."""
+        store = self.store()
+        start = time.monotonic()
+        while True:
+            try:
+                board = self.board.read(store)
+            except Exception as exc:  # the store went with the dead rank's host
+                return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
+            gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
+            if gone:
+                return gone, how
+            if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
+                return [], f"which one could not be told: {how}"
+            time.sleep(0.02)
+
+
+def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
+                         board: dict[int, BoardEntry | None]) -> tuple[str, list[int], list[int]]:
+    """A send/recv waits on its one peer: name it, and say whether it is still beating."""
+    peer = call.peer
+    assert peer is not None
+    direction = "to" if call.op is OpName.SEND else "from"
+    entry = board.get(peer)
+    age_s = None if entry is None else (time.time_ns() - entry.heartbeat_ns) / 1e9
+    stale = [peer] if age_s is None or age_s > STALE_AFTER_S else []
+    where = ("never published progress" if entry is None else
+             f"last reported finishing collective {entry.finished_op} #{entry.finished_seq}"
+             + (f" at step {entry.step}, phase {entry.phase}" if entry.step is not None or entry.phase is not None
+                else ""))
+    if stale and age_s is not None:
+        where += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
+    message = (f"{call.op} #{call.seq} {direction} rank {peer} on {comm!r} timed out after {elapsed:.1f} s on rank "
+               f"{call.rank}: expected rank {peer} to post the matching "
+               f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it (rank {peer} {where})")
+    return message, [peer], stale
+
+
+def first_line(exc: BaseException) -> str:
+    """An engine error's first line: c10d appends its whole C++ stack to the message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def report_side_failure(log: Any, what: str, exc: BaseException) -> None:
+    """Log a failure beside the one being reported (a dump, a hook, an announcement), which
+    must not replace it; where the log itself is what failed, say nothing."""
+    try:
+        log.error("comm.side_failure", what=what, error=f"{type(exc).__name__}: {exc}")
+    except Exception:
+        pass
