@@ -51,29 +51,22 @@ def _replica(lighthouse: str, log_root: str) -> dict:
             "errors": [(type(e).__module__, type(e).__name__, getattr(e, "failed_ranks", None), str(e)) for e in errors]}
 
 
-@pytest.fixture(scope="module")
-def replica_run(tmp_path_factory):
-    from torchft._torchft import LighthouseServer
-
-    log_root = tmp_path_factory.mktemp("replica_logs")
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=50,
-                                  heartbeat_timeout_ms=300)
-    try:
-        address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-        results = testing.run(_replica, world_size=2, backend=None, timeout=120, allow_dead_ranks=True,
-                              args=(address, str(log_root)))
-    finally:
-        lighthouse.shutdown()
-    return results, log_root
-
-
 def _events(log_root: Path, replica: int, name: str) -> list[dict]:
     lines = (log_root / f"replica{replica}" / "rank0.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
-def test_the_manager_sees_commlibs_typed_error_naming_the_dead_replica_and_goes_on(replica_run):
-    (survivor, dead), _ = replica_run
+def test_the_manager_sees_commlibs_typed_error_naming_the_dead_replica_and_the_logs_say_each_quorum(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=300)
+    try:
+        address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+        survivor, dead = testing.run(_replica, world_size=2, backend=None, timeout=120, allow_dead_ranks=True,
+                                     args=(address, str(tmp_path)))
+    finally:
+        lighthouse.shutdown()
     assert dead is None  # it died, as planned
     assert survivor["backend"] == "torchft-commlib"
     assert survivor["step"] == STEPS  # it went on without the dead group
@@ -81,18 +74,15 @@ def test_the_manager_sees_commlibs_typed_error_naming_the_dead_replica_and_goes_
     assert (module, kind, failed_ranks) == ("commlib.errors", "PeerFailure", [1]), survivor["errors"]
     assert "replicas.q" in message and "rank(s) [1] gone" in message, message
 
-
-def test_the_logs_say_each_quorum_and_which_replica_group_failed(replica_run):
-    _, log_root = replica_run
-    quorums = _events(log_root, 0, "replicas.quorum")
+    quorums = _events(tmp_path, 0, "replicas.quorum")
     # Both groups, then the survivor alone (a group that starts first may have a quorum alone before).
     assert [q["replicas"] for q in quorums][-2:] == [[0, 1], [0]], quorums
     assert all(q["comm_name"] == f"replicas.q{q['quorum_id']}" for q in quorums)
     # Every collective of a quorum ran on that quorum's communicator.
-    collectives = [json.loads(line) for line in (log_root / "replica0/rank0.jsonl").read_text().splitlines()
+    collectives = [json.loads(line) for line in (tmp_path / "replica0/rank0.jsonl").read_text().splitlines()
                    if '"collective.' in line]
-    assert {c["comm"] for c in collectives} <= {q["comm_name"] for q in quorums}
-    failure, = _events(log_root, 0, "replicas.failure")
+    assert collectives and {c["comm"] for c in collectives} <= {q["comm_name"] for q in quorums}
+    failure, = _events(tmp_path, 0, "replicas.failure")
     assert (failure["error_type"], failure["failed_replicas"], failure["quorum_id"]) == \
         ("PeerFailure", [1], quorums[-2]["quorum_id"]), failure
 
