@@ -1,8 +1,8 @@
 """The proof of a replica run (`chaos.replicas`): nothing lost, bitwise, read from the groups' logs.
 
 `prove(run_dir)` reads every rank's ``train.step`` (a committed step: its members, quorum,
-loss and the digest of the rank's state after it), ``replica.discarded``, ``replica.heal``
-and ``replica.start`` events, replays the recorded membership (`chaos.replicas.run_replay`:
+loss and the digest of the rank's state after it), ``train.failed_in_step`` (a step torchft
+discarded), ``replica.heal`` and ``replica.start`` events, replays the recorded membership (`chaos.replicas.run_replay`:
 one group, every member's gradient in turn, the same shards and the same order of the sum)
 and checks:
 
@@ -155,7 +155,7 @@ def _take(record: Record, replica: int, rank: int, e: dict[str, Any]) -> None:
         record.commits.append(Commit(replica, rank, int(e["pid"]), int(e.get("attempt", 0)), int(e["step"]),
                                      tuple(e["replicas"]), e.get("quorum_id"), e["loss_hex"], e["digest"],
                                      int(e["ts_ns"])))
-    elif name == "replica.discarded":
+    elif name == "train.failed_in_step":
         record.discarded.append({**where, "step": e.get("step"), "error_type": e.get("error_type")})
     elif name == "replica.heal":
         record.heals.append({**where, "to_step": e.get("to_step"), "digest": e.get("digest")})

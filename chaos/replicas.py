@@ -4,8 +4,9 @@
                            Plan.from_dict({"faults": [{"type": "kill", "rank": 1, "step": 6}]}), run_dir)
     proof = chaos.replica_proof.prove(run_dir)      # bitwise, against a replay of the membership
 
-`run_replicas` starts torchft's lighthouse (in this process, on loopback: it goes when the
-run ends or this process dies, so nothing is left running), then one torchrun per replica
+`run_replicas` starts torchft's lighthouse (its own binary, on loopback, a process of the job:
+it is stopped when the run ends and dies with the harness, so nothing is left running; its
+log is ``{run_dir}/lighthouse.log``), then one torchrun per replica
 group (`chaos.workload.replica`, ``--standalone``, ``--max-restarts`` from the plan): when a
 group's rank dies, only that group's own torchrun restarts it, and the other groups'
 processes live on. The groups' log dirs are ``{run_dir}/logs/replica{R}``.
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -62,6 +64,7 @@ REPLICA_TRAINER = "chaos.workload.replica"
 PGS = ("commlib", "torchft-gloo")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_PORT = 29510  # torchft's default; in the lighthouse's own namespace nothing else listens
+LIGHTHOUSE_START_S = 60.0  # for the lighthouse to say it listens (a loaded machine starts processes slowly)
 
 
 @dataclass(frozen=True)
@@ -163,36 +166,43 @@ class ReplicaProcesses(JobProcesses):
 
 @contextlib.contextmanager
 def _lighthouse(job: ReplicaJob, network: Network | None, token: str, run_dir: Path) -> Iterator[str]:
-    """torchft's lighthouse for the length of the run; yields its address.
+    """torchft's lighthouse (its own binary) for the length of the run, logging to
+    ``{run_dir}/lighthouse.log``; yields its address once it listens.
 
-    On loopback it runs in this process (it goes when the run ends or this process dies). With a
-    network of namespaces it runs in a node of its own (the last), so that a partition of a
-    group's node cuts that group off from it too, as a lost switch port would.
+    It is a process of the job (`chaos.processes`: it dies with the harness, and `chaos.cleanup`
+    finds it by the run's token). On loopback it takes a free port; with a network of namespaces
+    it runs in a node of its own (the last), so that a partition of a group's node cuts that
+    group off from it too, as a lost switch port would.
     """
-    settings = {"min_replicas": 1, "join_timeout_ms": job.join_timeout_ms, "quorum_tick_ms": job.quorum_tick_ms,
-                "heartbeat_timeout_ms": job.heartbeat_timeout_ms}
-    if network is None:
-        from torchft._torchft import LighthouseServer
-
-        server = LighthouseServer(bind="127.0.0.1:0", **settings)
-        try:
-            # It names itself by host name; the groups reach it on loopback.
-            yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
-        finally:
-            server.shutdown()
-        return
     binary = Path(sys.executable).with_name("torchft_lighthouse")
     if not binary.is_file():
         raise FileNotFoundError(f"run_replicas: expected torchft's lighthouse at {binary} (torchft-nightly's); "
                                 f"found none")
-    address = network.address(job.replicas)
+    host, port = ("127.0.0.1", 0) if network is None else (network.address(job.replicas), LIGHTHOUSE_PORT)
+    settings = {"min_replicas": 1, "join_timeout_ms": job.join_timeout_ms, "quorum_tick_ms": job.quorum_tick_ms,
+                "heartbeat_timeout_ms": job.heartbeat_timeout_ms}
+    cmd = [str(binary), "--bind", f"{host}:{port}", *(f"--{k}={v}" for k, v in settings.items())]
+    log = run_dir / "lighthouse.log"
     own = JobProcesses(token)
-    own.launch([*network.exec_prefix(job.replicas), str(binary), "--bind", f"{address}:{LIGHTHOUSE_PORT}",
-                *(f"--{k}={v}" for k, v in settings.items())], _environment(run_dir), run_dir / "lighthouse.log")
+    own.launch(cmd if network is None else [*network.exec_prefix(job.replicas), *cmd], _environment(run_dir), log)
     try:
-        yield f"http://{address}:{LIGHTHOUSE_PORT}"
+        yield f"http://{host}:{_listening_port(log, own)}"
     finally:
         own.stop()
+
+
+def _listening_port(log: Path, lighthouse: JobProcesses) -> int:
+    """The port the lighthouse says it listens on (it names itself by host name: the port is what counts)."""
+    give_up = time.monotonic() + LIGHTHOUSE_START_S
+    while time.monotonic() < give_up:
+        said = re.search(r"Lighthouse listening on: \S+:(\d+)", log.read_text(errors="replace"))
+        if said:
+            return int(said.group(1))
+        if not lighthouse.running():
+            break
+        time.sleep(POLL_S)
+    raise RuntimeError(f"run_replicas: expected torchft's lighthouse to listen within {LIGHTHOUSE_START_S:g} s; "
+                       f"found {'it exited' if not lighthouse.running() else 'no word of it'} (see {log})")
 
 
 @contextlib.contextmanager

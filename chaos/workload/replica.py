@@ -30,8 +30,9 @@ stayed in step is bitwise equal to it at every step.
 
 Logged per step (the rank's commlib log): ``train.step`` for a committed step (its loss and
 its exact ``loss_hex``, the members ``replicas``, the quorum, the ``digest`` of this rank's
-model and optimizer state after the step), ``replica.discarded`` for a step torchft did not
-commit (the error that stopped it), ``replica.heal`` when this rank took a peer's state; the
+model and optimizer state after the step), ``train.failed_in_step`` for a step torchft did not
+commit (the error that stopped it; the harness's holds are released on it, as on the single-job
+trainer's in-job recovery), ``replica.heal`` when this rank took a peer's state; the
 replay logs ``replay.step`` (each member's loss, the digest). `chaos.replicas` verifies
 from these. The in-rank fault injector (`chaos.inject`) runs with the rank's place in the
 whole job (replica x G + rank); a heal calls its ``on_checkpoint_staged``, so
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-step-s", type=float, default=0.0,
                    help="pad every step to at least this long (a tiny model's steps take milliseconds; a real "
                         "one's take seconds, long enough for a lost group to come back while the others train)")
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        print(p.format_help() + "\nand the reference trainer's options:\n")
+        train.parse_args(["--help"])  # exits
     own, rest = p.parse_known_args(argv)
     args = train.parse_args(rest)
     if args.ckpt_dir is not None:
@@ -301,7 +305,7 @@ class ReplicaTrainer:
             return
         error = self.manager.errored()
         cause = getattr(error, "original_exception", error)
-        self.log.warning("replica.discarded", error_type=type(cause).__name__ if cause is not None else None,
+        self.log.warning("train.failed_in_step", error_type=type(cause).__name__ if cause is not None else None,
                          error=str(cause)[:300] if cause is not None else None, **where)
 
 
@@ -417,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer = ReplicaTrainer(args, comm, model, optimizer, injector)
             trainer.run(data_cfg, model_cfg)
             trainer.manager.shutdown(wait=False)
+            trainer.pg.shutdown()  # the last quorum's communicators, finalized
         log.info("train.done", steps=args.steps, digest=digest(model, optimizer))
     except Exception as exc:
         traceback.print_exc()

@@ -82,12 +82,15 @@ def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwis
     # naming it.
     assert ("CollectiveTimeout", (1,)) in kinds, kinds
     assert ("PeerFailure", (1,)) in kinds, kinds
-    partition = proof.faults[0]
-    assert DEADLINE_S <= partition["detected_after_s"] < DEADLINE_S + 2, partition
-    # commlib's doctor names the lost group, its ranks, and the quorums it left and came back in.
+    # (A survivor may have been waiting in that step's exchange before the cut: from the cut to its error is
+    # at most the deadline, with some slack.)
+    assert proof.faults[0]["detected_after_s"] < DEADLINE_S + 2, proof.faults
+    # commlib's doctor names the lost group, its ranks, and the quorums it left and came back in; the first
+    # survivor to notice the cut spent the deadline in that collective.
     lost = proof.doctor["lost"]
     assert [(g["replica"], g["ranks"], g["cause"]) for g in lost] == [(1, [2, 3], "CollectiveTimeout"),
                                                                       (1, [2, 3], "PeerFailure")], lost
+    assert DEADLINE_S <= lost[0]["detected_after_s"] < DEADLINE_S + 1, lost
     assert all(g["back_in_quorum"] is not None for g in lost) and proof.doctor["exit_code"] == 3
 
     # The report shows the members per step; nothing is left running.
