@@ -18,6 +18,8 @@ The network namespaces need root: where they cannot be made the run fails saying
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,12 @@ def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwis
     assert DEADLINE_S <= lost[0]["detected_after_s"] < DEADLINE_S + 1, lost
     assert all(g["back_in_quorum"] is not None for g in lost) and proof.doctor["exit_code"] == 3
 
+    # commlib-doctor reads the groups' log dirs the same way, and says the run recovered (exit 3).
+    doctor = subprocess.run([sys.executable, "-m", "commlib.doctor", str(run_dir / "logs")], capture_output=True,
+                            text=True, timeout=120)
+    assert doctor.returncode == 3, doctor.stdout + doctor.stderr
+    assert doctor.stdout.count("LOST replica 1 (ranks [2, 3]) from quorum") == 2, doctor.stdout
+
     # The report shows the members per step; nothing is left running.
     written = json.loads((run_dir / REPORT).read_text())
     assert written["passed"] and written["membership"]["10"] == [0, 1]
@@ -127,3 +135,18 @@ def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, l
     good = re.search(r"replica 0 rank 0: loss differs from the replay's from step (\d+) on", problems)
     assert good is None or int(good.group(1)) > min(healed.values()) + 1, problems
     assert leftovers(run_dir) == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--fault", "kill:rank=2,step=3"], "faults[0].rank: expected an int in [0, 2)"),
+    (["--replicas", "0"], "expected ReplicaJob.replicas to be an integer in [1, 64]; found 0"),
+    (["--fault", "partition:rank=1,step=3,duration_s=4", "--", "--steps", "9", "--timeout", "5"],
+     "faults[0].duration_s: expected a partition either survived"),
+    (["--job-timeout", "nan"], "expected --job-timeout to be a finite number"),
+])
+def test_python_m_chaos_replicas_refuses_a_bad_plan_or_job_before_anything_starts(tmp_path, capsys, argv, expected):
+    from chaos.__main__ import main
+
+    assert main(["replicas", "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
