@@ -13,7 +13,8 @@ and checks:
 - ``no_step_committed_twice``: no rank of any group, restarted ones included, committed a
   step twice (a restart that resumed behind where it died would);
 - ``in_step``: at every committed step, every group that committed it holds bitwise the same
-  state (the digests of each rank's shards) and agrees on the members and the quorum;
+  state (the digests of each rank's shards) and agrees on the members and the quorum; and a
+  group that healed took bitwise the state the groups committed at the step it healed to;
 - ``members_committed``: a group that committed a step was a member of it;
 - ``every_commit_applied``: every committed step changed the state of the rank that committed
   it (the optimizer's step count does, at least): a step committed but never applied is named;
@@ -250,10 +251,15 @@ def no_step_committed_twice(record: Record) -> Check:
 
 
 def in_step(record: Record) -> Check:
-    problems = []
     by_step: dict[tuple[int, int], list[Commit]] = defaultdict(list)
     for c in record.commits:
         by_step[(c.step, c.rank)].append(c)
+    # A heal first: the state it took must be the one the groups committed at that step (said first, as it
+    # explains the differences that follow).
+    problems = [f"replica {h['replica']} rank {h['rank']} healed to step {h['to_step']} with a state unlike the "
+                f"groups' at that step" for h in record.heals
+                if h.get("digest") and by_step.get((h["to_step"], h["rank"]))
+                and h["digest"] not in {c.digest for c in by_step[(h["to_step"], h["rank"])]}]
     for (step, k), commits in sorted(by_step.items()):
         if len({c.digest for c in commits}) > 1:
             groups = defaultdict(list)

@@ -209,11 +209,9 @@ class ReplicaTrainer:
         self.manager = _manager(args, comm, self.pg, host, port, self._load, lambda: heal_state(model, optimizer))
 
     def _load(self, state: dict[str, Any]) -> None:
-        before = self.healed_to
         load_heal_state(self.model, self.optimizer, state)
         self.healed_to = self.manager.current_step()
-        self.log.warning("replica.heal", to_step=self.healed_to, previous_heal=before, digest=digest(self.model,
-                                                                                                   self.optimizer))
+        self.log.warning("replica.heal", to_step=self.healed_to, digest=digest(self.model, self.optimizer))
 
     def run(self, data_cfg: DataConfig, model_cfg: ModelConfig) -> None:
         args, manager = self.args, self.manager

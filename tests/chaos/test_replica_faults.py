@@ -125,6 +125,9 @@ def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, l
     failed = {c.name for c in proof.checks if not c.passed}
     assert failed == {"in_step", "replay", "every_commit_applied"}, proof.summary()
     healed = {h["replica"]: h["to_step"] for h in record.heals}
+    # The stale group is named at its heal: the state it took is not the one the groups committed.
+    assert proof.check("in_step").found.startswith(f"replica 1 rank 0 healed to step {healed[1]} with a state unlike "
+                                                   f"the groups' at that step;"), proof.summary()
     # The skipping group is named at its first step after the heal, and only it.
     assert proof.check("every_commit_applied").found == (f"replica 2 rank 0 committed step {healed[2] + 1} without "
                                                          f"changing its state"), proof.summary()
