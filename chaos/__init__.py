@@ -49,15 +49,25 @@ def run(plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | 
     `reference_dir`: where fault-free references are cached by config (default
     ``<run_dir>/../.reference``); `verify=False` skips the reference and the bitwise checks.
     `timeout_s` bounds each of the faulted and the reference runs; the job is stopped
-    when it expires. Returns the `Report`; `report.passed` is the verdict.
+    when it expires. Returns the `Report`; `report.passed` is the verdict. A bad value (of the
+    plan, a directory that cannot be made, the reference trainer's arguments or the devices
+    they need here) raises before anything starts: `chaos.plan.PlanError`, or ValueError
+    naming the value.
 
     With `rdzv_endpoint`, this process is the harness of one node (`node_rank`) of a
     multi-node job with rendezvous id `rdzv_id`, whose nodes share `run_dir` (`chaos.multinode`):
     the verdict is node 0's, and the other nodes, or a node stopped by SIGTERM, return None.
     """
     from chaos import harness, verify as verifier
+    from chaos.options import LONGEST_S, directory_problem
     from chaos.plan import Plan, load_plan, parse_shorthand
+    from commlib import settings
 
+    timeout_s = settings.number(timeout_s, "timeout_s", above=0.0, high=LONGEST_S, unit="seconds")
+    for name, directory in (("run_dir", run_dir), ("reference_dir", reference_dir)):
+        problem = None if directory is None else directory_problem(directory, name, empty=False)
+        if problem is not None:
+            raise ValueError(problem)
     if plan is None:
         plan = Plan()
     elif isinstance(plan, dict):

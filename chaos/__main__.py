@@ -25,15 +25,19 @@ multi-node job stopped by SIGTERM (a preemption: the job goes on in its next lau
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from chaos.harness import DEFAULT_FAULTS, REFERENCE_TRAINER, Job, check_plan, default_trainer_args
+from chaos.options import (LARGEST_INDEX, LONGEST_S, MOST_FIRINGS, MOST_NODES, MOST_PER_NODE, directory_problem,
+                           option)
 from chaos.plan import RESTART_MARGIN, Plan
-from chaos.slurm.batch import DEFAULT_NOTICE_S, DEFAULT_RDZV_PORT
+from chaos.slurm.batch import DEFAULT_NOTICE_S, DEFAULT_RDZV_PORT, Settings
+from chaos.soak import MOST_SOAK_FAULTS
+from commlib import settings
+from commlib.initialize import BACKENDS
 
 EXIT_STOPPED = 143
 
@@ -45,23 +49,27 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run a trainer under torchrun with a fault plan, then verify the run against a "
                                    "fault-free reference. Arguments after -- go to the trainer.")
     _job_options(r)
-    r.add_argument("--node-rank", type=int, default=None, help="this machine's node (with --rdzv-endpoint)")
-    r.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of a multi-node job's rendezvous, on node 0")
-    r.add_argument("--rdzv-id", default=None, help="the multi-node job's id, the same on every node")
+    r.add_argument("--node-rank", type=option(settings.integer, "--node-rank", low=0, high=MOST_NODES - 1),
+                   default=None, help="this machine's node (with --rdzv-endpoint)")
+    r.add_argument("--rdzv-endpoint", type=_endpoint, default=None,
+                   help="HOST:PORT of a multi-node job's rendezvous, on node 0")
+    r.add_argument("--rdzv-id", type=option(settings.text, "--rdzv-id"), default=None,
+                   help="the multi-node job's id, the same on every node")
     r.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
     b = sub.add_parser("sbatch", help="submit the run as a Slurm job, one harness per node",
                        description="Submit a chaos run as an sbatch job: one harness per node, preemption and "
                                    "requeue, the --signal notice; wait for its verdict. Arguments after -- go to "
                                    "the trainer.")
     _job_options(b)
+    # Checked, with the rest of the job's Slurm settings, by `chaos.slurm.batch.Settings`.
     b.add_argument("--partition", default=None, help="sbatch --partition")
     b.add_argument("--time", default=None, help="sbatch --time (the job's time limit)")
-    b.add_argument("--notice", type=_positive, default=DEFAULT_NOTICE_S,
+    b.add_argument("--notice", default=DEFAULT_NOTICE_S,
                    help="seconds before the end (a time limit, a preemption's grace) the notice comes "
                         "(sbatch --signal=B:USR1@N)")
     b.add_argument("--sbatch-arg", action="append", default=[], help="another sbatch option (repeatable)")
-    b.add_argument("--max-requeues", type=_int_from(0), default=5, help="refuse to run the job again past this")
-    b.add_argument("--rdzv-port", type=_positive, default=DEFAULT_RDZV_PORT, help="the rendezvous port on node 0")
+    b.add_argument("--max-requeues", default=5, help="refuse to run the job again past this")
+    b.add_argument("--rdzv-port", default=DEFAULT_RDZV_PORT, help="the rendezvous port on node 0")
     b.add_argument("--no-wait", action="store_true", help="submit and return (the job writes its verdict)")
     b.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
     from chaos.replicas import add_command  # python -m chaos replicas: replica groups under torchft
@@ -72,62 +80,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def _job_options(r: argparse.ArgumentParser) -> None:
     """The options of a run, with or without Slurm."""
-    r.add_argument("--plan", help="a YAML or JSON fault plan")
-    r.add_argument("--fault", action="append", default=[], metavar="TYPE:key=value,...",
+    count = partial(option, settings.integer)
+    r.add_argument("--plan", type=option(settings.text, "--plan", spaces=True), help="a YAML or JSON fault plan")
+    r.add_argument("--fault", type=option(settings.text, "--fault", spaces=True), action="append", default=[],
+                   metavar="TYPE:key=value,...",
                    help="a fault, e.g. kill:rank=1,step=5 (repeatable; added to --plan's)")
-    r.add_argument("--soak", type=_positive, default=None, metavar="N",
+    r.add_argument("--soak", type=count("--soak", low=1, high=MOST_SOAK_FAULTS), default=None, metavar="N",
                    help="draw N faults from --seed over one longer run of the reference trainer (chaos.soak)")
-    r.add_argument("--seed", type=int, default=0, help="the seed --soak draws from")
-    r.add_argument("--run-dir", help="where logs, checkpoints, plan and report go (default: a new dir under runs/)")
-    r.add_argument("--trainer", default=REFERENCE_TRAINER, help="a module (run with -m) or a script path")
-    r.add_argument("--nproc-per-node", type=_positive, default=2)
-    r.add_argument("--nnodes", type=_positive, default=1,
+    r.add_argument("--seed", type=count("--seed", low=0, high=LARGEST_INDEX), default=0,
+                   help="the seed --soak draws from")
+    r.add_argument("--run-dir", type=option(settings.text, "--run-dir", spaces=True),
+                   help="where logs, checkpoints, plan and report go (default: a new dir under runs/)")
+    r.add_argument("--trainer", type=option(settings.text, "--trainer", spaces=True), default=REFERENCE_TRAINER,
+                   help="a module (run with -m) or a script path")
+    r.add_argument("--nproc-per-node", type=count("--nproc-per-node", low=1, high=MOST_PER_NODE), default=2)
+    r.add_argument("--nnodes", type=count("--nnodes", low=1, high=MOST_NODES), default=1,
                    help="nodes; for run without --rdzv-endpoint all of them run on this machine")
-    r.add_argument("--backend", default="gloo",
+    r.add_argument("--backend", type=option(settings.choice, "--backend", choices=BACKENDS), default="gloo",
                    help="passed to the reference trainer (gloo, nccl: then with --device cuda)")
-    r.add_argument("--max-restarts", type=_int_from(0), default=None,
+    r.add_argument("--max-restarts", type=count("--max-restarts", low=0, high=MOST_FIRINGS), default=None,
                    help=f"torchrun's; default: one per possible fault firing, plus {RESTART_MARGIN}")
-    r.add_argument("--job-timeout", type=_seconds, default=900.0,
+    r.add_argument("--job-timeout", type=option(settings.number, "--job-timeout", above=0.0, high=LONGEST_S,
+                                                unit="seconds"), default=900.0,
                    help="stop the job (and the reference run) after this many seconds each")
-    r.add_argument("--reference-dir", default=None, help="cache of fault-free references (default: <runs>/.reference)")
+    r.add_argument("--reference-dir", type=option(settings.text, "--reference-dir", spaces=True), default=None,
+                   help="cache of fault-free references (default: <runs>/.reference)")
     r.add_argument("--no-verify", action="store_true", help="skip the reference run and the bitwise checks")
     r.add_argument("--no-png", action="store_true", help="do not draw report.png")
 
 
-def _int_from(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an int >= `minimum`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}; found {value}")
-        return value
-
-    return parse
-
-
-_positive = _int_from(1)
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:  # nan fails too
-        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds; found {text}")
-    return value
-
-
-def _run_dir_problem(text: str) -> str | None:
-    """Why --run-dir cannot hold this run, or None: it must be a new or empty directory, and creatable."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        return f"--run-dir {text}: expected a new or empty directory; found a file"
-    if path.is_dir():
-        return f"--run-dir {text} is not empty; expected a new or empty directory" if any(path.iterdir()) else None
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        return f"--run-dir {text}: expected a directory to create it in; found {parent}, a file"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--run-dir {text}: expected to create it in {parent}; found that directory not writable"
-    return None
+def _endpoint(text: str) -> str:
+    """An argparse type: HOST:PORT, the port a TCP port."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT; found {text!r}")
+    option(settings.text, "its host")(host)
+    option(settings.integer, "its port", low=1, high=65535)(port)
+    return text
 
 
 def _progress(line: str) -> None:
@@ -151,29 +140,38 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan, trainer_args = _plan(args, trainer_args)
         if slurm:  # the job each node's harness will run (chaos.slurm.batch.node)
+            submitted = Settings(trainer=args.trainer, trainer_args=tuple(trainer_args), nnodes=args.nnodes,
+                                 nproc_per_node=args.nproc_per_node, backend=args.backend,
+                                 max_restarts=args.max_restarts, job_timeout_s=args.job_timeout,
+                                 verify=not args.no_verify, png=not args.no_png, rdzv_port=args.rdzv_port,
+                                 notice_s=args.notice, partition=args.partition, time_limit=args.time,
+                                 sbatch_args=tuple(args.sbatch_arg), max_requeues=args.max_requeues)
             job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
-                      nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=f"{{first node}}:{args.rdzv_port}",
+                      nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=f"{{first node}}:{submitted.rdzv_port}",
                       node_rank=0, rdzv_id="{SLURM_JOB_ID}")
         else:
             job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
                       nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=args.rdzv_endpoint,
                       node_rank=args.node_rank, rdzv_id=args.rdzv_id)
         # Fail here, before anything starts.
-        check_plan(job, plan.resolve(job.world_size), args.job_timeout, notice_s=args.notice if slurm else None)
+        check_plan(job, plan.resolve(job.world_size), args.job_timeout,
+                   notice_s=submitted.notice_s if slurm else None)
         if job.rdzv_endpoint is not None and not args.run_dir and not slurm:
             raise ValueError("--run-dir: expected the run directory every node shares (with --rdzv-endpoint); "
                              "found none")
-    except (PlanError, ValueError) as exc:
+    except (PlanError, ValueError, TypeError) as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     joining = job.rdzv_endpoint is not None and not slurm  # a node's harness joins the shared run directory
-    if args.run_dir and not joining and (problem := _run_dir_problem(args.run_dir)):
+    problems = [directory_problem(args.run_dir, "--run-dir", empty=not joining) if args.run_dir else None,
+                directory_problem(args.reference_dir, "--reference-dir", empty=False) if args.reference_dir else None]
+    for problem in filter(None, problems):
         print(f"chaos: {problem}", file=sys.stderr)
         return 2
     if not plan.faults:
         print("chaos: the plan has no faults: this run only checks the job against its reference", file=sys.stderr)
     if slurm:
-        return _sbatch(args, plan.resolve(job.world_size), trainer_args)
+        return _sbatch(args, submitted, plan.resolve(job.world_size))
     return _run(args, job, plan, trainer_args)
 
 
@@ -224,30 +222,25 @@ def _run(args: argparse.Namespace, job: Job, plan: Plan, trainer_args: list[str]
     return 0 if report.passed else 1
 
 
-def _sbatch(args: argparse.Namespace, plan: Plan, trainer_args: list[str]) -> int:
+def _sbatch(args: argparse.Namespace, submitted: Settings, plan: Plan) -> int:
     """Submit the run (`chaos.slurm.batch`), and unless --no-wait, wait for the job and print its verdict."""
     import chaos
     from chaos.report import Report
-    from chaos.slurm.batch import Settings, submit, wait
+    from chaos.slurm.batch import submit, wait
 
     run_dir = (Path(args.run_dir) if args.run_dir else chaos.new_run_dir()).absolute()
     reference = args.reference_dir or str(run_dir.parent / ".reference")
-    settings = Settings(trainer=args.trainer, trainer_args=tuple(trainer_args), nnodes=args.nnodes,
-                        nproc_per_node=args.nproc_per_node, backend=args.backend, max_restarts=args.max_restarts,
-                        job_timeout_s=args.job_timeout, reference_dir=str(Path(reference).absolute()),
-                        verify=not args.no_verify, png=not args.no_png, rdzv_port=args.rdzv_port,
-                        notice_s=args.notice, partition=args.partition, time_limit=args.time,
-                        sbatch_args=tuple(args.sbatch_arg), max_requeues=args.max_requeues)
+    submitted = replace(submitted, reference_dir=str(Path(reference).absolute()))
     try:
-        job_id = submit(settings, plan, run_dir)
-    except RuntimeError as exc:
+        job_id = submit(submitted, plan, run_dir)
+    except (RuntimeError, ValueError) as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     print(f"chaos: submitted job {job_id}; run directory {run_dir}", file=sys.stderr)
     if args.no_wait:
         return 0
     try:
-        state = wait(job_id, args.job_timeout * 2 * (args.max_requeues + 1), progress=_progress)
+        state = wait(job_id, submitted.job_timeout_s * 2 * (submitted.max_requeues + 1), progress=_progress)
     except KeyboardInterrupt:
         print(f"\nchaos: stopped waiting; job {job_id} goes on (scancel {job_id} to stop it)", file=sys.stderr)
         return 130

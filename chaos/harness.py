@@ -64,9 +64,11 @@ from chaos.disk import SmallDisk
 from chaos.external import TYPED_ERRORS, ExternalFaults
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.net import DEVICE, Network
+from chaos.options import MOST_NODES, MOST_PER_NODE
 from chaos.plan import FaultType, Ledger, Plan, PlanError, check_network, check_run
 from chaos.processes import JobProcesses, send
 from chaos.progress import Progress
+from commlib import settings
 from commlib.observe.log import (LOG_DIR_ENV, MAX_RESTARTS_ENV, RESTART_ENV, LogTail, attempt_number, event_log,
                                  read_events)
 
@@ -122,10 +124,12 @@ class Job:
     node_rank: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("nproc_per_node", "nnodes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Job.{name}: expected a positive int; found {value!r}")
+        for name, most in (("nproc_per_node", MOST_PER_NODE), ("nnodes", MOST_NODES)):
+            settings.integer(getattr(self, name), f"Job.{name}", low=1, high=most)
+        if self.local_nodes * self.nproc_per_node > MOST_PER_NODE:
+            raise ValueError(f"Job: expected at most {MOST_PER_NODE} ranks on this machine; found {self.local_nodes} "
+                             f"local node(s) of {self.nproc_per_node} (--nnodes without --rdzv-endpoint runs every "
+                             f"node here)")
         if not (Path(self.trainer).is_file() if self.is_script else _importable(self.trainer)):
             raise ValueError(f"Job.trainer: expected a script file or an importable module; found neither: "
                              f"{self.trainer!r}")
@@ -219,8 +223,14 @@ def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s
     stragglers against the run's steps, deadline and `timeout_s` (`chaos.plan.check_run`), its network
     faults' topology and lengths (`chaos.plan.check_network`), its Slurm faults against the Slurm job
     it runs in, or, with `notice_s` (its ``--signal`` notice), is submitted as (`chaos.slurm.faults.check`).
-    Raises PlanError naming the fault."""
+    Raises PlanError naming the fault. The reference trainer's arguments are checked by its own
+    parser and, where the job launches here (no `notice_s`), its devices against this machine's
+    (`chaos.workload.train.check_devices`): ValueError naming the argument."""
     args = _reference_args(job)
+    if args is not None and notice_s is None:
+        from chaos.workload.train import check_devices
+
+        check_devices(args, job.nproc_per_node)
     steps, deadline = (None, None) if args is None else (args.steps, float(args.timeout))
     check_run(plan, steps=steps, deadline_s=deadline, timeout_s=timeout_s)
     if any(f.type.network for f in plan.faults):
@@ -242,16 +252,17 @@ def trainer_deadline(job: Job) -> float | None:
 
 
 def _reference_args(job: Job) -> Any:
-    """The reference trainer's own parser's reading of the job's arguments (an argparse Namespace,
-    defaults included); None for another trainer, or for arguments it refuses (the launch says so)."""
+    """The reference trainer's own parser's reading of the arguments the job would launch it with
+    (an argparse Namespace, defaults included); None for another trainer. Arguments it refuses
+    are refused here, before anything starts (ValueError naming the argument)."""
     if not job.is_reference_trainer:
         return None
-    from chaos.workload.train import parse_args
+    from chaos.workload.train import ArgumentsRefused, check_args
 
     try:
-        return parse_args(list(job.trainer_args))
-    except SystemExit:
-        return None
+        return check_args(job.trainer_argv(Path("{run_dir}"))[2:])
+    except ArgumentsRefused as exc:
+        raise ValueError(f"the reference trainer's arguments {list(job.trainer_args)}: {exc}") from None
 
 
 def _importable(module: str) -> bool:

@@ -56,9 +56,12 @@ from typing import Any
 import torch
 
 import commlib
+from commlib import settings
 from commlib.observe.log import attempt_number
 from commlib.ops import Collective
-from chaos.plan import DELAY_MARGIN_S, Fault, FaultType, Ledger, Plan, TriggerKind
+from chaos.fault import DELAY_MARGIN_S, Fault, FaultType, TriggerKind
+from chaos.ledger import Ledger
+from chaos.plan import Plan
 
 # How long a rank waits at a step start for the harness to fire a kill or hang planned there
 # (at most half the collective deadline: peers wait for it in the step's first collective).
@@ -68,6 +71,7 @@ SIGNAL_GRACE_S = 0.5  # from the harness's claim of a firing to its signal arriv
 # checks time limits every 30 s, and the notice then crosses the batch step and the harnesses.
 NOTICE_WAIT_S = 75.0
 CORRUPT_BYTES = 16  # flipped by corrupt_checkpoint
+LONGEST_NAP_S = 3600.0  # one sleep call of a held fault (`_sleep`)
 PLAN_ENV = "CHAOS_PLAN"  # path of the resolved plan (JSON), written by the harness
 STATE_ENV = "CHAOS_STATE_DIR"  # the ledger's directory
 START_ENV = "CHAOS_START_NS"  # wall clock (ns) when the harness launched the job
@@ -234,7 +238,7 @@ def _floating_input(call: Collective) -> torch.Tensor | None:
 def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
     what = f"{call.op} #{call.seq} on {call.comm!r}, rank {rank}, step {step}"
     if fault.type is FaultType.DELAY:
-        time.sleep(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
+        _sleep(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
     elif fault.type is FaultType.GIL:
         _hold_gil(fault.duration_s if fault.duration_s is not None else call.deadline_s + DELAY_MARGIN_S)
     elif fault.type is FaultType.RAISE:
@@ -250,7 +254,17 @@ def _act(fault: Fault, call: Collective, rank: int, step: Any) -> None:
         ctypes.string_at(0)  # reads address 0: the kernel sends SIGSEGV
     elif fault.type is FaultType.STRAGGLER:
         assert fault.ms is not None
-        time.sleep(fault.ms / 1000)
+        _sleep(fault.ms / 1000)
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep `seconds`, however long: in naps of at most `LONGEST_NAP_S`, since `time.sleep`
+    raises OverflowError past the platform's time_t (about 1e10 s here), which would turn a
+    hold into a raise. The plan bounds every duration; this keeps a value that got past it
+    the fault it was meant to be."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        time.sleep(min(left, LONGEST_NAP_S))
 
 
 def _hold_gil(seconds: float) -> None:
@@ -258,11 +272,13 @@ def _hold_gil(seconds: float) -> None:
 
     libc's sleep(3) takes whole seconds and returns early when a signal arrives (SIGUSR2
     from a peer asking for stacks): it is called again for the rest, each call holding the GIL.
+    Each call is bounded by `LONGEST_NAP_S`, as `_sleep`'s: a C unsigned int would wrap a
+    larger count (to 0 for 1e308 s: a busy loop instead of a sleep).
     """
     libc = ctypes.PyDLL(None)
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
-        libc.sleep(ctypes.c_uint(max(1, math.ceil(left))))
+        libc.sleep(ctypes.c_uint(max(1, math.ceil(min(left, LONGEST_NAP_S)))))
 
 
 def _flip_bytes(path: Path, offset: int, n: int) -> None:
@@ -287,9 +303,9 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
         return None
     plan = Plan.from_dict(json.loads(open(path).read()))
     if rank is None:
-        rank = comm.world_rank if comm is not None else int(os.environ["RANK"])
+        rank = comm.world_rank if comm is not None else settings.integer(os.environ.get("RANK", ""), "RANK", low=0)
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
-    start_ns = int(os.environ.get(START_ENV, time.time_ns()))
+    start_ns = settings.env_integer(START_ENV, time.time_ns(), low=0)
     attempt = attempt_number()
     wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
     if comm is not None:

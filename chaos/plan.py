@@ -1,4 +1,4 @@
-"""Fault plans: what to break, on which rank, when, and how often -- and the ledger of firings.
+"""Fault plans: what to break, on which rank, when, and how often.
 
 A plan is data. It is written as YAML or JSON::
 
@@ -63,46 +63,61 @@ Slurm's notice) and ``node_loss`` (the node holding the rank loses power). ``pre
 `Plan.resolve(world_size)` checks everything against the world size before anything
 starts and returns the plan with random ranks drawn; every error names the field.
 `check_run` checks what would never fire or could never finish in the run it is for: a
-``step`` past the run's last, an ``after_s`` past the job's timeout, a straggler whose ``ms``
-reaches the collective deadline or whose delays alone outlast the job's timeout. Every
-number is finite, and a field given twice (``kill:rank=1,rank=0``, or a repeated YAML or
-JSON key) is refused rather than read as its last value.
+``step`` outside the run's steps, an ``after_s`` past the job's timeout, a ``duration_s``
+the job's timeout cuts short, a straggler whose ``ms`` reaches the collective deadline or
+whose delays alone outlast the job's timeout. Every field is read by the rule for its kind
+(`commlib.settings`: numbers finite, integers integers, names one printable line) within
+the bounds of `chaos.options` (a week of seconds, a million firings, indices up to 10^15),
+so no value can overflow a sleep or a float in a rank; a field given twice
+(``kill:rank=1,rank=0``, or a repeated YAML or JSON key) is refused rather than read as its
+last value, though a YAML merge key's (``<<: *base``) may be given again; and a plan file is
+bounded in size, depth and values (YAML aliases followed) before any of it is read.
 
 Validation is written here by hand, not with a schema library (pydantic was weighed, as
 issue #15 asked). What it would take over is small: the per-field type and range checks
-(`_int`, `_number`, the enums), a few dozen lines. The rest is rules between fields and
+(`commlib.settings`' rules, the enums), a few dozen lines. The rest is rules between fields and
 against the job (exactly one trigger, the fields each fault type requires, ranks against
 the world size at `resolve`, network faults against the topology and the deadline), which
 pydantic would hold as validators of the same code. Its messages name a location tuple
 and an error type (``Input should be a valid integer [type=int_type, ...]``), not this
-module's ``faults[1].rank: expected an int >= 0; found 'x'``, so keeping the messages would
-mean a translation layer on top; and every rank of a trainer parses its plan
+module's ``faults[1].rank: expected rank to be an integer in [0, 1e+15]; found 'x'``, so
+keeping the messages would mean a translation layer on top; and every rank of a trainer parses its plan
 (`chaos.inject`), so the dependency (a compiled pydantic-core) would ride into every job.
 
-The `Ledger` persists firings in the run directory (one file per firing, created with
-O_EXCL *before* the fault acts), so that a restarted rank, or the harness, never fires a
-fault more often than its count, and the report knows exactly what was done and when.
+This module owns the plan: its parsing and its checks. What a fault is (its types,
+triggers and fields) is `chaos.fault`'s; the record of firings is `chaos.ledger`'s, whose
+`Ledger` persists them in the run directory so that counts hold across restarts.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import enum
-import hashlib
 import json
-import math
 import os
 import random
-import time
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from chaos.fault import DELAY_MARGIN_S, Fault, FaultType, Release, Trigger, TriggerKind
+from chaos.ledger import Firing, Ledger
+from chaos.options import LARGEST_INDEX, LONGEST_S, MOST_FIRINGS
+from commlib import settings
 from commlib.ops import OpName
 
-DELAY_MARGIN_S = 0.5  # past the peers' deadline: they have timed out when the held collective starts
+# What other modules import from here; the faults' types and the ledger live in their own modules.
+__all__ = ["DELAY_MARGIN_S", "MAX_LOSS_PCT", "RESTART_MARGIN", "Fault", "FaultType", "Firing", "Ledger",
+           "PartitionOutcome", "Plan", "PlanError", "Release", "Trigger", "TriggerKind", "check_network",
+           "check_run", "load_plan", "parse_fault", "parse_shorthand", "partition_outcome"]
+
 RESTART_MARGIN = 2
+DEEPEST_PLAN = 16  # a value within mappings and lists within each other: a plan's are 4 deep
+MOST_PLAN_VALUES = 10_000  # a thousand faults
+LARGEST_PLAN_BYTES = 1 << 20
 # Network faults against the collective deadline (docs/chaos.md, "Network faults"). After a
 # partition of D seconds, TCP resumes a connection at its next retransmission, and its
 # exponential backoff (200 ms doubling) puts that up to D + 0.2 s after the link is back:
@@ -126,157 +141,20 @@ class PlanError(ValueError):
         self.field = field_name
 
 
-class FaultType(enum.StrEnum):
-    KILL = "kill"
-    SEGFAULT = "segfault"
-    EXIT = "exit"
-    HANG = "hang"
-    DELAY = "delay"
-    RAISE = "raise"
-    CORRUPT = "corrupt"
-    KILL_DURING_CHECKPOINT = "kill_during_checkpoint"
-    STRAGGLER = "straggler"
-    CORRUPT_CHECKPOINT = "corrupt_checkpoint"
-    SIGTERM = "sigterm"
-    GIL = "gil"
-    DISK_FULL = "disk_full"
-    PARTITION = "partition"
-    NET_DELAY = "net_delay"
-    NET_LOSS = "net_loss"
-    PREEMPT = "preempt"
-    TIME_LIMIT = "time_limit"
-    NODE_LOSS = "node_loss"
-
-    @property
-    def external(self) -> bool:
-        """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return (self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL) or self.network
-                or self.slurm)
-
-    @property
-    def slurm(self) -> bool:
-        """Acts on the Slurm job the harness runs in (`chaos.slurm.faults`): the whole job stops."""
-        return self in (FaultType.PREEMPT, FaultType.TIME_LIMIT, FaultType.NODE_LOSS)
-
-    @property
-    def network(self) -> bool:
-        """Acts on the link of the target rank's node (`chaos.net`), for `duration_s`."""
-        return self in (FaultType.PARTITION, FaultType.NET_DELAY, FaultType.NET_LOSS)
-
-    @property
-    def in_collective(self) -> bool:
-        """Acts inside a collective's pre-hook, so `seq`, `op` and `comm` apply to it."""
-        return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT,
-                        FaultType.STRAGGLER, FaultType.GIL)
-
-    @property
-    def default_rank(self) -> int | None:
-        """The rank when the plan names none: a checkpoint's files are committed by rank 0."""
-        return 0 if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL, FaultType.PREEMPT,
-                             FaultType.TIME_LIMIT) else None
-
-    @property
-    def default_from_start(self) -> bool:
-        """Without a trigger the fault acts from the first step (a straggler is slow from the start)."""
-        return self is FaultType.STRAGGLER
-
-
-class TriggerKind(enum.StrEnum):
-    STEP = "step"
-    SEQ = "seq"
-    AFTER_S = "after_s"
-    P = "p"
-
-
-class Release(enum.StrEnum):
-    KILL = "kill"
-    CONT = "cont"
-
-
-@dataclass(frozen=True)
-class Trigger:
-    """When a fault fires: `kind` and its `value`, narrowed by `op`/`comm` for in-collective faults."""
-
-    kind: TriggerKind
-    value: float
-    op: str | None = None
-    comm: str | None = None
-    phase: str | None = None
-
-    def draw(self, seed: int, index: int, attempt: int, step: int) -> bool:
-        """The `p` trigger's coin for one step: a pure function of its arguments."""
-        digest = hashlib.blake2b(f"{seed}:{index}:{attempt}:{step}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") / 2**64 < self.value
-
-    def matches_step(self, seed: int, index: int, attempt: int, step: int, elapsed_s: float) -> bool:
-        """Whether a step-level trigger (step, after_s, p) holds at the start of `step`."""
-        if self.kind is TriggerKind.STEP:
-            return step == self.value
-        if self.kind is TriggerKind.AFTER_S:
-            return elapsed_s >= self.value
-        if self.kind is TriggerKind.P:
-            return self.draw(seed, index, attempt, step)
-        return False
-
-    def matches_call(self, op: str, seq: int, comm: str, phase: Any) -> bool:
-        """Whether a collective is the one this fault acts on (the seq, and the op/comm/phase filters)."""
-        if self.kind is TriggerKind.SEQ and seq != self.value:
-            return False
-        return ((self.op is None or op == self.op) and (self.comm is None or comm == self.comm)
-                and (self.phase is None or phase == self.phase))
-
-    def filters(self) -> list[tuple[str, str]]:
-        """The op/comm/phase filters that are set, as (field, value)."""
-        return [(name, v) for name, v in (("op", self.op), ("comm", self.comm), ("phase", self.phase))
-                if v is not None]
-
-
-@dataclass(frozen=True)
-class Fault:
-    type: FaultType
-    rank: int | str  # an int, or "random" until `Plan.resolve` draws it
-    trigger: Trigger
-    count: int = 1
-    seed: int = 0
-    duration_s: float | None = None
-    release: Release = Release.KILL
-    code: int = 1
-    ms: float | None = None  # straggler: added before each of the rank's collectives; net_delay: per packet
-    pct: float | None = None  # net_loss: the percentage of the node's packets dropped
-    partition: str | None = None  # preempt: the partition of the job that preempts this one
-
-    def describe(self) -> str:
-        where = "".join(f" {name}={v}" for name, v in self.trigger.filters())
-        value = self.trigger.value
-        shown = int(value) if self.trigger.kind in (TriggerKind.STEP, TriggerKind.SEQ) else value
-        return f"{self.type} rank {self.rank} at {self.trigger.kind}={shown}{where} (x{self.count})"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The flat form plans are written in."""
-        t = self.trigger
-        value: float | int = int(t.value) if t.kind in (TriggerKind.STEP, TriggerKind.SEQ) else t.value
-        out: dict[str, Any] = {"type": self.type.value, "rank": self.rank, t.kind.value: value,
-                               "count": self.count, "seed": self.seed}
-        out.update(t.filters())
-        if self.duration_s is not None:
-            out["duration_s"] = self.duration_s
-        if self.type is FaultType.HANG:
-            out["release"] = self.release.value
-        if self.type is FaultType.EXIT:
-            out["code"] = self.code
-        if self.ms is not None:
-            out["ms"] = self.ms
-        if self.partition is not None:
-            out["partition"] = self.partition
-        if self.pct is not None:
-            out["pct"] = self.pct
-        return out
-
 
 @dataclass(frozen=True)
 class Plan:
     faults: tuple[Fault, ...] = ()
     max_restarts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_restarts is not None:
+            object.__setattr__(self, "max_restarts", _checked("max_restarts", settings.integer, self.max_restarts,
+                                                              low=0, high=MOST_FIRINGS))
+        firings = sum(f.count for f in self.faults)
+        if firings > MOST_FIRINGS:
+            raise PlanError("faults", f"expected at most {MOST_FIRINGS} firings in all (the counts' sum, and "
+                                      f"torchrun's restarts); found {firings}")
 
     @property
     def restarts(self) -> int:
@@ -314,7 +192,7 @@ class Plan:
     def from_dict(cls, data: Any) -> Plan:
         if not isinstance(data, dict):
             raise PlanError("plan", f"expected a mapping with 'faults'; found {type(data).__name__}")
-        unknown = sorted(set(data) - {"faults", "max_restarts"})
+        unknown = sorted(set(data) - {"faults", "max_restarts"}, key=str)
         if unknown:
             raise PlanError(unknown[0], "unknown plan field; expected 'faults' and optionally 'max_restarts'")
         items = data.get("faults")
@@ -322,10 +200,7 @@ class Plan:
             raise PlanError("faults", "missing; expected a list of faults")
         if not isinstance(items, list):
             raise PlanError("faults", f"expected a list; found {type(items).__name__}")
-        max_restarts = data.get("max_restarts")
-        if max_restarts is not None:
-            _int("max_restarts", max_restarts, minimum=0)
-        return cls(tuple(parse_fault(item, f"faults[{i}]") for i, item in enumerate(items)), max_restarts)
+        return cls(tuple(parse_fault(item, f"faults[{i}]") for i, item in enumerate(items)), data.get("max_restarts"))
 
 
 class PartitionOutcome(enum.StrEnum):
@@ -394,12 +269,16 @@ def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeou
     what depends on it is not checked."""
     for i, f in enumerate(plan.faults):
         where, t = f"faults[{i}]", f.trigger
-        if steps is not None and t.kind is TriggerKind.STEP and t.value > steps:
-            raise PlanError(f"{where}.step", f"expected a step the run reaches (at most {steps}, its --steps); found "
-                                             f"{int(t.value)}, where the fault would never fire")
+        if steps is not None and t.kind is TriggerKind.STEP and not 1 <= t.value <= steps:
+            raise PlanError(f"{where}.step", f"expected a step the run reaches (from 1, at most {steps}, its "
+                                             f"--steps); found {int(t.value)}, where the fault would never fire")
         if timeout_s is not None and t.kind is TriggerKind.AFTER_S and t.value >= timeout_s:
             raise PlanError(f"{where}.after_s", f"expected a time before the job's timeout of {timeout_s:g} s "
                                                 f"(--job-timeout); found {t.value:g}, where the fault would never fire")
+        if timeout_s is not None and f.duration_s is not None and f.duration_s >= timeout_s:
+            raise PlanError(f"{where}.duration_s", f"expected a duration the job can hold: under the job's timeout "
+                                                   f"of {timeout_s:g} s (--job-timeout); found {f.duration_s:g} s, "
+                                                   f"whose end the job would never reach")
         if f.type is not FaultType.STRAGGLER:
             continue
         assert f.ms is not None  # parse_fault requires it
@@ -419,19 +298,46 @@ def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeou
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """A plan from a .yaml/.yml/.json file."""
+    where = str(path)
     if not Path(path).is_file():
-        raise PlanError(str(path), "expected a YAML or JSON plan file; found no such file")
+        found = ("a directory" if Path(path).is_dir() else "a special file" if Path(path).exists()
+                 else "no such file")
+        raise PlanError(where, f"expected a YAML or JSON plan file; found {found}")
+    size = Path(path).stat().st_size
+    if size > LARGEST_PLAN_BYTES:
+        raise PlanError(where, f"expected a plan file of at most {LARGEST_PLAN_BYTES} bytes; found {size}")
     try:
-        if str(path).endswith(".json"):
-            data = json.loads(Path(path).read_text(), object_pairs_hook=lambda pairs: _unique(pairs, str(path)))
+        if where.endswith(".json"):
+            data = json.loads(Path(path).read_text(), object_pairs_hook=lambda pairs: _unique(pairs, where))
         else:
             with open(path) as f:  # a stream with a name: the loader's messages say which file
                 data = yaml.load(f, Loader=_UniqueKeyLoader)  # a SafeLoader
     except PlanError:
         raise
+    except RecursionError:  # JSON's decoder is recursive: the depth past Python's stack
+        raise PlanError(where, f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper") from None
     except (ValueError, yaml.YAMLError) as exc:
-        raise PlanError(str(path), f"expected a YAML or JSON plan; could not parse it ({exc})") from exc
+        raise PlanError(where, f"expected a YAML or JSON plan; could not parse it ({exc})") from exc
+    _check_shape(data, where)
     return Plan.from_dict(data)
+
+
+def _check_shape(data: Any, where: str) -> None:
+    """PlanError for a document nested deeper than `DEEPEST_PLAN` or holding more than
+    `MOST_PLAN_VALUES` values once YAML's aliases are followed (a small file of aliases to
+    aliases holds billions, which an error quoting one would spell out). Walked without
+    recursing, and only as far as the bounds."""
+    seen, level = 0, [(data, 1)]
+    while level:
+        item, depth = level.pop()
+        seen += 1
+        if seen > MOST_PLAN_VALUES:
+            raise PlanError(where, f"expected a plan of at most {MOST_PLAN_VALUES} values; found more (YAML "
+                                   f"aliases count once per use)")
+        if depth > DEEPEST_PLAN:
+            raise PlanError(where, f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        level.extend((child, depth + 1) for child in children)
 
 
 def _unique(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
@@ -445,13 +351,31 @@ def _unique(pairs: list[tuple[Any, Any]], where: str) -> dict[Any, Any]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last) and a
+    document nested deeper than any plan (PyYAML composes it recursively, into Python's stack
+    limit). A merge key's (``<<: *base``) keys may be given again: that is what a merge is for."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > DEEPEST_PLAN:
+                raise PlanError(self.name, f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper "
+                                           f"at line {self.get_mark().line + 1}")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        mapping = super().construct_mapping(node, deep=True)  # refuses unhashable keys
-        _unique([(self.construct_object(k), self.construct_object(v)) for k, v in node.value],
-                f"{self.name}:{node.start_mark.line + 1}")
-        return mapping
+        own = [(k, v) for k, v in node.value if k.tag != "tag:yaml.org,2002:merge"]  # before flattening merges
+        keys = [self.construct_object(k) for k, _ in own]
+        if all(isinstance(k, collections.abc.Hashable) for k in keys) and len(set(keys)) < len(keys):
+            _unique([(key, self.construct_object(v, deep=True)) for key, (_, v) in zip(keys, own)],
+                    f"{self.name}:{node.start_mark.line + 1}")
+        return super().construct_mapping(node, deep=True)  # refuses unhashable keys
 
 
 def parse_shorthand(text: str) -> Fault:
@@ -467,10 +391,12 @@ def parse_shorthand(text: str) -> Fault:
 
 
 def _scalar(text: str) -> Any:
+    """A shorthand value as a plan file would hold it: an int, a float, or else the text (the
+    field's own rule then checks it, as it checks a file's)."""
     for convert in (int, float):
         try:
             return convert(text)
-        except ValueError:
+        except ValueError:  # int() also refuses text longer than Python's digit limit
             pass
     return text
 
@@ -495,19 +421,38 @@ def _fields_of(ftype: FaultType) -> set[str]:
     return _COMMON_FIELDS | (set(_FILTERS) if ftype.in_collective else set()) | _TYPE_FIELDS.get(ftype, set())
 
 
+def _checked(name: str, rule: Callable[..., Any], value: Any, why: str = "", **bounds: Any) -> Any:
+    """`value` by the rule for its kind (`commlib.settings`); a PlanError naming field `name`
+    (its last part, e.g. ``step``, is what the rule's message calls it) where the rule refuses it."""
+    try:
+        return rule(value, name.rpartition(".")[2], **bounds)
+    except (ValueError, TypeError) as exc:
+        raise PlanError(name, f"{exc}{f' ({why})' if why else ''}") from None
+
+
+def _seconds(name: str, value: Any, *, positive: bool = True) -> float:
+    bounds = {"above": 0.0} if positive else {"low": 0.0}
+    return _checked(name, settings.number, value, high=LONGEST_S, unit="seconds", **bounds)
+
+
+def _milliseconds(name: str, value: Any) -> float:
+    return _checked(name, settings.number, value, high=LONGEST_S * 1000, above=0.0, unit="milliseconds")
+
+
+def _required(item: dict[str, Any], key: str, where: str, what: str) -> Any:
+    if key not in item:
+        raise PlanError(f"{where}.{key}", f"missing; expected {what}")
+    return item[key]
+
+
 def parse_fault(item: Any, where: str) -> Fault:
     """One fault from its flat mapping; every error names `where` and the field."""
     if not isinstance(item, dict):
         raise PlanError(where, f"expected a mapping with 'type', 'rank' and a trigger; found {item!r}")
-    if "type" not in item:
-        raise PlanError(f"{where}.type", f"missing; expected one of {[t.value for t in FaultType]}")
-    try:
-        ftype = FaultType(item["type"])
-    except ValueError:
-        raise PlanError(f"{where}.type", f"unknown fault {item['type']!r}; expected one of "
-                                         f"{[t.value for t in FaultType]}") from None
+    ftype = FaultType(_checked(f"{where}.type", settings.choice, _required(item, "type", where, "a fault type"),
+                               choices=[t.value for t in FaultType]))
     allowed = _fields_of(ftype)
-    unknown = sorted(set(item) - allowed)
+    unknown = sorted(set(item) - allowed, key=str)
     if unknown:
         raise PlanError(f"{where}.{unknown[0]}", f"unknown field for a {ftype} fault; expected some of "
                                                  f"{sorted(allowed)}")
@@ -515,49 +460,36 @@ def parse_fault(item: Any, where: str) -> Fault:
         raise PlanError(f"{where}.rank", "missing; expected a rank (an int >= 0) or 'random'")
     rank = item.get("rank", ftype.default_rank)
     if rank != "random":
-        _int(f"{where}.rank", rank, minimum=0)
+        rank = _checked(f"{where}.rank", settings.integer, rank, low=0, high=LARGEST_INDEX)
     trigger = _trigger(ftype, item, where)
-    count = _int(f"{where}.count", item.get("count", 1), minimum=1)
-    seed = _int(f"{where}.seed", item.get("seed", 0), minimum=0)
+    count = _checked(f"{where}.count", settings.integer, item.get("count", 1), low=1, high=MOST_FIRINGS)
+    seed = _checked(f"{where}.seed", settings.integer, item.get("seed", 0), low=0, high=LARGEST_INDEX)
     duration = item.get("duration_s")
     if duration is not None:
-        _number(f"{where}.duration_s", duration, positive=True)
-    try:
-        release = Release(item.get("release", "kill"))
-    except ValueError:
-        raise PlanError(f"{where}.release", f"expected 'kill' or 'cont'; found {item['release']!r}") from None
-    code = _int(f"{where}.code", item.get("code", 1), minimum=0)
-    if code > 255:
-        raise PlanError(f"{where}.code", f"expected an exit status in [0, 255]; found {code}")
-    ms = None
+        duration = _seconds(f"{where}.duration_s", duration)
+    release = Release(_checked(f"{where}.release", settings.choice, item.get("release", "kill"),
+                               choices=[r.value for r in Release]))
+    code = _checked(f"{where}.code", settings.integer, item.get("code", 1), low=0, high=255)
+    ms = pct = None
     if ftype is FaultType.STRAGGLER:
-        if "ms" not in item:
-            raise PlanError(f"{where}.ms", "missing; expected the milliseconds added before each collective")
-        ms = _number(f"{where}.ms", item["ms"], positive=True)
+        ms = _milliseconds(f"{where}.ms", _required(item, "ms", where, "the milliseconds added before each "
+                                                                       "collective"))
         if count != 1:
             raise PlanError(f"{where}.count", f"a straggler stays slow once it starts; expected count 1, found {count}")
-    pct = None
-    if ftype.network:
-        if duration is None:
-            raise PlanError(f"{where}.duration_s", f"missing; expected how long the {ftype} lasts, in seconds")
-        if ftype is FaultType.NET_DELAY:
-            if "ms" not in item:
-                raise PlanError(f"{where}.ms", "missing; expected the milliseconds added to each packet to or "
-                                               "from the node")
-            ms = _number(f"{where}.ms", item["ms"], positive=True)
-        if ftype is FaultType.NET_LOSS:
-            if "pct" not in item:
-                raise PlanError(f"{where}.pct", "missing; expected the percentage of the node's packets dropped")
-            pct = _number(f"{where}.pct", item["pct"], positive=True)
-            if pct > MAX_LOSS_PCT:
-                raise PlanError(f"{where}.pct", f"expected a loss in (0, {MAX_LOSS_PCT:g}] percent, which TCP "
-                                                f"retransmits through within a deadline (more stalls a connection "
-                                                f"for seconds: that is a partition); found {pct:g}")
+    if ftype.network and duration is None:
+        raise PlanError(f"{where}.duration_s", f"missing; expected how long the {ftype} lasts, in seconds")
+    if ftype is FaultType.NET_DELAY:
+        ms = _milliseconds(f"{where}.ms", _required(item, "ms", where, "the milliseconds added to each packet to "
+                                                                       "or from the node"))
+    if ftype is FaultType.NET_LOSS:
+        pct = _checked(f"{where}.pct", settings.number, _required(item, "pct", where, "the percentage of the "
+                                                                                      "node's packets dropped"),
+                       "more loss than TCP retransmits through within a deadline stalls a connection for "
+                       "seconds: that is a partition", high=MAX_LOSS_PCT, above=0.0, unit="percent")
     partition = item.get("partition")
-    if partition is not None and (not isinstance(partition, str) or not partition):
-        raise PlanError(f"{where}.partition", f"expected a Slurm partition's name; found {partition!r}")
-    return Fault(ftype, rank, trigger, count, seed, float(duration) if duration is not None else None,
-                 release, code, ms, pct, partition)
+    if partition is not None:
+        partition = _checked(f"{where}.partition", settings.text, partition)
+    return Fault(ftype, rank, trigger, count, seed, duration, release, code, ms, pct, partition)
 
 
 def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
@@ -573,99 +505,20 @@ def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
     name = f"{where}.{kind.value}"
     raw = item[kind.value]
     if kind in (TriggerKind.STEP, TriggerKind.SEQ):
-        value = float(_int(name, raw, minimum=0 if kind is TriggerKind.STEP else 1))
+        low = 0 if kind is TriggerKind.STEP else 1
+        value = float(_checked(name, settings.integer, raw, low=low, high=LARGEST_INDEX))
     elif kind is TriggerKind.AFTER_S:
-        value = _number(name, raw, positive=False)
+        value = _seconds(name, raw, positive=False)
     else:
-        value = _number(name, raw, positive=True)
-        if value > 1:
-            raise PlanError(name, f"expected a probability in (0, 1]; found {raw!r}")
+        value = _checked(name, settings.number, raw, high=1.0, above=0.0)
     if kind is TriggerKind.SEQ and not ftype.in_collective:
         raise PlanError(name, f"a {ftype} fault cannot be triggered by a collective sequence number; "
                               f"expected one of step, after_s, p")
-    op, comm = item.get("op"), item.get("comm")
-    if op is not None and op not in {o.value for o in OpName}:
-        raise PlanError(f"{where}.op", f"unknown op {op!r}; expected one of {[o.value for o in OpName]}")
-    if comm is not None and (not isinstance(comm, str) or not comm):
-        raise PlanError(f"{where}.comm", f"expected a communicator name; found {comm!r}")
-    phase = item.get("phase")
-    if phase is not None and (not isinstance(phase, str) or not phase):
-        raise PlanError(f"{where}.phase", f"expected a phase name (e.g. 'checkpoint'); found {phase!r}")
+    op, comm, phase = (item.get(f) for f in _FILTERS)
+    if op is not None:
+        op = _checked(f"{where}.op", settings.choice, op, choices=[o.value for o in OpName])
+    if comm is not None:
+        comm = _checked(f"{where}.comm", settings.text, comm)
+    if phase is not None:
+        phase = _checked(f"{where}.phase", settings.text, phase)
     return Trigger(kind, value, op, comm, phase)
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise PlanError(name, f"expected an int >= {minimum}; found {value!r}")
-    if value < minimum:
-        raise PlanError(name, f"expected an int >= {minimum}; found {value}")
-    return value
-
-
-def _number(name: str, value: Any, positive: bool) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or isinstance(value, float) and not math.isfinite(value):
-        raise PlanError(name, f"expected a finite number; found {value!r}")
-    if value < 0 or (positive and value == 0):
-        raise PlanError(name, f"expected a {'positive' if positive else 'non-negative'} number; found {value}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class Firing:
-    """One firing of one fault, as the ledger holds it."""
-
-    index: int  # the fault's position in the plan
-    n: int  # 1-based: the n-th firing of that fault
-    type: str
-    rank: int
-    attempt: int
-    ts_ns: int  # wall clock when the fault acted (just before)
-    step: int | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Firing:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-class Ledger:
-    """Firings of a plan's faults, one small JSON file per firing under `directory`.
-
-    The harness and every rank share it (through the run directory), so a fault with
-    count N fires N times in all, however many times torchrun restarts the job.
-    """
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-
-    def fired(self, index: int) -> int:
-        return len(list(self.directory.glob(f"fault{index}.*.json")))
-
-    def total(self) -> int:
-        return len(list(self.directory.glob("fault*.json")))
-
-    def claim(self, fault: Fault, index: int, attempt: int, step: int | None = None,
-              **detail: Any) -> Firing | None:
-        """Record the next firing of `fault` before it acts; None when its count is spent."""
-        for n in range(self.fired(index) + 1, fault.count + 1):
-            firing = Firing(index, n, fault.type.value, int(fault.rank), attempt, time.time_ns(), step, detail)
-            try:
-                fd = os.open(self.directory / f"fault{index}.{n}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                continue  # someone else took number n: try the next one
-            with os.fdopen(fd, "w") as f:
-                json.dump(firing.__dict__, f)
-            return firing
-        return None
-
-    def firings(self) -> list[Firing]:
-        """Every firing so far, in the order they happened."""
-        out = []
-        for path in self.directory.glob("fault*.json"):
-            try:
-                out.append(Firing.from_dict(json.loads(path.read_text())))
-            except (ValueError, TypeError):
-                continue  # a firing being written right now: it is read on the next call
-        return sorted(out, key=lambda f: (f.ts_ns, f.index, f.n))

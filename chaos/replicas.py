@@ -54,7 +54,9 @@ from chaos.harness import JOURNAL, POLL_S, RUN_DIR_ENV
 from chaos.harness import _poll as poll_job  # one look at a job: its logs, workers, faults, progress
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.net import DEVICE, Network
-from chaos.plan import FaultType, Ledger, Plan, check_network, check_run
+from chaos.fault import FaultType
+from chaos.ledger import Ledger
+from chaos.plan import Plan, check_network, check_run
 from chaos.processes import JobProcesses, Worker
 from chaos.progress import Progress
 from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log
@@ -97,10 +99,11 @@ class ReplicaJob:
         return self.replicas * self.group_size
 
     def trainer_args_of(self) -> Any:
-        """The trainer's own reading of `trainer_args` (defaults included)."""
-        from chaos.workload.replica import parse_args
+        """The trainer's own reading of `trainer_args` (defaults included); `chaos.workload.train.ArgumentsRefused`
+        (a ValueError) saying what it refuses."""
+        from chaos.workload.replica import check_args
 
-        return parse_args(["--replicas", str(self.replicas), *self.trainer_args])
+        return check_args(["--replicas", str(self.replicas), *self.trainer_args])
 
     def command(self, replica: int, run_dir: Path, max_restarts: int) -> list[str]:
         """Replica group `replica`'s torchrun."""
@@ -388,6 +391,7 @@ def add_command(sub: Any) -> None:
 def command(args: Any) -> int:
     """Run ``python -m chaos replicas``: 0 when the proof holds, 1 when not, 2 for a bad command line."""
     import chaos
+    from chaos.options import directory_problem
     from chaos.plan import PlanError, load_plan, parse_shorthand
     from chaos.replica_proof import prove
     from commlib.settings import number
@@ -403,6 +407,9 @@ def command(args: Any) -> int:
         check_plan(job, plan.resolve(job.world_size), args.job_timeout)
     except (PlanError, ValueError, TypeError) as exc:
         print(f"chaos replicas: {exc}", file=sys.stderr)
+        return 2
+    if args.run_dir and (problem := directory_problem(args.run_dir, "--run-dir", empty=True)):
+        print(f"chaos replicas: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir) if args.run_dir else chaos.new_run_dir()
     outcome = run_replicas(job, plan, run_dir, timeout_s=args.job_timeout, progress=print)

@@ -137,7 +137,8 @@ class Report:
                       f"  !! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}",
                       "  !! `passed` covers only the checks above; recovery was NOT proven bitwise-exact.",
                       "  " + "!" * 78]
-        lines.append(f"  report: {Path(self.run_dir) / 'report.json'}, {Path(self.run_dir) / 'report.png'}")
+        written = [Path(self.run_dir) / name for name in ("report.json", "report.png")]
+        lines.append(f"  report: {', '.join(str(p) for p in written if p.is_file()) or 'not written yet'}")
         return "\n".join(lines)
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import random
 
-from chaos.plan import Fault, FaultType, Plan, Trigger, TriggerKind
+from chaos.fault import Fault, FaultType, Trigger, TriggerKind
+from chaos.plan import Plan
+from commlib import settings
 
 SOAK_KINDS = (FaultType.KILL, FaultType.SEGFAULT, FaultType.EXIT, FaultType.HANG, FaultType.DELAY, FaultType.RAISE,
               FaultType.CORRUPT, FaultType.KILL_DURING_CHECKPOINT, FaultType.CORRUPT_CHECKPOINT, FaultType.SIGTERM,
@@ -26,6 +28,9 @@ SOAK_KINDS = (FaultType.KILL, FaultType.SEGFAULT, FaultType.EXIT, FaultType.HANG
 SOAK_CKPT_EVERY = 2
 SOAK_GAP = 2 * SOAK_CKPT_EVERY  # steps between faults
 SOAK_DEADLINE_S = 5.0
+# Each fault costs a recovery or a restart (seconds) and SOAK_GAP steps: past this many, a
+# soak outlasts any job timeout (`chaos.options.LONGEST_S`).
+MOST_SOAK_FAULTS = 10**4
 # A small model: the soak is about recovery, not about the kernels' speed.
 SOAK_MODEL_ARGS = ("--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64",
                    "--batch-size", "1")
@@ -37,8 +42,7 @@ def fault_steps(n: int) -> list[int]:
 
 
 def soak_plan(n: int, seed: int, world_size: int) -> Plan:
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"soak: expected a number of faults >= 1; found {n!r}")
+    n = settings.integer(n, "the soak's number of faults", low=1, high=MOST_SOAK_FAULTS)
     if not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"soak: expected a world of at least 2 ranks (survivors detect the faults); "
                          f"found {world_size!r}")

@@ -1,4 +1,4 @@
-"""Verification: the fault-free reference, the bitwise comparison, and recovery timings.
+"""Verification: the fault-free reference, and the verdict of a faulted run against it.
 
 - `ensure_reference` runs the job without faults once per configuration and caches it
   under ``{root}/{key}/`` (`reference_key`: trainer, its arguments, world size, backend,
@@ -6,46 +6,39 @@
   fsdp_overlap and chaos, so that no code change is verified against a reference the old
   code computed); concurrent callers (parallel tests) wait on a file lock instead of
   computing it twice.
-- `compare` holds a faulted run's results file against the reference's: every step's
-  loss bitwise equal (compared as ``float.hex``), every step exactly once in the final
-  history (same steps in the same order as the reference, none missing, none doubled),
-  final model and optimizer state digests equal.
-- `analyze` measures each firing from the ranks' logs (commlib's log model, `read_logs`:
-  read once, for these timings and the doctor's diagnosis), the harness's journal, the
-  torchrun agents' logs and the ledger, all on the wall clock of this machine: detection
-  (fault to the first typed error on a survivor -- for ``corrupt`` on any rank, since the
-  corrupted rank itself only finds out through the finite check -- or to the torchrun
-  agent acting on the failed worker, whichever comes first), restart (fault to the first
-  line of a process started after it), first completed step after the fault, the
-  checkpoint step resumed from, and the steps executed again; how the job recovered
-  (``recovery``: "restart" when processes started after the fault, "in_job" when the same
-  processes logged ``recovery.in_job``, so one attempt may hold several faults); and
-  attaches the doctor's diagnosis of the attempt the fault broke.
+- `verify` gives the verdict (a `chaos.report.Report`): the job completed, every planned
+  fault fired, a step completed after each, each kind of fault's own guarantee held
+  (`_FAULT_CHECKS`: a torn checkpoint never loaded, a straggler named by the doctor, a
+  short partition survived, ...), and the run equals its reference bitwise.
+
+What it judges comes from `chaos.comparison` (the bitwise comparison of the results files)
+and `chaos.timings` (each firing's detection, restart and recovery, measured from the logs,
+and the doctor's diagnosis of each attempt).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from chaos.harness import RECOVERY_ONLY_FLAGS, TYPED_ERRORS, Job, JobOutcome, journal, run_job, trainer_deadline
-from chaos.plan import FaultType, Ledger, PartitionOutcome, Plan, TriggerKind, partition_outcome
+from chaos.comparison import compare
+from chaos.fault import FaultType, TriggerKind
+from chaos.harness import RECOVERY_ONLY_FLAGS, Job, JobOutcome, run_job, trainer_deadline
+from chaos.plan import PartitionOutcome, Plan, partition_outcome
 from chaos.report import FaultResult, Report
 from chaos.results import read_results
-from commlib.observe.model import LogDirError, RunLogs, load
+from chaos.timings import analyze, diagnose, read_logs
 
 RESULTS = "results.json"
 
@@ -167,226 +160,6 @@ def _why_failed(run_dir: Path) -> str:
     if lines:
         said.append("torchrun0.log ends:\n    " + "\n    ".join(lines[-8:]))
     return "".join(f"\n  {s}" for s in said)
-
-
-@dataclass
-class Comparison:
-    checks: dict[str, bool] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def equal(self) -> bool:
-        """Whether the two runs are the same run: every check ran held, and none found a problem."""
-        return bool(self.checks) and all(self.checks.values()) and not self.problems
-
-
-def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
-    """Bitwise comparison of two results files (as `chaos.results.read_results` returns them)."""
-    out = Comparison()
-    got = [x.hex() for x in faulted["losses"]]
-    want = [x.hex() for x in reference["losses"]]
-    differing = [i for i in range(min(len(got), len(want))) if got[i] != want[i]]
-    out.checks["losses_bitwise"] = len(got) == len(want) and not differing
-    if len(got) != len(want):
-        out.problems.append(f"losses: expected {len(want)} steps as in the reference; found {len(got)}")
-    if differing:
-        i = differing[0]
-        out.problems.append(f"losses: {len(differing)} step(s) differ from the reference, first at index {i}: "
-                            f"expected {float.fromhex(want[i])!r}; found {float.fromhex(got[i])!r}")
-
-    want_steps = _history_steps(reference) or list(range(1, int(reference["steps"]) + 1))
-    got_steps = _history_steps(faulted)
-    if got_steps is None and _history_steps(reference) is not None:
-        out.checks["history_exact"] = False
-        out.problems.append("history: expected a history of the steps applied, as the reference has; found none")
-    elif got_steps is not None:
-        out.checks["history_exact"] = got_steps == want_steps
-        if got_steps != want_steps:
-            doubled = sorted({s for s in got_steps if got_steps.count(s) > 1})
-            missing = sorted(set(want_steps) - set(got_steps))
-            expected = f"steps {want_steps[0]}..{want_steps[-1]}" if want_steps else "no steps"
-            out.problems.append(f"history: expected {expected} once each, in order; found doubled {doubled}, "
-                                f"missing {missing}" + ("" if doubled or missing else f", order {got_steps}"))
-
-    got_digest, want_digest = faulted["state_digest"], reference["state_digest"]
-    out.checks["state_bitwise"] = got_digest["total"] == want_digest["total"]
-    if not out.checks["state_bitwise"]:
-        names = sorted(k for k in want_digest["tensors"].keys() | got_digest["tensors"].keys()
-                       if want_digest["tensors"].get(k) != got_digest["tensors"].get(k))
-        out.problems.append(f"state: expected the reference's final model and optimizer state; "
-                            f"{len(names)} tensor(s) differ: {names[:5]}")
-    return out
-
-
-def _history_steps(results: dict[str, Any]) -> list[int] | None:
-    history = results.get("history")
-    if not isinstance(history, list):
-        return None
-    return [int(h["step"]) for h in history]
-
-
-# torchrun's agent logs (glog style, local time) the moment it acts on a failed worker.
-_AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] "
-                         r"(?:failed \(exitcode: (-?\d+)\) local_rank: (\d+)|Sending process (\d+) closing signal)")
-
-
-def agent_detections(run_dir: Path, year: int) -> list[tuple[int, int, str]]:
-    """(wall clock ns, node, line) of every line where a torchrun agent reacted to a failed worker.
-
-    A survivor busy computing when a peer dies may be stopped by the agent before it
-    reaches a collective that would fail, so the agent's reaction counts as detection too.
-    """
-    out = []
-    for path in sorted(run_dir.glob("torchrun*.log")):
-        node = int(path.stem.removeprefix("torchrun") or 0)
-        for line in path.read_text(errors="replace").splitlines():
-            m = _AGENT_LINE.match(line)
-            if m:
-                month, day, hh, mm, ss, us = (int(x) for x in m.groups()[:6])
-                when = datetime.datetime(year, month, day, hh, mm, ss, us).timestamp()
-                out.append((int(when * 1e9), node, line.split("] ", 1)[1][:200]))
-    return sorted(out)
-
-
-def read_logs(run_dir: str | os.PathLike[str]) -> RunLogs | None:
-    """The ranks' logs of a run as commlib's log model, read once for the timings and the
-    doctor alike; None when no rank logged."""
-    try:
-        return load(Path(run_dir) / "logs")
-    except LogDirError:
-        return None
-
-
-def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
-            logs: RunLogs | None) -> tuple[list[FaultResult], list[dict[str, Any]]]:
-    """Every firing of the run with its recovery timings, and the step timeline of the run
-    (one entry per completed step execution on the lowest rank: t, step, loss, attempt).
-    `logs`: the run's `read_logs`."""
-    run_dir = Path(run_dir)
-    events = logs.events() if logs is not None else []
-    procs = _first_events(events)
-    steps = [e for e in events if e.get("event") == "train.step"]
-    lowest = min((int(e["rank"]) for e in steps), default=0)
-    lead = [e for e in steps if e.get("rank") == lowest]
-    notes = journal(run_dir)
-    releases = {(n["index"], n["target_pid"]): n for n in notes if n.get("event") == "chaos.release"}
-    launches = [n["ts_ns"] for n in notes if n.get("event") == "harness.launch"]
-    checkpoints = [e for e in events if e.get("event") == "ckpt.end"]
-    in_job = [e for e in events if e.get("event") == "recovery.in_job"]
-    rollbacks = [e for e in events if e.get("event") == "train.rolled_back"]
-    recovery_starts = [e for e in events if e.get("event") == "recovery.start"]
-    fallbacks = [e for e in events if e.get("event") == "train.recovery_fallback"]
-    start = outcome.start_ns
-    agents = agent_detections(run_dir, datetime.datetime.fromtimestamp(start / 1e9).year)
-
-    results = []
-    firings = Ledger(run_dir / "chaos_state").firings()
-    for k, f in enumerate(firings):
-        # The processes of the attempt this fault caused: started after it, before the next fault.
-        until = firings[k + 1].ts_ns if k + 1 < len(firings) else float("inf")
-        new = {p for p, first_ns in procs.items() if f.ts_ns < first_ns < until}
-        old = {p for p, first_ns in procs.items() if first_ns < f.ts_ns}
-        pid, host = f.detail.get("pid"), f.detail.get("host")
-        r = FaultResult(type=f.type, index=f.index, firing=f.n, rank=f.rank, step=f.step, attempt=f.attempt,
-                        pid=pid, node=f.detail.get("node"), injected_at=(f.ts_ns - start) / 1e9,
-                        injected_ts_ns=f.ts_ns)
-        if f.type in (FaultType.KILL_DURING_CHECKPOINT.value, FaultType.CORRUPT_CHECKPOINT.value):
-            r.checkpoint_step = f.detail.get("checkpoint_step")
-        if FaultType(f.type).slurm:
-            r.host = host
-            relaunch = min((ts for ts in launches if ts > f.ts_ns), default=None)
-            r.requeued_after_s = None if relaunch is None else (relaunch - f.ts_ns) / 1e9
-        if f.type == FaultType.NODE_LOSS.value:
-            r.lost_ranks = sorted({int(e["rank"]) for e in events if e.get("host") == host
-                                   and e.get("attempt") == f.attempt and isinstance(e.get("rank"), int)})
-            r.last_checkpoint = max((int(e["step"]) for e in checkpoints if e["ts_ns"] < f.ts_ns), default=0)
-        release = releases.get((f.index, pid))
-        end_ns = f.ts_ns
-        if release is not None:
-            r.released_after_s = (release["ts_ns"] - f.ts_ns) / 1e9
-            end_ns = release["ts_ns"]
-        # A detection is the latest earlier fault's: one nobody noticed (a survived partition, a
-        # straggler) must not take a later fault's. Faults fired at one step of one attempt share it.
-        detect_until = next((g.ts_ns for g in firings[k + 1:]
-                             if g.step is None or (g.attempt, g.step) != (f.attempt, f.step)), float("inf"))
-        survivors_only = f.type != FaultType.CORRUPT.value
-        detection = next((e for e in events if e.get("event") in TYPED_ERRORS and f.ts_ns <= e["ts_ns"] < detect_until
-                          and procs[_who(e)] < f.ts_ns
-                          and not (survivors_only and e["pid"] == pid and host in (None, e.get("host")))),
-                         None)
-        agent = next((a for a in agents if f.ts_ns <= a[0] < detect_until), None)
-        if detection is not None and (agent is None or detection["ts_ns"] <= agent[0]):
-            r.detected_after_s = (detection["ts_ns"] - f.ts_ns) / 1e9
-            r.detected_by = {"rank": detection.get("rank"), "event": detection.get("event"),
-                             "error_type": detection.get("error_type")}
-        elif agent is not None:
-            r.detected_after_s = (agent[0] - f.ts_ns) / 1e9
-            r.detected_by = {"node": agent[1], "event": "torchrun.agent", "line": agent[2]}
-        recovered = next((e for e in in_job if f.ts_ns <= e["ts_ns"] < until and _who(e) in old), None)
-        fallback = next((e for e in fallbacks if f.ts_ns <= e["ts_ns"] < until), None)
-        if new:
-            r.recovery = "restart"
-            r.restart_after_s = (min(procs[p] for p in new) - f.ts_ns) / 1e9
-            after = [e for e in lead if _who(e) in new]
-            resume = next((e for e in events if _who(e) in new and e.get("event") == "ckpt.resume"), None)
-            r.resumed_from = int(resume["step"]) if resume is not None else (0 if after else None)
-            r.fallback_reason = fallback.get("reason") if fallback is not None else None
-            again = {int(e["step"]) for e in lead if _who(e) in new}
-        else:
-            after = [e for e in lead if e["ts_ns"] > end_ns]
-            if recovered is not None:
-                r.recovery, r.epoch = "in_job", int(recovered["epoch"])
-                backs = [e for e in rollbacks if e.get("epoch") == r.epoch and _who(e) in old
-                         and f.ts_ns <= e["ts_ns"] < until]
-                starts = [e for e in recovery_starts if e.get("epoch") == r.epoch and _who(e) in old
-                          and f.ts_ns <= e["ts_ns"] < until]
-                if backs:
-                    # From the last rank entering recovery (once every rank knows) to the last one rolled back.
-                    if starts:
-                        r.in_job_recovery_s = (max(e["ts_ns"] for e in backs) - max(e["ts_ns"] for e in starts)) / 1e9
-                    r.resumed_from = int(backs[0]["restored_step"])
-            again = {int(e["step"]) for e in lead if f.ts_ns < e["ts_ns"] < until}
-        if after:
-            r.first_step_after_s = (after[0]["ts_ns"] - f.ts_ns) / 1e9
-            if r.detected_after_s is not None:
-                r.detection_to_step_s = r.first_step_after_s - r.detected_after_s
-        # Steps completed before the fault that ran again after it (successor attempt or rollback).
-        done = {int(e["step"]) for e in lead if _who(e) in old and e["ts_ns"] < f.ts_ns}
-        r.steps_reexecuted = len(again & done)
-        results.append(r)
-
-    timeline = [{"t": (e["ts_ns"] - start) / 1e9, "step": int(e["step"]), "loss": e.get("loss"),
-                 "attempt": int(e.get("attempt", 0)), "epoch": int(e.get("epoch", 0))} for e in lead]
-    return results, timeline
-
-
-def _who(event: dict[str, Any]) -> tuple[Any, Any]:
-    """The process that logged `event`: (host, pid), since nodes in PID namespaces of their own
-    (the local Slurm cluster's, containers) reuse pids."""
-    return event.get("host"), event.get("pid")
-
-
-def _first_events(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], int]:
-    """Every process that logged (`_who`), with the wall clock of its first event."""
-    first: dict[tuple[Any, Any], int] = {}
-    for e in events:  # in time order
-        first.setdefault(_who(e), e["ts_ns"])
-    return first
-
-
-def diagnose(run_dir: str | os.PathLike[str],
-             logs: RunLogs | None = None) -> tuple[list[dict[str, Any]], str | None]:
-    """The doctor's findings per attempt, as dicts (from `logs` when they were read already); or
-    an empty list and why there are none."""
-    try:
-        from commlib.observe.doctor import analyze as doctor_analyze
-    except ImportError as exc:
-        return [], f"the doctor (commlib.observe.doctor) is not available: {exc}"
-    try:
-        found = doctor_analyze(logs if logs is not None else load(Path(run_dir) / "logs")).to_dict()
-    except Exception as exc:  # a report without a diagnosis beats no report
-        return [], f"the doctor failed on {run_dir}/logs: {type(exc).__name__}: {exc}"
-    return list(found.get("attempts", [])), None
 
 
 def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +47,7 @@ from commlib.consistency import ConsistencyCheck, agree_on_settings
 from commlib.device_ops import DeviceOps
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
+from commlib.members import Members
 from commlib.observe import log as _log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
@@ -92,7 +93,7 @@ class Work:
         # A Work given up on while its op runs (a `WaitTimeout` not waited again): dropping the
         # engine's work would block this thread until the op ends, so it is kept until then.
         if not self.done and self._device_op is None and keep_until_done is not None:  # None: interpreter teardown
-            keep_until_done(self._backend_work, self._comm._backend)
+            keep_until_done(self._backend_work, self._comm._backend, self._backend_work.is_completed)
 
     def is_completed(self) -> bool:
         """Whether the op has ended (on its device, for a stream-ordered engine); never blocks."""
@@ -107,7 +108,9 @@ class Communicator:
     abort_poll_s = ABORT_POLL_S  # the watchdog reads peers' announcements at this pace too
 
     def __init__(self, backend: Backend, store: dist.Store, name: str, timeout: float,
-                 check_consistency: bool = False, world_rank: int | None = None) -> None:
+                 check_consistency: bool = False, global_ranks: Sequence[int] | None = None) -> None:
+        """`global_ranks`: the global rank of each member, by this communicator's rank (None: the
+        same numbers, a world); errors and logs name global ranks (`commlib.members`)."""
         self._backend = backend
         self._store = store
         self.name = name
@@ -117,7 +120,8 @@ class Communicator:
         self._check_consistency = check_consistency
         # Where the consistency check compares digests: the engine where that costs no device sync.
         self._fingerprints_via_engine = backend.device.type == "cpu" and backend.runtime is None
-        self.world_rank = backend.rank if world_rank is None else world_rank
+        self.members = Members.of(name, backend.size, global_ranks)
+        self.world_rank = self.members.global_ranks[backend.rank]
         self.hooks = HookRegistry()
         self._check = CallChecker(backend.supports)
         self._seq = 0  # collectives
@@ -135,7 +139,7 @@ class Communicator:
         bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
         self._log = _log.get_logger().bind(**bound)
         self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
-        self._judge = Judge(name, self.rank, store, self.board, self._log, backend)
+        self._judge = Judge(self.members, self.rank, store, self.board, self._log, backend)
         self._consistency = ConsistencyCheck(self) if check_consistency else None
         self._device = DeviceOps(self, self._runtime) if self._runtime is not None else None
         self._log.info("comm.init", timeout_s=timeout, check_consistency=check_consistency)
@@ -276,7 +280,8 @@ class Communicator:
         self._log.info("comm.split", new_comm=name, ranks=ranks, member=backend is not None)
         if backend is None:
             return None
-        return Communicator(backend, store, name, self.timeout, self.check_consistency, self.world_rank)
+        return Communicator(backend, store, name, self.timeout, self.check_consistency,
+                            self.members.global_of(ranks))
 
     def abort(self, reason: str = "aborted") -> None:
         """Tear down at once, without waiting for peers; later calls raise CommAborted.
@@ -411,7 +416,7 @@ class Communicator:
                             waited_s=budget, deadline_s=call.deadline_s)
             raise self._judge.wait_timeout(call, entry, budget)
         if finished is not True:
-            keep_until_done(backend_work, self._backend)
+            keep_until_done(backend_work, self._backend, backend_work.is_completed)
             if finished is False:
                 raise self._timed_out(call, entry, None)
             raise self._peer_left(call, entry, finished)  # a peer's abort announcement, read between slices
@@ -521,8 +526,8 @@ class Communicator:
             if self._device is not None:
                 self._device.deliver_undelivered()
             raise CommAborted(
-                f"{what} on {self.name!r} rank {self.rank}: expected a live communicator; found it {self._dead}",
-                op=what, seq=self._seq, comm=self.name, rank=self.rank)
+                f"{what} on {self.name!r} {self.members.name(self.rank)}: expected a live communicator; found it "
+                f"{self._dead}", op=what, seq=self._seq, comm=self.name, rank=self.world_rank)
 
     def _run_hooks_quietly(self, kind: str, *args: Any) -> None:
         """Hooks where one that raises must not replace the error being raised, nor stop the

@@ -23,21 +23,21 @@ import hashlib
 import json
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from commlib.backends.base import keep_until_done
+from commlib.backends.base import Backend, keep_until_done
 from commlib.errors import CollectiveMismatch, CommError
 from commlib.failures import Failure
-from commlib.hooks import run_hooks
-from commlib.observe.flight import FlightEntry
+from commlib.hooks import HookRegistry, run_hooks
+from commlib.members import Members
+from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
 from commlib.validation import deadline_timedelta
-
-if TYPE_CHECKING:
-    from commlib.communicator import Communicator
+from commlib.verdicts import Judge
 
 CONSISTENCY_SLOTS = 2  # store keys per rank the check reuses in turn (`_fingerprints_through_store`)
 _STORE_PAUSE_MAX_S = 0.05  # the longest pause between two reads of the peers' fingerprints
@@ -68,12 +68,42 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
                          f"{by_setting['on']} and off for ranks {by_setting['off']}")
 
 
+class CheckedComm(Protocol):
+    """What the check needs of the communicator whose calls it checks (`Communicator` is one): who
+    it is, its engine and store, and its one path's wait and failures, which the check's own
+    waits and failures take."""
+
+    name: str
+    rank: int
+    size: int
+    members: Members
+    recorder: FlightRecorder
+    hooks: HookRegistry
+    _backend: Backend
+    _store: dist.Store
+    _fingerprints_via_engine: bool
+    _judge: Judge
+    _log: Any
+
+    def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
+                        since_mono_ns: int) -> bool | dict[str, Any]: ...
+
+    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *,
+              deferred: bool = False) -> CommError: ...
+
+    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
+                   deferred: bool = False, running_s: float | None = None) -> CommError: ...
+
+    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
+                   deferred: bool = False) -> CommError: ...
+
+
 class ConsistencyCheck:
     """One communicator's check (module docstring). Its waits and failures take the
     communicator's own: waits in slices that a peer's abort announcement ends, failures
     recorded and raised by the communicator."""
 
-    def __init__(self, comm: "Communicator") -> None:
+    def __init__(self, comm: CheckedComm) -> None:
         self._comm = comm
         # The digests exchanged on a CPU engine, written and read through a numpy view
         # (cheaper than torch's indexing).
@@ -94,11 +124,12 @@ class ConsistencyCheck:
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
-        differing = sorted(r for v, rs in groups.items() if v != mine for r in rs)
-        detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+        members = comm.members
+        differing = members.global_of(sorted(r for v, rs in groups.items() if v != mine for r in rs))
+        detail = "; ".join(f"{members.names(rs, 'ranks')}: {v}" for v, rs in groups.items())
         error = CollectiveMismatch(
-            f"{call.op} #{call.seq} on {comm.name!r} rank {comm.rank}: expected every rank to issue the same "
-            f"collective; found {detail}", differing_ranks=differing, **comm._judge.where(call))
+            f"{call.op} #{call.seq} on {comm.name!r} {members.name(comm.rank)}: expected every rank to issue the "
+            f"same collective; found {detail}", differing_ranks=differing, **comm._judge.where(call))
         comm._log.error("collective.mismatch", op=call.op.value, seq=call.seq, error=str(error),
                        differing_ranks=differing)
         run_hooks(comm.hooks, "failure", call, error)
@@ -124,7 +155,7 @@ class ConsistencyCheck:
         except Exception as exc:
             raise comm._fail(call, self._entry(call, started), exc) from exc
         if outcome is not True:
-            keep_until_done(work, backend)
+            keep_until_done(work, backend, work.is_completed)
             self._failed(call, started, outcome)
         return int(both[0]) == digest == -int(both[1])
 

@@ -1,34 +1,45 @@
 """Stream order: what commlib sees of a device whose engine runs ops on streams (CUDA).
 
 On such an engine (nccl; torchcomms on CUDA) an op is enqueued, not run: it starts on the
-device once the caller's stream has reached it and the engine's stream has finished the
-op before it, and it ends some time later. commlib keeps that asynchrony. It never blocks
-the CPU for an op; it puts two events around each one instead, which the watchdog
+device once the stream it runs on has reached it and the op before it on the same engine
+lane has ended, and it ends some time later. commlib keeps that asynchrony. It never blocks
+the CPU for an op; what it knows of one comes from two points, which the watchdog
 (`commlib.watchdog`) reads from its own thread:
 
-- `mark()` before the launch, on the caller's current stream. The engine's stream waits on
-  that point of the caller's stream before the op's kernel can run (c10d's and torchcomms'
-  launches both do), so the op has started on the device once this event has completed
-  and the op queued before it on the same engine stream has ended;
-- after the launch, an event that completes when the op does: for a synchronous call the
-  caller's stream is ordered after the op (`BackendWork.order`, the engine's stream-only
-  wait) and `mark()` records behind it; an asynchronous call must not order the caller's
-  stream yet, so `mark_after(order, lane)` orders a watch stream of the runtime's own
-  instead and records there. A runtime serves one communicator, with a watch stream per
-  lane (collectives; send/recv with each peer), as the engine has a stream per lane: on a
-  shared watch stream one op's end event would wait for another's.
+- its start: an event `mark()`ed on the caller's current stream before the launch. The op
+  runs on that stream (c10d's synchronous path) or on an engine stream that waits for that
+  point of it (c10d's and torchcomms' asynchronous launches both do), so the op has started
+  on the device once this event has completed and the op queued before it on its lane has
+  ended;
+- its end: what the engine offers that can be read from another thread without blocking and
+  without the engine's locks (`BackendWork.end`: c10d's own verdict future, torchcomms' work
+  status); where the engine offers nothing (c10d's synchronous path hands back no work),
+  a second `mark()` right after the launch, on the stream the op ran on.
 
-`Work.wait()` then only makes the caller's stream wait for that event (`wait`).
+A caller's `Work.wait()` is the engine's stream-only wait (`BackendWork.order`); commlib
+keeps no streams of its own.
 
-A `Runtime` is the small surface this needs, so that a test engine can bring its own
-(CI has no GPU: tests/commlib/emulated_device.py emulates streams and events on CPU);
-`CudaRuntime` is torch.cuda's. Events are pooled (timing off): one that has completed and
-that no `Work` holds goes back for reuse.
+A `Runtime` is the small surface this needs, so that a test engine can bring its own (CI has
+no GPU: tests/commlib/emulated_device.py emulates streams, events, devices and graph capture
+on CPU); `CudaRuntime` is torch.cuda's. Events are pooled (timing off): one whose op has
+ended goes back for reuse.
+
+Reading events from the watchdog's thread is done as c10d's watchdog does it (its event
+queries run under a device guard and a thread-local capture mode): `Runtime.watching()` makes
+the runtime's device the thread's current one, so a rank on GPU k never creates a context on
+GPU 0 from that thread, and `Runtime.side_thread()` puts the watchdog's thread (once) in the
+thread-local capture mode, so its queries never invalidate a CUDA graph that another thread
+is capturing. An op issued while the caller's stream is capturing a graph is not watched at
+all (`mark()` returns `CAPTURED`): it is recorded into the graph, not run, and its replays are the
+graph's; and `commlib.check()` on a thread that is capturing reads no event (`capturing()`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import ctypes
+import os
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +47,7 @@ import torch
 POOL_CAP = 1024  # completed events kept for reuse per runtime; more are left to the garbage collector
 ENGINE_TIMEOUT_MIN_S = 3600.0  # the engine's own timeout on a stream-ordered engine: see `engine_timeout_s`
 ENGINE_TIMEOUT_FACTOR = 10.0
+_CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
 
 
 def engine_timeout_s(deadline_s: float) -> float:
@@ -45,14 +57,26 @@ def engine_timeout_s(deadline_s: float) -> float:
     deadline itself it would time out an op that merely waits behind earlier GPU work, and
     it would act first (c10d marks the work failed; torchcomms aborts). commlib's watchdog
     (`commlib.watchdog`) decides; the engine's timeout only catches what commlib could not.
-    The one home of this rule: the backends set it, the launch passes it.
+    The one home of this rule: the backends set it, the launch passes it, and every way of
+    changing a group's timeout goes through it (`commlib.process_group`).
     """
     return max(ENGINE_TIMEOUT_FACTOR * deadline_s, ENGINE_TIMEOUT_MIN_S)
 
 
 class Event(Protocol):
     def query(self) -> bool:
-        """Whether the stream has reached the event; never blocks."""
+        """Whether the point it stands for has been reached; never blocks."""
+
+
+class _Captured:
+    """What `Runtime.mark` gives while the caller's stream captures a CUDA graph: no point of a
+    stream that runs now (module docstring)."""
+
+    def query(self) -> bool:
+        return True
+
+
+CAPTURED = _Captured()
 
 
 class Runtime(Protocol):
@@ -61,17 +85,21 @@ class Runtime(Protocol):
     device: torch.device
 
     def mark(self) -> Event:
-        """A (pooled) event recorded on the caller's current stream."""
-
-    def mark_after(self, order: Callable[[], None], lane: int | None) -> Event:
-        """Run `order()` with the watch stream of `lane` current (None: collectives; a peer: the
-        send/recv with it), then record an event on it."""
-
-    def wait(self, event: Event) -> None:
-        """Make the caller's current stream wait for `event`; the CPU does not wait."""
+        """A (pooled) event recorded on the caller's current stream of this device; `CAPTURED`
+        while that stream is capturing a CUDA graph (the op is then not watched)."""
 
     def release(self, event: Event) -> None:
         """Hand a completed event that nothing holds back for reuse."""
+
+    def watching(self) -> contextlib.AbstractContextManager[None]:
+        """Around reads of this runtime's events: its device current on the reading thread."""
+
+    def side_thread(self) -> None:
+        """On a thread of commlib's own that reads events (the watchdog's): the thread-local
+        capture mode, so its reads never disturb another thread's graph capture."""
+
+    def capturing(self) -> bool:
+        """Whether the calling thread's current stream is capturing a CUDA graph now."""
 
 
 class CudaRuntime:
@@ -80,34 +108,59 @@ class CudaRuntime:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: list[Any] = []  # list.pop and list.append are atomic: the watchdog releases, callers take
-        self._watch: dict[int | None, Any] = {}  # per lane, created with its first asynchronous op
-
-    def _event(self) -> Any:
-        pool = self._pool
-        return pool.pop() if pool else torch.cuda.Event()  # timing off, not blocking, not interprocess
 
     def mark(self) -> Any:
-        event = self._event()
+        # Captures run on the device that is current (torch.cuda.graph's own stream): the one
+        # whose current stream this asks about.
+        if torch.cuda.is_current_stream_capturing():
+            return CAPTURED
+        event = self._pool.pop() if self._pool else torch.cuda.Event()  # timing off, not blocking
         event.record(torch.cuda.current_stream(self.device))
         return event
-
-    def mark_after(self, order: Callable[[], None], lane: int | None) -> Any:
-        watch = self._watch.get(lane)
-        if watch is None:
-            watch = self._watch[lane] = torch.cuda.Stream(self.device)
-        caller = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(watch)
-        try:
-            order()
-        finally:
-            torch.cuda.set_stream(caller)
-        event = self._event()
-        event.record(watch)
-        return event
-
-    def wait(self, event: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(event)
 
     def release(self, event: Any) -> None:
         if len(self._pool) < POOL_CAP:
             self._pool.append(event)
+
+    def watching(self) -> contextlib.AbstractContextManager[None]:
+        return torch.cuda.device(self.device)
+
+    def side_thread(self) -> None:
+        _thread_local_capture_mode()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+
+_capture_mode_set = threading.local()
+
+
+def _thread_local_capture_mode() -> None:
+    """Put the calling thread in CUDA's thread-local stream capture mode, once per thread: its
+    event queries then never invalidate another thread's capture (as c10d's and torchcomms'
+    watchdogs do). torch has no Python call for it, so it goes to the CUDA runtime torch loaded;
+    where that cannot be found, the log says that a capture on another thread is not safe."""
+    if getattr(_capture_mode_set, "done", False):
+        return
+    _capture_mode_set.done = True
+    cudart = _cudart()
+    if cudart is None:
+        from commlib.observe import log as _log
+
+        _log.get_logger().warning("device.capture_mode_unset", cuda=torch.version.cuda,
+                                  consequence="a CUDA graph captured on another thread in global mode may be "
+                                              "invalidated by the watchdog's event queries")
+        return
+    mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)
+    cudart.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library this process's torch loaded (found by its soname), or None."""
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None

@@ -2,11 +2,20 @@
 what the watchdog saw of them.
 
 On a stream-ordered engine (a GPU's: `Backend.runtime`, `commlib.device`) the CPU never
-waits for an op. `DeviceOps.launch` marks an event on the caller's stream before the op
-(the communicator does, before its pre-hooks) and one that completes with it, and hands the
-op to the watchdog (`commlib.watchdog`); a synchronous call orders the caller's stream
-behind the op (as NCCL's own calls do), an asynchronous one returns a `Work` whose `wait()`
-does (`order_after`).
+waits for an op. The communicator marks an event on the caller's stream before the op
+(before its pre-hooks); `DeviceOps.launch` launches it, takes the op's end (the engine's, or
+an event marked right after a launch that ran on the caller's stream) and hands the op to
+the watchdog (`commlib.watchdog`). A synchronous call leaves the caller's stream ordered
+behind the op (as NCCL's own calls do: the op ran on it, or `BackendWork.order`), an
+asynchronous one returns a `Work` whose `wait()` orders it (`order_after`).
+
+A barrier is the hosts' rendezvous, as NCCL's is, but never an unwatched one: c10d's NCCL
+barrier picks a device by guessing when it has none bound, and its work's `wait()` blocks the
+CPU in a stream synchronize without any deadline (ProcessGroupNCCL::barrier, WorkNCCL::wait).
+So on a stream-ordered engine a barrier is launched as what c10d's is made of, an all_reduce of
+one element on the communicator's own device, and the CPU then waits for that op to end while
+the watchdog holds its deadline (`_host_waits`): it is recorded, numbered and logged as the
+barrier it is.
 
 The deadline, the end and the failure of each op are the watchdog's verdicts, reached on
 its thread; `DeviceOps` is the watchdog's `Owner` for one communicator and turns them into
@@ -16,34 +25,75 @@ through the communicator's failure path. That error then waits for the caller
 or `commlib.check()`, with the failure hooks run just before.
 
 The engine's abort can hang on a wedged device, so here it runs in a thread of its own
-(`abort_engine`), which a caller's `abort()` waits for at most `ENGINE_ABORT_BOUND_S`.
+(`abort_engine`), which a caller's `abort()` waits for at most `ENGINE_ABORT_BOUND_S`. The ops
+of an aborted engine may still run until the abort has returned (ncclCommAbort returns once
+the device has drained them), so each is kept with its tensors until its end is reached or
+the abort has returned: memory an aborted kernel may still write is never handed back early.
+
+An op issued while the caller's stream captures a CUDA graph (`Runtime.mark` gives `CAPTURED`)
+is recorded into the graph, not run: it is recorded as ended at once and never watched; the
+graph's replays are the caller's (the log says so once per communicator).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from commlib.backends.base import keep_until_done
-from commlib.device import Event, Runtime, engine_timeout_s
+import torch
+
+from commlib.backends.base import Backend, keep_until_done
+from commlib.device import CAPTURED, Event, Runtime, engine_timeout_s
 from commlib.errors import CommError
+from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
-from commlib.ops import Collective, OpName
+from commlib.ops import Collective, OpName, ReduceOp
 from commlib.validation import deadline_timedelta
-from commlib.verdicts import report_side_failure
+from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp, InFlight
 
-if TYPE_CHECKING:
-    from commlib.communicator import Communicator
-
 ENGINE_ABORT_BOUND_S = 10.0  # how long a caller waits for an engine abort running in its own thread
+
+
+class DeviceComm(Protocol):
+    """What `DeviceOps` needs of the communicator whose ops it carries (`Communicator` is one): its
+    engine and board, its one path's records and failures, and its abort."""
+
+    name: str
+    abort_poll_s: float
+    board: ProgressBoard
+    _backend: Backend
+    _judge: Judge
+    _log: Any
+
+    @property
+    def broken(self) -> bool: ...
+
+    def abort(self, reason: str = "aborted") -> None: ...
+
+    def _ensure_usable(self, what: str) -> None: ...
+
+    def _record_end(self, call: Collective, entry: FlightEntry) -> None: ...
+
+    def _run_hooks_quietly(self, kind: str, *args: Any) -> None: ...
+
+    def _run_post_hooks_quietly(self, call: Collective, entry: FlightEntry) -> None: ...
+
+    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *,
+              deferred: bool = False) -> CommError: ...
+
+    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
+                   deferred: bool = False, running_s: float | None = None) -> CommError: ...
+
+    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
+                   deferred: bool = False) -> CommError: ...
 
 
 class DeviceOps:
     """One stream-ordered communicator's side of its ops (module docstring); the watchdog's `Owner`."""
 
-    def __init__(self, comm: "Communicator", runtime: Runtime) -> None:
+    def __init__(self, comm: DeviceComm, runtime: Runtime) -> None:
         self.comm = comm
         self.runtime = runtime
         self.abort_poll_s = comm.abort_poll_s  # the watchdog reads peers' announcements at a wait's pace
@@ -51,6 +101,9 @@ class DeviceOps:
         # The watchdog's error that the caller has not been given yet, with the call it broke.
         self.undelivered: tuple[Collective, CommError] | None = None
         self._abort_thread: threading.Thread | None = None
+        self._aborted = threading.Event()  # the engine's abort has returned: its ops have all ended
+        self._barrier_tensor: torch.Tensor | None = None  # what a barrier all-reduces (module docstring)
+        self._told_captured = False
 
     @property
     def broken(self) -> bool:
@@ -62,34 +115,62 @@ class DeviceOps:
 
     # -- the caller's thread -----------------------------------------------------------
     def launch(self, call: Collective, entry: FlightEntry, start: Event) -> DeviceOp:
-        """Launch on the engine and hand the op to the watchdog; the CPU never waits (module docstring)."""
-        comm, runtime = self.comm, self.runtime
+        """Launch on the engine and hand the op to the watchdog; the CPU never waits (module
+        docstring). An op captured into a CUDA graph (`start` is `CAPTURED`) is not handed over."""
+        comm, backend = self.comm, self.comm._backend
+        launched = self._as_all_reduce(call) if call.op is OpName.BARRIER else call
         try:
-            backend_work = comm._backend.launch(call, deadline_timedelta(engine_timeout_s(call.deadline_s)))
-            if call.async_op:
-                end = runtime.mark_after(backend_work.order, call.peer)
-            else:
-                backend_work.order()
-                end = runtime.mark()
+            work = backend.launch(launched, deadline_timedelta(engine_timeout_s(call.deadline_s)))
+            end = work.end
+            if end is not None:  # it runs on an engine stream, which said how its end is read
+                if not call.async_op:
+                    work.order()
+            elif call.async_op:
+                raise RuntimeError(f"backend {backend.name} gave an asynchronous op no end to watch")
+            else:  # it ran on the caller's stream: the point right after it is its end
+                end = self.runtime.mark()
         except Exception as exc:
             raise comm._fail(call, entry, exc) from exc
-        op = DeviceOp(call, entry, backend_work, start, end, call.async_op)
+        op = DeviceOp(call, entry, work, backend.lane(launched), start, end, work.end is None)
+        if start is CAPTURED:
+            self._captured(call, entry)
+            return op
         self.in_flight.add(op)
         if call.op is OpName.BARRIER and not call.async_op:
-            # A barrier is the hosts' rendezvous on every engine (NCCL's blocks the CPU too):
-            # the CPU waits for it, bounded by the watchdog holding its deadline.
-            self.in_flight.drain(float("inf"))
-            if comm.broken:
-                comm._ensure_usable(call.op.value)
+            self._host_waits(op)
         return op
 
     def order_after(self, op: DeviceOp) -> None:
-        """`Work.wait()`: the caller's stream waits for the op; the CPU does not."""
-        if op.entry.state == "completed":
-            return
+        """`Work.wait()`: the caller's stream waits for the op; the CPU does not, but for a barrier."""
         if self.comm.broken:
             self.comm._ensure_usable(op.call.op.value)
-        self.runtime.wait(op.end)
+        if op.call.op is OpName.BARRIER:
+            self._host_waits(op)
+        else:
+            op.work.order()
+
+    def _host_waits(self, op: DeviceOp) -> None:
+        """The CPU waits for a barrier to end, the watchdog holding its deadline (module docstring)."""
+        self.in_flight.drain(float("inf"))
+        if self.comm.broken:
+            self.comm._ensure_usable(op.call.op.value)
+
+    def _as_all_reduce(self, call: Collective) -> Collective:
+        """What a barrier is launched as on the engine (module docstring)."""
+        if self._barrier_tensor is None:
+            self._barrier_tensor = torch.zeros(1, device=self.runtime.device)
+        return Collective(OpName.ALL_REDUCE, call.comm, call.rank, call.size, call.async_op, call.deadline_s,
+                          call.seq, tensor=self._barrier_tensor, reduce_op=ReduceOp.SUM, context=call.context)
+
+    def _captured(self, call: Collective, entry: FlightEntry) -> None:
+        """An op recorded into a CUDA graph (module docstring): ended here, never watched."""
+        if not self._told_captured:
+            self._told_captured = True
+            self.comm._log.warning("comm.captured_ops_not_watched", op=call.op.value, seq=call.seq,
+                                   consequence="ops recorded into a CUDA graph run at its replays, which commlib "
+                                               "neither times nor names")
+        self.comm._record_end(call, entry)
+        self.comm._run_post_hooks_quietly(call, entry)
 
     def drain(self) -> None:
         """Block the CPU until every op issued so far has ended, or failed (then raised here)."""
@@ -119,7 +200,7 @@ class DeviceOps:
             return
         comm._record_end(call, entry)
         self.runtime.release(op.start)
-        if not op.held:
+        if op.marked_end:
             self.runtime.release(op.end)
         comm._run_post_hooks_quietly(call, entry)
 
@@ -137,9 +218,11 @@ class DeviceOps:
     def op_dropped(self, op: DeviceOp) -> None:
         if op.entry.state == "started":
             FlightRecorder.end(op.entry, "failed")
-        # Kept until its op ends (the abort ends it): dropping a torchcomms work whose op still
-        # runs blocks this thread until then (../shared/TORCHCOMMS_API.md).
-        keep_until_done(op.work, self.comm._backend)
+        # Kept with its tensors until its op has ended or the abort has returned (module
+        # docstring); dropping a torchcomms work whose op still runs would also block this
+        # thread until then (../shared/TORCHCOMMS_API.md).
+        aborted = self._aborted
+        keep_until_done(op, self.comm._backend, lambda: aborted.is_set() or op.end.query())
 
     def watchdog_failed(self, exc: BaseException) -> None:
         """The watchdog could not judge this communicator's ops (a bug): their deadlines no longer
@@ -159,6 +242,8 @@ class DeviceOps:
                 comm._log.info("comm.engine_aborted", duration_s=time.monotonic() - started)
             except Exception as exc:
                 report_side_failure(comm._log, "engine abort", exc)
+            finally:
+                self._aborted.set()
 
         self._abort_thread = threading.Thread(target=abort, name=f"commlib-abort-{comm.name}", daemon=True)
         self._abort_thread.start()

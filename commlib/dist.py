@@ -4,8 +4,11 @@ Old and new names both work (`all_gather_into_tensor`, `_all_gather_base` and
 `all_gather_single`; `reduce_scatter_tensor`, `_reduce_scatter_base` and
 `reduce_scatter_single`; `broadcast(tensor, src=...)`, `reduce(tensor, dst=...)`), with no
 FutureWarning, because every call is routed through a `Communicator`: the one passed as
-`group=`, else the default one: the communicator the first `commlib.init` made, or the
-one given to `use(comm)`. Old names come from `commlib.compat`'s table,
+`group=`, else the one given to `use(comm)`, else the one under torch.distributed's default
+group as it is now (a commlib group's: so after in-job recovery calls go to the rebuilt
+communicator, and after `destroy_process_group` nothing here keeps the old one, its sockets
+and its store client, alive). `commlib.init` over a default group of another backend hands
+its communicator to `use`. Old names come from `commlib.compat`'s table,
 so this module holds no list of renames of its own. `src`/`dst` here are ranks of the
 communicator (torch.distributed's `group_src`/`group_dst`), and reductions may be
 `torch.distributed.ReduceOp`s.
@@ -20,21 +23,9 @@ import torch.distributed as _tdist
 
 from commlib import compat
 from commlib.communicator import Communicator, Work
-from commlib.ops import PremulSum, ReduceOp, Reduction, premul_sum
+from commlib.ops import ReduceOp, to_reduction
 
 _DEFAULT: list[Communicator] = []  # the one registry this module owns
-
-_FROM_TORCH = {
-    _tdist.ReduceOp.SUM: ReduceOp.SUM,
-    _tdist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
-    _tdist.ReduceOp.MIN: ReduceOp.MIN,
-    _tdist.ReduceOp.MAX: ReduceOp.MAX,
-    _tdist.ReduceOp.BAND: ReduceOp.BAND,
-    _tdist.ReduceOp.BOR: ReduceOp.BOR,
-    _tdist.ReduceOp.BXOR: ReduceOp.BXOR,
-    _tdist.ReduceOp.AVG: ReduceOp.AVG,
-}
-
 
 def use(comm: Communicator) -> None:
     """Make `comm` the communicator that calls without `group=` go to."""
@@ -44,7 +35,8 @@ def use(comm: Communicator) -> None:
 
 
 def use_if_unset(comm: Communicator) -> None:
-    """`use(comm)` unless a default is set already (what `commlib.init` does)."""
+    """`use(comm)` unless a default is set already (what `commlib.init` does over another
+    backend's default group; a commlib default group needs none: module docstring)."""
     if not _DEFAULT:
         use(comm)
 
@@ -54,38 +46,15 @@ def _comm(group: Communicator | None) -> Communicator:
         if not isinstance(group, Communicator):
             raise TypeError(f"commlib.dist: expected group to be a commlib Communicator; found {type(group).__name__}")
         return group
-    if not _DEFAULT:
+    if _DEFAULT:
+        return _DEFAULT[0]
+    from commlib.process_group import CommlibProcessGroup  # it imports this module
+
+    world = _tdist.group.WORLD if _tdist.is_initialized() else None
+    if not isinstance(world, CommlibProcessGroup):
         raise RuntimeError("commlib.dist: expected a default communicator; found none "
-                           "(call commlib.dist.use(comm) after commlib.init, or pass group=)")
-    return _DEFAULT[0]
-
-
-def to_reduction(op: Any) -> Reduction:
-    """A commlib reduction from a commlib or torch.distributed one.
-
-    torch.distributed spells a reduction as a bare `ReduceOp.RedOpType` (`ReduceOp.SUM`), a
-    `ReduceOp` object wrapping one (`ReduceOp(ReduceOp.MAX)`), or `ReduceOp.PREMUL_SUM(factor)`,
-    whose `.op` and `.factor` carry the kind and the factor (FSDP2 passes that one when a
-    gradient divide factor is set).
-    """
-    if isinstance(op, (ReduceOp, PremulSum)):
-        return op
-    kind = getattr(op, "op", op)
-    if kind == _tdist.ReduceOp.PREMUL_SUM:
-        if op is kind:
-            raise TypeError("commlib.dist: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
-        factor = getattr(op, "factor", None)
-        if factor is None:
-            # Before torch 2.13, `_make_nccl_premul_sum(f)` (FSDP2's gradient divide factor on
-            # nccl) builds a ReduceOp whose factor Python cannot read back.
-            raise TypeError(f"commlib.dist: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
-                            f"found one without `.factor` on torch {torch.__version__}: pass "
-                            f"commlib.premul_sum(factor) instead")
-        return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
-    try:
-        return _FROM_TORCH[kind]
-    except (KeyError, TypeError):
-        raise TypeError(f"commlib.dist: expected a commlib or torch.distributed ReduceOp; found {op!r}") from None
+                           "(call commlib.init, or commlib.dist.use(comm), or pass group=)")
+    return world.communicator()
 
 
 def _root(name: str, kwargs: dict[str, Any]) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from commlib import settings
 from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator
 from commlib.observe import log as _log
 
@@ -42,6 +43,8 @@ class EngineOptions:
     # The default group configures this process's logs (COMMLIB_LOG_DIR) and SIGUSR1 dump,
     # unless its maker (commlib.init) has done so.
     configure_process: bool = True
+    # The device the group's CUDA engine runs on (`main_cuda_device`); commlib.init passes its own.
+    device: torch.device | str | None = None
     # An engine of the caller's own, in place of `engine`: called as
     # `backend_factory(store=, rank=, size=, device=, timeout=)` for every communicator of the
     # group (rebuilt ones too) and returning a `commlib.backends.base.Backend`. The tests'
@@ -62,12 +65,11 @@ def check_consistency(explicit: bool | None, comm_name: str) -> bool:
     """
     if explicit is not None:
         return explicit
-    for variable, value in ((CHECK_CONSISTENCY_ENV, "1"), (TORCH_DEBUG_ENV, "DETAIL")):
-        if os.environ.get(variable, "").upper() == value:
-            _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True,
-                                   because=f"{variable}={value}")
-            return True
-    return False
+    because = (f"{CHECK_CONSISTENCY_ENV}=1" if settings.env_flag(CHECK_CONSISTENCY_ENV) else
+               f"{TORCH_DEBUG_ENV}=DETAIL" if os.environ.get(TORCH_DEBUG_ENV, "").upper() == "DETAIL" else None)
+    if because is not None:
+        _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True, because=because)
+    return because is not None
 
 
 @dataclass(frozen=True)
@@ -80,22 +82,19 @@ class Recipe:
     rank: int
     size: int
     timeout_s: float
-    world_rank: int
+    global_ranks: tuple[int, ...]  # of the members, by group rank
 
     def build(self, store: dist.Store, timeouts: dict[str, float] | None = None) -> dict[str, Communicator]:
         """The group's communicators; `timeouts`: each device's deadline, where not the recipe's."""
         timeouts = timeouts or {}
         return {device.type: build_communicator(self.options, device, comm_name, store, self.rank, self.size,
-                                           timeouts.get(device.type, self.timeout_s), self.world_rank)
+                                           timeouts.get(device.type, self.timeout_s), self.global_ranks)
                 for device, comm_name in self.devices}
 
 
 def engine_named(options: EngineOptions) -> str:
     """The engine asked for: an explicit choice, else `COMMLIB_ENGINE`, else auto."""
-    engine = options.engine if options.engine != "auto" else os.environ.get(ENGINE_ENV, "auto")
-    if engine not in ENGINES:
-        raise ValueError(f"commlib process group: expected {ENGINE_ENV} in {ENGINES}; found {engine!r}")
-    return engine
+    return options.engine if options.engine != "auto" else settings.env_choice(ENGINE_ENV, ENGINES, "auto")
 
 
 def devices_for(options: EngineOptions, name: str) -> list[tuple[torch.device, str]]:
@@ -106,13 +105,32 @@ def devices_for(options: EngineOptions, name: str) -> list[tuple[torch.device, s
         raise RuntimeError("commlib process group: expected CUDA for the nccl engine; found none")
     if not cuda:
         return [(torch.device("cpu"), name)]
-    main = torch.device("cuda", torch.cuda.current_device())
+    local_rank = settings.env_integer("LOCAL_RANK", -1, low=0)
+    main = main_cuda_device(options.device, local_rank, torch.cuda.device_count(), torch.cuda.current_device)
     # nccl cannot move CPU tensors (object collectives, DCP metadata): a gloo one beside it can.
     return [(main, name)] + ([(torch.device("cpu"), f"{name}.cpu")] if engine == "auto" else [])
 
 
+def main_cuda_device(asked: torch.device | str | None, local_rank: int, device_count: int,
+                     current: Callable[[], int]) -> torch.device:
+    """The CUDA device a group's engine runs on, fixed when the group is made: the one asked for
+    (`EngineOptions.device`, which `commlib.init(device=)` sets), else the one torchrun's
+    LOCAL_RANK gives this rank of its node, else the current device. Never only the current
+    device where anything else says: a trainer may set it after `init_process_group` (or pass
+    only `device_id=`, which a creator that returns its own group never sees), and the
+    watchdog would then read events of another device than the one NCCL runs on."""
+    if asked is not None:
+        device = torch.device(asked)
+        if device.type != "cuda":
+            raise ValueError(f"commlib process group: expected a CUDA device for its CUDA engine; found {device}")
+        return device if device.index is not None else torch.device("cuda", current())
+    if 0 <= local_rank < device_count:
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", current())
+
+
 def build_communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,
-                  size: int, timeout_s: float, world_rank: int) -> Communicator:
+                  size: int, timeout_s: float, global_ranks: tuple[int, ...]) -> Communicator:
     engine = engine_named(options)
     store = dist.PrefixStore(f"{device.type}/", store)
     timeout = timedelta(seconds=timeout_s)
@@ -129,4 +147,4 @@ def build_communicator(options: EngineOptions, device: torch.device, name: str, 
         kind = "nccl" if device.type == "cuda" else "gloo"
         impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
     return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, bool(options.check_consistency),
-                        world_rank=world_rank)
+                        global_ranks=global_ranks)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.communicator import Work
-from commlib.dist import to_reduction
+from commlib.ops import to_reduction
 from commlib.ops import PremulSum, Reduction
 
 

@@ -94,11 +94,14 @@ def init(
                                 pg_options=EngineOptions(engine=backend, name=name,
                                                          check_consistency=check_consistency,
                                                          torchcomms_backend=torchcomms_backend,
+                                                         device=dev if dev.type == "cuda" else None,
                                                          configure_process=False))
         comm = current()
     from commlib import dist as commlib_dist
+    from commlib.process_group import CommlibProcessGroup
 
-    commlib_dist.use_if_unset(comm)
+    if not isinstance(dist.group.WORLD, CommlibProcessGroup):
+        commlib_dist.use_if_unset(comm)  # commlib.dist finds a commlib default group by itself
     return comm
 
 
@@ -136,5 +139,4 @@ def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: flo
     # calls on that group do not (use backend="commlib" for those).
     impl = C10dBackend(dist.group.WORLD, device, dist.PrefixStore("commlib-splits/", store), owned=False)
     return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s,
-                        consistency_setting(check_consistency, name),
-                        world_rank=rank)
+                        consistency_setting(check_consistency, name))

@@ -1,4 +1,5 @@
-"""The vocabulary of a collective call: op names, reductions, and the `Collective` record.
+"""The vocabulary of a collective call: op names, reductions (and torch.distributed's spellings
+of them, `to_reduction`), and the `Collective` record.
 
 A `Collective` describes one call as it travels the single path in `Communicator`: hooks
 see it, the flight recorder and logs describe it, and a backend launches it. Field names
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as _c10d
 
 
 class OpName(enum.StrEnum):
@@ -68,6 +71,46 @@ PLAIN_NAMES: dict[OpName, str] = {op: op.value for op in OpName}
 def premul_sum(factor: float) -> PremulSum:
     """The PREMUL_SUM reduction with the given factor."""
     return PremulSum(float(factor))
+
+
+_FROM_TORCH = {
+    _c10d.ReduceOp.SUM: ReduceOp.SUM,
+    _c10d.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    _c10d.ReduceOp.MIN: ReduceOp.MIN,
+    _c10d.ReduceOp.MAX: ReduceOp.MAX,
+    _c10d.ReduceOp.BAND: ReduceOp.BAND,
+    _c10d.ReduceOp.BOR: ReduceOp.BOR,
+    _c10d.ReduceOp.BXOR: ReduceOp.BXOR,
+    _c10d.ReduceOp.AVG: ReduceOp.AVG,
+}
+
+
+def to_reduction(op: Any) -> Reduction:
+    """A commlib reduction from a commlib or torch.distributed one.
+
+    torch.distributed spells a reduction as a bare `ReduceOp.RedOpType` (`ReduceOp.SUM`), a
+    `ReduceOp` object wrapping one (`ReduceOp(ReduceOp.MAX)`), or `ReduceOp.PREMUL_SUM(factor)`,
+    whose `.op` and `.factor` carry the kind and the factor (FSDP2 passes that one when a
+    gradient divide factor is set).
+    """
+    if isinstance(op, (ReduceOp, PremulSum)):
+        return op
+    kind = getattr(op, "op", op)
+    if kind == _c10d.ReduceOp.PREMUL_SUM:
+        if op is kind:
+            raise TypeError("commlib: expected ReduceOp.PREMUL_SUM(factor); found PREMUL_SUM without a factor")
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            # Before torch 2.13, `_make_nccl_premul_sum(f)` (FSDP2's gradient divide factor on
+            # nccl) builds a ReduceOp whose factor Python cannot read back.
+            raise TypeError(f"commlib: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
+                            f"found one without `.factor` on torch {torch.__version__}: pass "
+                            f"commlib.premul_sum(factor) instead")
+        return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
+    try:
+        return _FROM_TORCH[kind]
+    except (KeyError, TypeError):
+        raise TypeError(f"commlib: expected a commlib or torch.distributed ReduceOp; found {op!r}") from None
 
 
 def reduction_kind(op: Reduction) -> ReduceOp:

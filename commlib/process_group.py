@@ -62,6 +62,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from commlib import compat
 from commlib.communicator import Communicator
+from commlib.device import engine_timeout_s
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
 from commlib.group_calls import CommlibWork, copy_back, deadline_of, handed_back, one_tensor, reduction_of, strided
 from commlib.observe import flight
@@ -69,6 +70,9 @@ from commlib.observe import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
+# The backend types a rebuilt group registers its new engines under, in turn (`_register_engines`).
+_REGISTRY_TYPES = tuple(getattr(dist.ProcessGroup.BackendType, name) for name in ("CUSTOM", "UCC", "MPI", "XCCL")
+                        if hasattr(dist.ProcessGroup.BackendType, name))
 
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
@@ -107,10 +111,11 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
         if compat.BACKFILLED:
             _log.get_logger().info("compat.backfilled", names=list(compat.BACKFILLED))
     name = options.name if is_default and options.name else ("world" if is_default else f"group{opts.group_id}")
-    world_rank = opts.group_rank if is_default else dist.get_rank()
+    # The members' global ranks, by group rank (torch lists them for every group but the default one).
+    global_ranks = tuple(range(opts.group_size)) if is_default else tuple(opts.global_ranks_in_group)
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
     recipe = Recipe(options, tuple(devices_for(options, name)), opts.store, opts.group_rank, opts.group_size,
-                     _deadline_of_new_group(opts.timeout, is_default), world_rank)
+                     _deadline_of_new_group(opts.timeout, is_default), global_ranks)
     _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(opts.store), opts.group_rank, opts.group_size)
     group._recipe = recipe
@@ -153,8 +158,12 @@ def _follow_engine_timeouts() -> None:
     torch 2.13's `_set_pg_timeout` (and code that sets a timeout on `group._get_backend(device)`)
     calls that method of the engine c10d finds registered for each device, a C++ object that
     commlib's group cannot stand in for, so the engine classes' method is wrapped, once per
-    process: the engine's own timeout is set as before, then the communicator's deadline.
-    Engines no commlib group holds are untouched.
+    process: the timeout becomes the deadline of the communicator over that engine (over any
+    engine the group ever registered for that device: a rebuilt group's retired ones stay
+    registered, `CommlibProcessGroup._register_engines`), and the engine's own timeout is the
+    one commlib gives that engine for it (`_engine_timeout`): never the raw deadline on a
+    stream-ordered engine, whose c10d watchdog counts from the enqueue. Engines no commlib
+    group holds are untouched.
     """
     for engine_class in (getattr(dist, "ProcessGroupGloo", None), getattr(dist, "ProcessGroupNCCL", None)):
         setter = getattr(engine_class, "_set_default_timeout", None)
@@ -162,12 +171,27 @@ def _follow_engine_timeouts() -> None:
             continue
 
         def set_default_timeout(engine: Any, timeout: timedelta, _engine_setter: Any = setter) -> None:
-            _engine_setter(engine, timeout)
-            for group in commlib_groups():
-                group._engine_timeout_set(engine, timeout)
+            over = [comm for group in commlib_groups() for comm in group._communicators_over(engine)]
+            _engine_setter(engine, _engine_timeout(over[0], timeout) if over else timeout)
+            for comm in over:
+                comm.set_timeout(timeout)
 
         set_default_timeout.follows_commlib = True  # type: ignore[attr-defined]
+        set_default_timeout.engines_own = setter  # type: ignore[attr-defined]
         engine_class._set_default_timeout = set_default_timeout  # type: ignore[union-attr]
+
+
+def _engine_timeout(comm: Communicator, deadline: timedelta) -> timedelta:
+    """The engine's own timeout for a communicator whose deadline is `deadline` (`engine_timeout_s`)."""
+    if not comm.stream_ordered:
+        return deadline
+    return timedelta(seconds=engine_timeout_s(deadline.total_seconds()))
+
+
+def _set_engine_timeout(engine: Any, timeout: timedelta) -> None:
+    """The engine's own timeout, set with its class's own setter (not `_follow_engine_timeouts`'s)."""
+    setter = type(engine)._set_default_timeout
+    getattr(setter, "engines_own", setter)(engine, timeout)
 
 
 def commlib_groups() -> list["CommlibProcessGroup"]:
@@ -233,16 +257,19 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 _log.get_logger().warning("comm.abort_failed", comm=comm.name, error=f"{type(exc).__name__}: {exc}")
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """torch's `ProcessGroup.set_timeout`: the engines' default timeout and every communicator's deadline."""
+        """torch's `ProcessGroup.set_timeout`: every communicator's deadline, and each engine's own
+        timeout for it (c10d forwards the raw value to every registered engine first: a
+        stream-ordered engine's is put back to what commlib gives it, `_engine_timeout`)."""
         super().set_timeout(timeout)
         for comm in self._comms.values():
             comm.set_timeout(timeout)
+            engine = getattr(comm._backend, "engine", None)
+            if engine is not None and comm.stream_ordered:
+                _set_engine_timeout(engine, _engine_timeout(comm, timeout))
 
-    def _engine_timeout_set(self, engine: Any, timeout: timedelta) -> None:
-        """An engine's own timeout was set (`_follow_engine_timeouts`): the deadline of the communicator over it."""
-        for comm in self._comms.values():
-            if getattr(comm._backend, "engine", None) is engine:
-                comm.set_timeout(timeout)
+    def _communicators_over(self, engine: Any) -> list[Communicator]:
+        """The communicators that `engine` stands for: of the device it was registered for."""
+        return [self._comms[kind] for registered, kind in self._engines if registered is engine]
 
     def _set_communicators(self, comms: dict[str, Communicator]) -> None:
         self._comms = comms
@@ -251,21 +278,40 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._register_engines()
 
     def _register_engines(self) -> None:
-        # torch asks a group for its backend per device (FSDP2's allocation, device
-        # capability checks, object collectives' device): answer with the engine itself.
-        # One backend type per device: c10d keys its backends by type, and two of one type
-        # would alias each other.
-        # The first one is also the group's default backend: torch 2.15 reads the group's name
-        # through it (its flight-recorder hook), and without one that raises "Could not find
-        # the default backend type 0".
+        """Register each communicator's engine for its device, so that torch's callers of
+        `group._get_backend(device)` (`_set_pg_timeout`, device capability checks, object
+        collectives' device) reach the engine commlib runs on.
+
+        c10d keys a group's backends by backend type, keeps the first backend of a type for
+        good (ProcessGroup::setBackend points the device at it and ignores a new one), and
+        has no way to remove one; so the engines of a rebuilt group (in-job recovery) are
+        registered under a backend type the group has not used yet (`_REGISTRY_TYPES`), which
+        points the device at them. Retired engines stay registered under their old types
+        (c10d's `set_timeout` still reaches them: `_communicators_over` maps them to the
+        live communicator). Once the types are spent, the log says that `_get_backend`
+        returns a retired engine. The main device's type is the group's default backend:
+        torch 2.15 reads the group's name through it (its flight-recorder hook), and without
+        one that raises "Could not find the default backend type 0".
+        """
+        if not hasattr(self, "_engines"):
+            self._engines: list[tuple[Any, str]] = []  # every engine registered, with its device
+            self._used_types: set[Any] = set()
         for kind, comm in self._comms.items():
             engine = getattr(comm._backend, "engine", None)
-            if engine is not None:
-                backend_type = (dist.ProcessGroup.BackendType.NCCL if kind == "cuda"
-                                else dist.ProcessGroup.BackendType.GLOO)
-                self._register_backend(torch.device(kind), backend_type, engine)
-                if kind == next(iter(self._comms)):
-                    self._set_default_backend(backend_type)
+            if engine is None:
+                continue
+            self._engines.append((engine, kind))
+            native = dist.ProcessGroup.BackendType.NCCL if kind == "cuda" else dist.ProcessGroup.BackendType.GLOO
+            free = [t for t in (native, *_REGISTRY_TYPES) if t not in self._used_types]
+            if not free:
+                _log.get_logger().warning("comm.engine_not_registered", comm=comm.name, device=kind,
+                                          consequence="torch's group._get_backend() returns a retired engine; "
+                                                      "commlib's own calls are not affected")
+                continue
+            self._used_types.add(free[0])
+            self._register_backend(torch.device(kind), free[0], engine)
+            if kind == next(iter(self._comms)):
+                self._set_default_backend(free[0])
 
     def _on(self, tensor: torch.Tensor) -> Communicator:
         return self._only if self._only is not None else self.communicator(tensor.device)

@@ -1,7 +1,7 @@
 """The rules for values a user hands commlib or chaos: one rule per kind of value.
 
-A number of seconds, a count, a size, a flag or a choice means the same wherever it comes
-from (an environment variable, a command-line option, a fault plan, an API argument), so
+A number of seconds, a count, a size, a flag, a choice or a name means the same wherever it
+comes from (an environment variable, a command-line option, a fault plan, an API argument), so
 each kind is checked by one function here and every reader calls it, instead of a
 `float()` or `int()` of its own per call site. What the rules hold, everywhere:
 
@@ -9,6 +9,8 @@ each kind is checked by one function here and every reader calls it, instead of 
   absurd value (1e308 seconds, a 400-digit count) is refused by name instead of
   overflowing somewhere deep inside;
 - an integer is an integer: "3" and 3 are, "3.5", True and 3.0 are not;
+- a piece of text (a name, a host, an option handed on) is one line of printable
+  characters, so a newline in it cannot become a line of its own in a script or a log;
 - an environment variable set to the empty string is unset (its default applies), as a
   shell's `VAR= cmd` is commonly meant;
 - a refusal is a `ValueError` (a `TypeError` for a value of the wrong type) saying what
@@ -78,6 +80,20 @@ def choice(value: object, what: str, choices: Sequence[_T]) -> _T:
         if value == option:
             return option
     raise ValueError(f"expected {what} to be one of {list(choices)}; found {value!r}")
+
+
+def text(value: object, what: str, *, spaces: bool = False, longest: int = 1024) -> str:
+    """`value`, a non-empty string of at most `longest` printable characters, and without
+    whitespace unless `spaces`: a name, a host, an option handed on to another program. No
+    control character, so that none can start a new line of a script, a log or a command."""
+    kind = f"a non-empty line of at most {longest} printable characters{'' if spaces else ' without spaces'}"
+    if not isinstance(value, str):
+        raise TypeError(f"expected {what} to be {kind}; found {type(value).__name__} {value!r}")
+    fine = 0 < len(value) <= longest and value.isprintable() and (spaces or not any(c.isspace() for c in value))
+    if not fine:
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise ValueError(f"expected {what} to be {kind}; found {shown!r}")
+    return value
 
 
 def flag(value: object, what: str) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, reduction_kind
 
-# The ops whose rules compare their two tensors' element counts (`_check_shapes`).
+# The ops whose rules compare their two tensors' shapes (`_check_shapes`).
 _SIZED = frozenset({OpName.ALL_GATHER_SINGLE, OpName.REDUCE_SCATTER_SINGLE, OpName.ALL_TO_ALL_SINGLE})
 
 _INTEGER_ONLY = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
@@ -92,12 +92,14 @@ def _like(call: Collective, ts: list[torch.Tensor], one: torch.Tensor, what: str
                                           f"and {tuple(one.shape)}")
 
 
-def _numel_multiple(call: Collective, big: torch.Tensor, small: torch.Tensor, big_role: str,
-                    small_role: str) -> None:
-    n = call.size
-    if big.numel() != n * small.numel():
-        raise _fail(call, ValueError, f"expected {big_role} of {n} x {small.numel()} = {n * small.numel()} elements "
-                                      f"(size x {small_role}); found {big.numel()}")
+def _concatenated(call: Collective, big: torch.Tensor, small: torch.Tensor, big_role: str, small_role: str) -> None:
+    """`big` must be `size` copies of `small` along its first dimension, as every engine takes
+    it (gloo refuses the stacked (size, *shape) form NCCL would take: one rule for both)."""
+    n, shape = call.size, tuple(small.shape)
+    expected = (n * shape[0], *shape[1:]) if shape else (n,)
+    if tuple(big.shape) != expected:
+        raise _fail(call, ValueError, f"expected {big_role} of shape {expected} ({n} x {small_role} {shape}, "
+                                      f"along the first dimension); found {tuple(big.shape)}")
 
 
 def check_call(call: Collective, unsupported: "callable") -> None:  # type: ignore[valid-type]
@@ -140,19 +142,18 @@ def _check_shapes(call: Collective) -> None:
     op, n = call.op, call.size
     if op is OpName.ALL_GATHER_SINGLE:
         _same_dtype(call, call.output, call.input, "output and input")
-        _numel_multiple(call, call.output, call.input, "output", "input")
+        _concatenated(call, call.output, call.input, "output", "input")
     elif op is OpName.REDUCE_SCATTER_SINGLE:
         _same_dtype(call, call.output, call.input, "output and input")
-        if call.input.numel() % n:
-            raise _fail(call, ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
-        _numel_multiple(call, call.input, call.output, "input", "output")
+        _concatenated(call, call.input, call.output, "input", "output")
     elif op is OpName.ALL_TO_ALL_SINGLE:
         _same_dtype(call, call.output, call.input, "output and input")
-        if call.input.numel() % n:
-            raise _fail(call, ValueError, f"expected input elements divisible by size {n}; found {call.input.numel()}")
-        if call.output.numel() != call.input.numel():
-            raise _fail(call, ValueError, f"expected output of {call.input.numel()} elements like input; "
-                                          f"found {call.output.numel()}")
+        if call.input.dim() == 0 or call.input.shape[0] % n:
+            raise _fail(call, ValueError, f"expected input's first dimension divisible by size {n}; found shape "
+                                          f"{tuple(call.input.shape)}")
+        if call.output.shape != call.input.shape:
+            raise _fail(call, ValueError, f"expected output of input's shape {tuple(call.input.shape)}; found "
+                                          f"{tuple(call.output.shape)}")
     elif op is OpName.ALL_GATHER:
         _like(call, _tensor_list(call, call.output_list, "tensor_list"), call.input, "tensor_list and tensor")
     elif op is OpName.REDUCE_SCATTER:
@@ -245,7 +246,7 @@ def _signature(call: Collective) -> tuple[object, ...] | None:
         if t is None:
             tensors.append(None)
         elif isinstance(t, torch.Tensor):
-            tensors += (type(t), t.dtype, t.device, t.is_contiguous(), t.numel() if sized else None)
+            tensors += (type(t), t.dtype, t.device, t.is_contiguous(), t.shape if sized else None)
         else:
             return None
     return (*head, *tensors)

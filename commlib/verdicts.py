@@ -21,6 +21,10 @@ purpose names that peer; an announcement made because its maker met a peer's fai
 what its maker found, never its maker; otherwise the board tells (a process on this host
 that has exited, a heartbeat that stopped), or the error says that nobody could tell.
 
+Ranks: what the board and the announcements hold are the communicator's own ranks; every
+error names global ranks, in its fields and its message, with the communicator's own beside
+them where they differ (`commlib.members`).
+
 Store clients: the judge reads and writes through the communicator's own store client on the
 thread that made it, and through a client of its own on any other thread (the watchdog's):
 a TCPStore client serializes its calls, and the watchdog must not queue behind a store wait
@@ -39,8 +43,9 @@ import torch.distributed as dist
 from commlib.backends.base import Backend
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure, WaitTimeout
 from commlib.failures import Failure
+from commlib.members import Members
 from commlib.observe.board import (HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks,
-                                   explain_timeout, find_gone, own_client)
+                                   explain_timeout, find_gone, own_client, stale_after_s)
 from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective, OpName
 
@@ -51,10 +56,12 @@ GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as ex
 class Judge:
     """Says who failed, for one communicator (module docstring)."""
 
-    def __init__(self, comm: str, rank: int, store: dist.Store, board: ProgressBoard, log: Any,
+    def __init__(self, members: Members, rank: int, store: dist.Store, board: ProgressBoard, log: Any,
                  backend: Backend) -> None:
-        self.comm = comm
+        self.members = members
+        self.comm = members.comm
         self.rank = rank
+        self.me = members.name(rank)
         self.board = board
         self._store = store
         self._log = log
@@ -71,7 +78,8 @@ class Judge:
         return self._side_store
 
     def where(self, call: Collective) -> dict[str, Any]:
-        return {"op": call.op.value, "seq": call.seq, "comm": self.comm, "rank": self.rank}
+        """An error's place: its rank is this process's global rank."""
+        return {"op": call.op.value, "seq": call.seq, "comm": self.comm, "rank": self.members.global_ranks[self.rank]}
 
     # -- announcements -------------------------------------------------------------------
     def announce(self, reason: str, error: BaseException | None = None, call: Collective | None = None) -> None:
@@ -81,12 +89,15 @@ class Judge:
         `PeerFailure` marks the announcement as made after a peer's failure, naming whom this
         rank found failed (if anyone): a reader must not take this rank for the culprit.
         """
+        # In the communicator's own ranks, as its board: the error's fields are global ranks.
+        own = self.members.own_of
         announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
         if isinstance(error, CollectiveTimeout) and call is not None and call.peer is None \
                 and error.missing_ranks is not None:
-            announcement.update(timed_out_in=[error.op, error.seq], missing=error.missing_ranks)
+            announcement.update(timed_out_in=[error.op, error.seq], missing=own(error.missing_ranks))
         elif isinstance(error, PeerFailure):
-            announcement.update(after_peer_failure=True, failed=error.failed_ranks)
+            failed = error.failed_ranks
+            announcement.update(after_peer_failure=True, failed=None if failed is None else own(failed))
         try:
             self.store().compare_set(ABORT_KEY, "", json.dumps(announcement))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
@@ -116,7 +127,7 @@ class Judge:
             if announced is not None and not announced.get("after_peer_failure"):
                 return self.peer_left(call, entry, announced, exc)
             return self.peer_gone(call, entry, exc, announced)
-        head = f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank}"
+        head = f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me}"
         if kind is Failure.ABORTED:
             error: CommError = CommAborted(f"{head}: expected a live communicator; the backend says it is not "
                                            f"({exc})", **self.where(call))
@@ -135,18 +146,18 @@ class Judge:
         try:
             board = self.board.read(self.store())
             if call.peer is not None:
-                message, missing, stale = _explain_p2p_timeout(call, self.comm, elapsed, board)
+                message, missing, stale = _explain_p2p_timeout(call, self.members, elapsed, board)
             else:
-                diagnosis = explain_timeout(call.op.value, call.seq, self.comm, self.rank, elapsed,
-                                            board, time.time_ns())
+                diagnosis = explain_timeout(call.op.value, call.seq, self.members, self.rank, elapsed,
+                                            call.deadline_s, board, time.time_ns())
                 message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
             # Where the ranks it waited for are stuck: their stacks, for the doctor.
             asked = ask_for_stacks(board, sorted(set(missing) | set(stale)))
             if asked:
                 self._log.info("comm.asked_for_stacks", op=call.op.value, seq=call.seq, ranks=asked)
         except Exception as exc:  # the store itself may be gone with a dead rank 0
-            message = (f"{call.op} #{call.seq} on {self.comm!r} timed out after {elapsed:.1f} s on rank "
-                       f"{self.rank}; the progress board could not be read ({exc})")
+            message = (f"{call.op} #{call.seq} on {self.comm!r} timed out after {elapsed:.1f} s on {self.me}; "
+                       f"the progress board could not be read ({exc})")
             missing, stale = None, None
         if running_s is not None:
             issued_s = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
@@ -154,10 +165,11 @@ class Judge:
                         f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
                         f"roll the step back)")
         if expired_first_on is not None:
-            message += (f" (rank {expired_first_on}'s deadline for it expired first: this rank stopped waiting "
-                        f"before its own {call.deadline_s:g} s)")
-        error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s, missing_ranks=missing,
-                                  stale_ranks=stale, **self.where(call))
+            message += (f" ({self.members.name(expired_first_on)}'s deadline for it expired first: this rank "
+                        f"stopped waiting before its own {call.deadline_s:g} s)")
+        error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s,
+                                  missing_ranks=self._global(missing), stale_ranks=self._global(stale),
+                                  **self.where(call))
         if cause is not None:
             error.__cause__ = cause
         return error
@@ -181,14 +193,16 @@ class Judge:
             # timeout.
             return self.timeout(call, entry, cause, expired_first_on=peer)
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        who = self.members.name(peer)
         if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
-            found = (f"found rank {peer} had stopped waiting for it at its deadline and aborted the communicator, "
-                     f"naming ranks {announced['missing']} (this one among them) as never having started it: "
-                     f"this rank arrived late")
+            found = (f"found {who} had stopped waiting for it at its deadline and aborted the communicator, "
+                     f"naming {self.members.names(announced['missing'], 'ranks')} (this one among them) as never having "
+                     f"started it: this rank arrived late")
         else:
-            found = f"found rank {peer} had aborted the communicator ({reason})"
-        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank} after {elapsed:.1f} s: "
-                            f"expected every peer to complete it; {found}", failed_ranks=[peer], **self.where(call))
+            found = f"found {who} had aborted the communicator ({reason})"
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
+                            f"expected every peer to complete it; {found}", failed_ranks=self._global([peer]),
+                            **self.where(call))
         if cause is not None:
             error.__cause__ = cause
         return error
@@ -199,16 +213,18 @@ class Judge:
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         if announced is not None and announced.get("failed"):
             gone = list(announced["failed"])
-            how = f"as rank {announced['rank']}, which met the failure first and aborted the communicator, found"
+            how = (f"as {self.members.name(announced['rank'])}, which met the failure first and aborted the "
+                   f"communicator, found")
         else:
             gone, how = self._find_gone_peers(None if announced is None else announced["rank"])
             if announced is not None:
-                how += f"; rank {announced['rank']} met the failure first and aborted the communicator"
-        found = f"found rank(s) {gone} gone ({how})" if gone else f"found a peer gone ({how})"
+                how += f"; {self.members.name(announced['rank'])} met the failure first and aborted the communicator"
+        found = f"found {self.members.names(gone)} gone ({how})" if gone else f"found a peer gone ({how})"
         if cause is not None:
             found += f"; the backend said: {first_line(cause)}"
-        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on rank {self.rank} after {elapsed:.1f} s: "
-                            f"expected every peer alive; {found}", failed_ranks=gone or None, **self.where(call))
+        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
+                            f"expected every peer alive; {found}", failed_ranks=self._global(gone) or None,
+                            **self.where(call))
         if cause is not None:
             error.__cause__ = cause
         return error
@@ -216,10 +232,13 @@ class Judge:
     def wait_timeout(self, call: Collective, entry: FlightEntry, waited_s: float) -> WaitTimeout:
         """A caller's shorter wait passed: the op and the communicator stay as they are."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
-        return WaitTimeout(f"{call.op} #{call.seq} on {self.comm!r} rank {self.rank}: expected it to complete within "
+        return WaitTimeout(f"{call.op} #{call.seq} on {self.comm!r} {self.me}: expected it to complete within "
                            f"the wait's {waited_s:g} s; found it still running after {elapsed:.1f} s of its "
                            f"{call.deadline_s:g} s deadline (the op goes on; wait again)",
                            waited=waited_s, deadline=call.deadline_s, **self.where(call))
+
+    def _global(self, ranks: list[int] | None) -> list[int] | None:
+        return None if ranks is None else self.members.global_of(ranks)
 
     def _find_gone_peers(self, announcer: int | None) -> tuple[list[int], str]:
         """The peers that are gone (`board.find_gone`) and how that was found; no ranks where
@@ -241,7 +260,7 @@ class Judge:
             time.sleep(0.02)
 
 
-def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
+def _explain_p2p_timeout(call: Collective, members: Members, elapsed: float,
                          board: dict[int, BoardEntry | None]) -> tuple[str, list[int], list[int]]:
     """A send/recv waits on its one peer: name it, and say whether it is still beating."""
     peer = call.peer
@@ -249,16 +268,21 @@ def _explain_p2p_timeout(call: Collective, comm: str, elapsed: float,
     direction = "to" if call.op is OpName.SEND else "from"
     entry = board.get(peer)
     age_s = None if entry is None else (time.time_ns() - entry.heartbeat_ns) / 1e9
-    stale = [peer] if age_s is None or age_s > STALE_AFTER_S else []
-    where = ("never published progress" if entry is None else
-             f"last reported finishing collective {entry.finished_op} #{entry.finished_seq}"
-             + (f" at step {entry.step}, phase {entry.phase}" if entry.step is not None or entry.phase is not None
-                else ""))
+    stale = [peer] if age_s is None or age_s > stale_after_s(call.deadline_s) else []
+    if entry is None:
+        where = "never published progress"
+    elif entry.finished_seq < 0:
+        where = "has finished no collective yet"
+    else:
+        where = f"last reported finishing collective {entry.finished_op} #{entry.finished_seq}"
+    if entry is not None and (entry.step is not None or entry.phase is not None):
+        where += f" at step {entry.step}, phase {entry.phase}"
     if stale and age_s is not None:
         where += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
-    message = (f"{call.op} #{call.seq} {direction} rank {peer} on {comm!r} timed out after {elapsed:.1f} s on rank "
-               f"{call.rank}: expected rank {peer} to post the matching "
-               f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it (rank {peer} {where})")
+    who = members.name(peer)
+    message = (f"{call.op} #{call.seq} {direction} {who} on {members.comm!r} timed out after {elapsed:.1f} s on "
+               f"{members.name(call.rank)}: expected {who} to post the matching "
+               f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it ({who} {where})")
     return message, [peer], stale
 
 

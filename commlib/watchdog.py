@@ -3,12 +3,14 @@
 On a stream-ordered engine (`commlib.device`) a collective returns as soon as it is
 enqueued and ordered, so nobody waits on the calling thread for it to end. This module
 keeps every such op of the process, per communicator and in the order the device runs them
-(`InFlight`: one queue per engine stream), and one daemon thread per process (`_Watchdog`,
-running while any op is in flight or any error waits for its caller) looks at the head of
-each queue every `POLL_S`:
+(`InFlight`: one queue per engine lane, `Backend.lane`), and one daemon thread per process
+(`_Watchdog`, running while any op is in flight or any error waits for its caller) looks at
+the head of each queue every `POLL_S`, with the communicator's device current on its thread
+and its queries safe from CUDA graph captures (`Runtime.watching`):
 
-- the op's end event has completed: the op is done, and the Communicator records it (flight
-  recorder, progress board, log, post-hooks) and hands its events back to the pool;
+- the op's end has been reached (`BackendWork.end`, or commlib's own end event): the op is
+  done, and the Communicator records it (flight recorder, progress board, log, post-hooks)
+  unless the engine's own verdict says it failed, and hands its events back to the pool;
 - its start event has completed and the op before it has ended: it has started on the
   device, and the board says so (what every rank's device has started is what lets a
   timeout name "issued it, but its GPU never started it");
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from commlib.backends.base import BackendWork
-from commlib.device import Event
+from commlib.device import Event, Runtime
 from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective
 
@@ -57,9 +59,10 @@ class DeviceOp:
     call: Collective
     entry: FlightEntry
     work: BackendWork
+    lane: int | None  # the engine lane it runs on (`Backend.lane`)
     start: Event  # on the caller's stream before the launch (`commlib.device`)
-    end: Event  # completes when the op does
-    held: bool  # a `Work` holds `end`, so it never goes back to the pool
+    end: Event  # reached once the op has ended: the engine's (`BackendWork.end`) or commlib's own event
+    marked_end: bool  # `end` is commlib's own event, which goes back to the pool
     started_mono_ns: int | None = None  # when the watchdog first saw it started on the device
     next_read_ns: int = 0  # when to read the store for a peer's abort announcement next
 
@@ -71,6 +74,7 @@ class Owner(Protocol):
     abort_poll_s: float
     broken: bool
     has_undelivered_error: bool
+    runtime: Runtime
 
     def op_started(self, op: DeviceOp) -> None: ...
 
@@ -93,9 +97,9 @@ class Owner(Protocol):
 class InFlight:
     """One communicator's ops on its device, in the order they run.
 
-    Collectives run on one engine stream, send/recv with each peer on another (nccl's
-    streams), so there is one queue per peer and one (key None) for collectives. Only the
-    head of a queue can be running; the ones behind it wait for it.
+    An engine runs the ops of one lane one after the other (`Backend.lane`: the collectives;
+    send/recv with one peer, where the engine has such lanes), so there is one queue per lane.
+    Only the head of a queue can be running; the ones behind it wait for it.
     """
 
     def __init__(self, comm: Owner) -> None:
@@ -106,9 +110,9 @@ class InFlight:
 
     def add(self, op: DeviceOp) -> None:
         """On the calling thread, after the launch: deque.append needs no lock."""
-        queue = self.queues.get(op.call.peer)
+        queue = self.queues.get(op.lane)
         if queue is None:
-            queue = self.queues[op.call.peer] = deque()
+            queue = self.queues[op.lane] = deque()
         queue.append(op)
         if not self.registered:
             _WATCHDOG.register(self)
@@ -122,6 +126,13 @@ class InFlight:
         if comm.broken:
             self.drop()
             return
+        if not self.pending():
+            return
+        with comm.runtime.watching():
+            self._scan_queues(now_ns)
+
+    def _scan_queues(self, now_ns: int) -> None:
+        comm = self.comm
         for queue in list(self.queues.values()):
             while queue:
                 op = queue[0]
@@ -198,6 +209,7 @@ class _Watchdog:
             time.sleep(POLL_S)
             for in_flight in self.watched():
                 try:
+                    in_flight.comm.runtime.side_thread()
                     with in_flight.lock:
                         in_flight.scan(time.monotonic_ns())
                 except Exception as exc:  # the thread must outlive any one communicator's failure
@@ -243,7 +255,9 @@ def check(wait: bool = False, timeout: float | None = None) -> None:
     """
     until = time.monotonic() + (timeout if timeout is not None else float("inf"))
     for in_flight in _WATCHDOG.watched():
-        if wait:
+        if in_flight.comm.runtime.capturing():
+            pass  # reading an event now would break the caller's own graph capture: the watchdog's thread judges
+        elif wait:
             in_flight.drain(until)
         else:
             with in_flight.lock:

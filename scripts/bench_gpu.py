@@ -1,5 +1,5 @@
 """commlib on one GPU (nccl, 1 rank), against raw NCCL in the same process: the CPU it costs and the
-deadlines it keeps, where ops run in stream order (issue 24).
+deadlines it keeps, where ops run in stream order (issues #24 and #31).
 
     python scripts/bench_gpu.py [--rounds N]          # scripts/gpu_check.sh runs it
 
@@ -15,14 +15,25 @@ round (medians), never an absolute time. It prints:
    on a side stream, `wait()`, two bf16 matmuls; backward: the weight gradient, then a
    synchronous reduce-scatter on a side stream) at three sizes (target <= 1.03x raw for the
    Communicator and for the backend path);
-3. the calling thread's CPU per synchronous 4 KiB all_reduce (target: the backend path within
+3. the process's CPU (every thread: the watchdog's too) per synchronous 4 KiB all_reduce, the raw
+   baseline keeping its tensors alive as c10d's stash would (target: the backend path within
    10 us of raw);
 4. an op queued behind 5 s of GPU work with a 1 s deadline: the CPU returns at once, the op
    completes, nothing times out;
 5. an op that starts and never completes (a kernel of 3 s on the stream after its start
    event, from a pre-hook, as a device hang does), 1 s deadline: `CollectiveTimeout` within
    1.5 s, the process alive, the next call raising;
-6. `commlib.Recovery.recover` after it: a collective on the rebuilt engine gives the right value.
+6. `commlib.Recovery.recover` after it: a collective on the rebuilt engine gives the right value,
+   the rebuild within 1 s;
+7. a barrier, sync and async, behind such a hang: the CPU is held no longer than the deadline
+   + 0.5 s (c10d's own barrier would block it in a stream synchronize with no deadline);
+8. `group.set_timeout(1 s)` and `_set_pg_timeout(1 s)`, then an op queued behind 3 s of GPU
+   work: no false timeout, the engine's own timeout left at commlib's;
+9. ops inside `torch.cuda.graph` while the watchdog reads another op's events: the capture stays
+   valid, replays give the right values, nothing times out;
+10. the hang of 5. twenty times, recovering after each: every one named within deadline + 0.5 s;
+11. the same hang while the main thread sits in `torch.cuda.synchronize()`, and in `.item()`:
+    the watchdog's thread names it within deadline + 0.5 s all the same.
 
 Exit status: 0 every target met and every check passed; 1 otherwise; 2 no CUDA device.
 """
@@ -32,9 +43,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +59,7 @@ FSDP_SIZES = ((512, 512, 32), (1024, 2048, 24), (2048, 4096, 16))  # (d, tokens,
 TARGET_ISSUE = 1.2
 TARGET_STEP = 1.03
 TARGET_CPU_US = 10.0
+TARGET_REBUILD_S = 1.0
 
 
 class Gpu:
@@ -158,8 +172,9 @@ def fsdp_shaped_step(gpu: Gpu, d: int, tokens: int, layers: int, rounds: int) ->
             for _ in range(5):
                 step(*way)
             torch.cuda.synchronize()
-            commlib.check()
-            return (time.perf_counter() - start) / 5
+            elapsed = (time.perf_counter() - start) / 5
+            commlib.check()  # outside the timed region: the raw loop has nothing like it
+            return elapsed
 
         return measure
 
@@ -170,16 +185,18 @@ def fsdp_shaped_step(gpu: Gpu, d: int, tokens: int, layers: int, rounds: int) ->
 
 def cpu_per_call(gpu: Gpu, rounds: int) -> dict[str, float]:
     x = torch.ones(KIB4, device=gpu.device)
+    stash: list[torch.Tensor] = []  # the raw baseline holds its tensors as c10d's stash would
 
     def cpu_us(call: Callable[[], object]) -> Callable[[], float]:
         def measure() -> float:
             total = 0.0
             for _ in range(5):
                 torch.cuda.synchronize()  # outside the measure: the launch queue never fills
-                start = time.thread_time()
+                start = time.process_time()  # every thread of the process: the watchdog's too
                 for _ in range(200):
                     call()
-                total += time.thread_time() - start
+                total += time.process_time() - start
+                stash.clear()
             torch.cuda.synchronize()
             commlib.check()
             return total / 1000 * 1e6
@@ -187,7 +204,7 @@ def cpu_per_call(gpu: Gpu, rounds: int) -> dict[str, float]:
         return measure
 
     return median_of_rounds({
-        "raw": cpu_us(lambda: dist.all_reduce(x, group=gpu.raw)),
+        "raw": cpu_us(lambda: (dist.all_reduce(x, group=gpu.raw), stash.append(x))),
         "comm": cpu_us(lambda: gpu.comm.all_reduce(x)),
         "backend path": cpu_us(lambda: dist.all_reduce(x)),
     }, rounds)
@@ -241,12 +258,163 @@ def hang_after_start(gpu: Gpu) -> tuple[bool, str, BaseException | None]:
 
 def recover(gpu: Gpu, error: BaseException | None) -> tuple[bool, str]:
     done = commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=30)).recover(error)
+    gpu.comm = commlib.current()
     x = torch.full((KIB4,), 5.0, device=gpu.device)
-    commlib.current().all_reduce(x)
+    gpu.comm.all_reduce(x)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     commlib.check(wait=True)
-    ok = torch.equal(x, torch.full_like(x, 5.0))
-    return ok, f"epoch {done.epoch} in {done.total_s:.2f} s; all_reduce after it: {x[0].item()} (expected 5.0)"
+    ok = torch.equal(x, torch.full_like(x, 5.0)) and done.rebuild_s <= TARGET_REBUILD_S
+    return ok, (f"epoch {done.epoch}: abort {done.abort_s:.2f} s, rebuild {done.rebuild_s:.2f} s (target <= "
+                f"{TARGET_REBUILD_S:g}), {done.total_s:.2f} s in all; all_reduce after it: {x[0].item()} (expected 5.0)")
+
+
+def _hang_next_op(gpu: Gpu, seconds: float) -> Any:
+    """A pre-hook that puts a `seconds` kernel on the stream right after the next op's start
+    event: that op starts on the device and does not end in time, as a hung collective does."""
+    target = gpu.comm.seq + 1
+    return commlib.register_pre_hook(lambda call: gpu.busy(seconds) if call.seq == target else None)
+
+
+def _watch_broken(gpu: Gpu) -> tuple[threading.Thread, dict[str, float]]:
+    """A thread noting when the communicator is broken (the watchdog's verdict), whatever the main
+    thread is doing meanwhile."""
+    seen: dict[str, float] = {}
+    comm, start = gpu.comm, time.perf_counter()
+
+    def watch() -> None:
+        while not comm.broken and time.perf_counter() - start < 15:
+            time.sleep(0.005)
+        seen["broken_s"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def _error_of(call: Callable[[], object]) -> BaseException | None:
+    try:
+        call()
+    except commlib.CommError as exc:
+        return exc
+    return None
+
+
+def barrier_bounded(gpu: Gpu) -> tuple[bool, str]:
+    said = []
+    ok = True
+    for async_op in (False, True):
+        torch.cuda.synchronize()
+        hook = _hang_next_op(gpu, 3.0)
+        start = time.perf_counter()
+        try:
+            error = _error_of(lambda: (gpu.comm.barrier(timeout=1.0, async_op=True).wait() if async_op
+                                       else gpu.comm.barrier(timeout=1.0)))
+        finally:
+            hook.remove()
+        held_s = time.perf_counter() - start
+        ok &= isinstance(error, commlib.CollectiveTimeout) and held_s <= 1.5
+        said.append(f"{'async' if async_op else 'sync'}: CPU held {held_s:.2f} s, "
+                    f"{type(error).__name__ if error else 'nothing raised'}")
+        passed, _ = recover(gpu, error)
+        ok &= passed
+    return ok, "; ".join(said)
+
+
+def timeout_set_later(gpu: Gpu) -> tuple[bool, str]:
+    group, said, ok = dist.group.WORLD, [], True
+    for how in ("group.set_timeout", "_set_pg_timeout"):
+        if how == "group.set_timeout":
+            group.set_timeout(timedelta(seconds=1))
+        else:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=1), group)
+        engine_s = group._get_backend(gpu.device).options._timeout.total_seconds()
+        x = torch.full((KIB4,), 3.0, device=gpu.device)
+        torch.cuda.synchronize()
+        gpu.busy(3.0)
+        gpu.comm.all_reduce(x)
+        error = _error_of(lambda: commlib.check(wait=True))
+        ok &= error is None and engine_s >= 3600 and gpu.comm.timeout == 1.0 and x[0].item() == 3.0
+        said.append(f"{how}: deadline {gpu.comm.timeout:g} s, engine's own {engine_s:g} s, "
+                    f"{'no timeout' if error is None else type(error).__name__}")
+    group.set_timeout(timedelta(seconds=60))
+    return ok, "; ".join(said)
+
+
+def captured(gpu: Gpu) -> tuple[bool, str]:
+    x = torch.full((KIB4,), 2.0, device=gpu.device)
+    y = torch.ones(KIB4, device=gpu.device)
+    torch.cuda.synchronize()
+    gpu.busy(1.0)
+    queued = gpu.comm.all_reduce(y, async_op=True)  # watched, its events read during the capture
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(gpu.device)
+    side.wait_stream(torch.cuda.current_stream(gpu.device))
+    with torch.cuda.stream(side):  # warm outside the capture, as torch.cuda.graph asks
+        gpu.comm.all_reduce(x)
+    torch.cuda.current_stream(gpu.device).wait_stream(side)
+    problem = None
+    try:
+        with torch.cuda.graph(graph):
+            gpu.comm.all_reduce(x)
+            gpu.comm.all_reduce(x, async_op=True).wait()
+            time.sleep(0.2)  # the watchdog's passes, during the capture
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    queued.wait()
+    error = _error_of(lambda: commlib.check(wait=True))
+    ok = problem is None and error is None and x[0].item() == 2.0
+    return ok, (problem or "capture valid, replays ran") + (f"; {type(error).__name__}" if error else "; no timeout")
+
+
+def hangs_in_a_row(gpu: Gpu, times: int) -> tuple[bool, str]:
+    detections = []
+    ok = True
+    for _ in range(times):
+        torch.cuda.synchronize()
+        hook = _hang_next_op(gpu, 1.6)
+        start = time.perf_counter()
+        try:
+            gpu.comm.all_reduce(torch.ones(KIB4, device=gpu.device), timeout=1.0)
+        finally:
+            hook.remove()
+        error = None
+        while error is None and time.perf_counter() - start < 10:
+            error = _error_of(commlib.check)
+            time.sleep(0.005)
+        detections.append(time.perf_counter() - start)
+        ok &= isinstance(error, commlib.CollectiveTimeout)
+        passed, _ = recover(gpu, error)
+        ok &= passed
+    ok &= max(detections) <= 1.5
+    return ok, (f"{times} hangs: detected after {min(detections):.2f}-{max(detections):.2f} s "
+                f"(median {statistics.median(detections):.2f}), each recovered")
+
+
+def hang_while_the_host_waits(gpu: Gpu) -> tuple[bool, str]:
+    said, ok = [], True
+    for where in ("torch.cuda.synchronize()", ".item()"):
+        torch.cuda.synchronize()
+        x = torch.ones(KIB4, device=gpu.device)
+        hook = _hang_next_op(gpu, 3.0)
+        try:
+            gpu.comm.all_reduce(x, timeout=1.0)
+        finally:
+            hook.remove()
+        watcher, seen = _watch_broken(gpu)
+        if where == ".item()":
+            x.sum().item()
+        else:
+            torch.cuda.synchronize()
+        watcher.join()
+        error = _error_of(commlib.check)
+        ok &= isinstance(error, commlib.CollectiveTimeout) and seen["broken_s"] <= 1.5
+        said.append(f"main thread in {where}: named after {seen['broken_s']:.2f} s")
+        passed, _ = recover(gpu, error)
+        ok &= passed
+    return ok, "; ".join(said)
 
 
 def main() -> int:
@@ -293,6 +461,17 @@ def main() -> int:
     passed, what = recover(gpu, error)
     ok &= passed
     print(f"  in-job recovery: {what}  {'ok' if passed else 'FAIL'}")
+    for name, check in (("barrier behind a hang, 1 s deadline", barrier_bounded),
+                        ("deadline set later to 1 s, op behind 3 s of GPU work", timeout_set_later),
+                        ("ops captured in a CUDA graph", captured),
+                        ("hang, 1 s deadline, 20 times", lambda g: hangs_in_a_row(g, 20)),
+                        ("hang while the host waits", hang_while_the_host_waits)):
+        try:
+            passed, what = check(gpu)
+        except Exception as exc:  # a check that breaks is a failed check, and the others still run
+            passed, what = False, f"raised {type(exc).__name__}: {exc}"
+        ok &= passed
+        print(f"  {name}: {what}  {'ok' if passed else 'FAIL'}")
     print("\nALL TARGETS MET, ALL CHECKS PASSED" if ok else "\nA TARGET WAS MISSED OR A CHECK FAILED")
     dist.destroy_process_group()
     return 0 if ok else 1

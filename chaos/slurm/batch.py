@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from chaos.plan import Plan
+from commlib.settings import env_integer, integer, text
 from commlib.observe.log import event_log, read_events
 
 SETTINGS = "slurm.json"
@@ -55,6 +57,9 @@ EXIT_STOPPED = 143  # a node's harness stopped by SIGTERM: the job requeues itse
 DEFAULT_NOTICE_S = 90
 DEFAULT_RDZV_PORT = 29400
 POLL_S = 1.0
+MOST_NOTICE_S = 65535  # sbatch --signal's largest
+MOST_REQUEUES = 1000
+_TIME_LIMIT = re.compile(r"\d{1,9}(?::\d{1,2}){0,2}|\d{1,5}-\d{1,2}(?::\d{1,2}){0,2}|UNLIMITED|INFINITE")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -80,6 +85,23 @@ class Settings:
     max_requeues: int = 5
     python: str = field(default_factory=lambda: sys.executable)
     cwd: str = field(default_factory=os.getcwd)
+
+    def __post_init__(self) -> None:
+        """The Slurm options, each by the rule for its kind (`commlib.settings`; options given as
+        text become numbers): none may overflow what Slurm takes or add a line to the script."""
+        checked = {"rdzv_port": integer(self.rdzv_port, "rdzv_port (--rdzv-port)", low=1, high=65535),
+                   "notice_s": integer(self.notice_s, "notice_s (--notice)", low=1, high=MOST_NOTICE_S),
+                   "max_requeues": integer(self.max_requeues, "max_requeues (--max-requeues)", low=0,
+                                           high=MOST_REQUEUES),
+                   "sbatch_args": tuple(text(a, "sbatch_args (--sbatch-arg)", spaces=True)
+                                        for a in self.sbatch_args)}
+        if self.partition is not None:
+            checked["partition"] = text(self.partition, "partition (--partition)")
+        if self.time_limit is not None and not _TIME_LIMIT.fullmatch(self.time_limit):
+            raise ValueError(f"expected time_limit (--time) to be a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, "
+                             f"D-HH[:MM[:SS]] or UNLIMITED); found {self.time_limit!r}")
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     def save(self, run_dir: Path) -> None:
         (run_dir / SETTINGS).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -109,7 +131,9 @@ def script(settings: Settings, run_dir: Path) -> str:
 
 def submit(settings: Settings, plan: Plan, run_dir: Path) -> str:
     """Write the run directory's files and submit the job; returns its id. Raises RuntimeError
-    saying what sbatch answered, with the run directory as it was before (nothing left in it)."""
+    saying what sbatch answered, with the run directory as it was before (nothing left in it);
+    ValueError, before writing anything, for a run directory the script's lines cannot hold."""
+    text(str(run_dir), "the run directory (--run-dir)")  # unquoted in #SBATCH --output
     made = next((p for p in [*reversed(run_dir.absolute().parents), run_dir.absolute()] if not p.exists()), None)
     run_dir.mkdir(parents=True, exist_ok=True)
     written = [run_dir / "plan.json", run_dir / SETTINGS, run_dir / SCRIPT, run_dir / SUBMITTED]
@@ -162,7 +186,7 @@ def wait(job_id: str, timeout_s: float, progress: Callable[[str], None] | None =
 
 
 def requeue_count() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    return env_integer("SLURM_RESTART_COUNT", 0, low=0)
 
 
 def driver(run_dir: Path) -> int:
@@ -268,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
               "sbatch job; timings: what a finished one's starts and restarts cost)", file=sys.stderr)
         return 2
     run_dir = Path(argv[1])
+    needed = [SUBMITTED, REPORT] if argv[0] == "timings" else [SETTINGS]
+    missing = [name for name in needed if not (run_dir / name).is_file()]
+    if missing:
+        print(f"chaos.slurm.batch {argv[0]}: expected the run directory of a chaos sbatch job (with "
+              f"{', '.join(needed)}); found no {', '.join(missing)} in {run_dir}", file=sys.stderr)
+        return 2
     if argv[0] == "timings":
         print(json.dumps(timings(run_dir), indent=2))
         return 0

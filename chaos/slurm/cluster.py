@@ -56,7 +56,9 @@ from pathlib import Path
 
 import psutil
 
+from chaos.options import directory_problem, option
 from chaos.processes import alive
+from commlib import settings
 
 MARK_ENV = "CHAOS_SLURM_CLUSTER"
 NETNS_DIR = Path("/run/netns")
@@ -79,6 +81,7 @@ GRACE_S = 30
 START_TIMEOUT_S = 30.0
 JOB_PARTITION = "batch"
 PREEMPTOR_PARTITION = "urgent"
+MOST_NODES = 200  # node addresses from NODE_HOST0 on, inside the cluster's /24
 
 
 class ClusterUnavailable(RuntimeError):
@@ -133,8 +136,7 @@ class Cluster:
                  tag: str | None = None) -> None:
         """`owner`: the process whose death makes the cluster stale (`sweep`), 0 for none;
         `tag`: an existing cluster's (`attach`), else a new one is drawn."""
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= 200:
-            raise ValueError(f"Cluster: expected 1 to 200 nodes; found {nodes!r}")
+        settings.integer(nodes, "Cluster's nodes", low=1, high=MOST_NODES)
         self.directory = Path(directory).absolute()
         self.nodes = nodes
         self.owner = owner
@@ -484,13 +486,18 @@ def attach(directory: str | os.PathLike[str]) -> Cluster:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chaos.slurm.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("up", "down", "status", "run"), help="run: -- then a client command")
-    p.add_argument("--dir", required=True, help="the cluster's directory (configuration, logs, spool, munge key)")
-    p.add_argument("--nodes", type=int, default=3, help="up: how many nodes (one of them can be the spare)")
+    p.add_argument("--dir", type=option(settings.text, "--dir", spaces=True), required=True,
+                   help="the cluster's directory (configuration, logs, spool, munge key)")
+    p.add_argument("--nodes", type=option(settings.integer, "--nodes", low=1, high=MOST_NODES), default=3,
+                   help="up: how many nodes (one of them can be the spare)")
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         if args.command == "up":
+            problem = directory_problem(args.dir, "--dir", empty=False)  # before anything is installed or swept
+            if problem is not None:
+                raise ValueError(problem)
             install_packages()
             cluster = Cluster(args.dir, args.nodes).up()
             print(f"up: {cluster.nodes} node(s) {', '.join(cluster.node_names)}; run client commands with\n"

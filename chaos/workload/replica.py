@@ -44,6 +44,7 @@ Exit codes as `chaos.workload.train`'s (3: a commlib error inside the group, 1: 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -61,12 +62,13 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 import commlib
 import fsdp_overlap
 from chaos.inject import Injector, install_from_env
+from chaos.options import LONGEST_S, option
 from chaos.workload import train
 from chaos.workload.data import DataConfig, batch_for
 from chaos.workload.model import (ModelConfig, Transformer, build_block_mask, require_supported_torch,
                                   set_deterministic, warm_up_attention)
 from commlib.observe.log import attempt_number
-from commlib.settings import integer, number
+from commlib import settings
 
 PGS = ("commlib", "torchft-gloo")
 MAX_REPLICAS = 1024
@@ -76,41 +78,49 @@ HOLD_S = 0.5  # between two quorums of a group holding for lost ones
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """This mode's options, then the reference trainer's (`chaos.workload.train.parse_args`) for the rest."""
-    p = argparse.ArgumentParser(prog="python -m chaos.workload.replica", add_help=False,
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--replica", type=int, default=0, help="this replica group's index")
-    p.add_argument("--replicas", type=int, default=2, help="replica groups in the job")
+    """This mode's options, then the reference trainer's (`chaos.workload.train`) for the rest; a bad
+    command line exits 2 naming the argument (argparse's way)."""
+    return _parsed(argv, argparse.ArgumentParser, train.parse_args)
+
+
+def check_args(argv: list[str]) -> argparse.Namespace:
+    """The same reading as `parse_args`, or `chaos.workload.train.ArgumentsRefused` saying what it
+    refuses: for a launcher (`chaos.replicas`) to check a job before it starts one."""
+    return _parsed(argv, train._Refusing, train.check_args)
+
+
+def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser],
+            trainer: Any) -> argparse.Namespace:
+    seconds = functools.partial(option, settings.number, unit="seconds")
+    p = kind(prog="python -m chaos.workload.replica", add_help=False, description=__doc__.split("\n\n")[0])
+    p.add_argument("--replica", type=option(settings.integer, "--replica", low=0, high=MAX_REPLICAS - 1), default=0,
+                   help="this replica group's index")
+    p.add_argument("--replicas", type=option(settings.integer, "--replicas", low=1, high=MAX_REPLICAS), default=2,
+                   help="replica groups in the job")
     p.add_argument("--replica-pg", choices=PGS, default="commlib", help="the process group between replica groups")
     p.add_argument("--replay", default=None, help="replay the membership in this JSON file instead of training")
-    p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
-    p.add_argument("--manager-timeout", type=float, default=30.0,
+    p.add_argument("--quorum-timeout", type=seconds("--quorum-timeout", above=0, high=LONGEST_S), default=60.0,
+                   help="seconds to wait for a quorum")
+    p.add_argument("--manager-timeout", type=seconds("--manager-timeout", above=0, high=LONGEST_S), default=30.0,
                    help="torchft's own operations (commit vote, healing transfer), seconds")
     p.add_argument("--ready-dir", default=None,
                    help="the first launch of every group waits here for all --replicas groups before its first "
                         "quorum, so that they start in one quorum")
-    p.add_argument("--finish-together-s", type=float, default=0.0,
+    p.add_argument("--finish-together-s", type=seconds("--finish-together-s", low=0, high=LONGEST_S), default=0.0,
                    help="before the last step, wait up to this long for lost groups to come back and heal, so "
                         "that every group ends with the final model (0: do not wait)")
-    p.add_argument("--min-step-s", type=float, default=0.0,
+    p.add_argument("--min-step-s", type=seconds("--min-step-s", low=0, high=60), default=0.0,
                    help="pad every step to at least this long (a tiny model's steps take milliseconds; a real "
                         "one's take seconds, long enough for a lost group to come back while the others train)")
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         print(p.format_help() + "\nand the reference trainer's options:\n")
         train.parse_args(["--help"])  # exits
     own, rest = p.parse_known_args(argv)
-    args = train.parse_args(rest)
+    if own.replica >= own.replicas:
+        p.error(f"expected --replica below --replicas {own.replicas}; found --replica {own.replica}")
+    args = trainer(rest)
     if args.ckpt_dir is not None:
         p.error("replica mode heals from live peers and writes no checkpoints; found --ckpt-dir")
-    try:
-        integer(own.replicas, "--replicas", low=1, high=MAX_REPLICAS)
-        integer(own.replica, "--replica", low=0, high=own.replicas - 1)
-        for name, high in (("quorum_timeout", 3600), ("manager_timeout", 3600)):
-            number(getattr(own, name), f"--{name.replace('_', '-')}", above=0, high=high, unit="seconds")
-        number(own.min_step_s, "--min-step-s", low=0, high=60, unit="seconds")
-        number(own.finish_together_s, "--finish-together-s", low=0, high=3600, unit="seconds")
-    except (TypeError, ValueError) as exc:
-        p.error(str(exc))
     return argparse.Namespace(**vars(args), **vars(own))
 
 
@@ -338,7 +348,7 @@ def _attempt_store(comm: commlib.Communicator) -> tuple[str, int, dist.TCPStore 
     wrote them. Rank 0 hosts it (returned, to be kept alive); the group learns where from torchrun's
     store, under this attempt."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    agent = dist.TCPStore(host, integer(os.environ.get("MASTER_PORT", ""), "MASTER_PORT", low=1, high=65535),
+    agent = dist.TCPStore(host, settings.integer(os.environ.get("MASTER_PORT", ""), "MASTER_PORT", low=1, high=65535),
                           is_master=False, wait_for_workers=False)
     key = f"replica/attempt{attempt_number()}/manager_store"
     own = None

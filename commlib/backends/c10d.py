@@ -14,17 +14,18 @@ timeout, reduction and root, and reused (`C10dBackend._options`). The three meth
 Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
 is part of the op, and every backend must give the same numbers.
 
-nccl is stream-ordered (`commlib.device`): the backend names a `CudaRuntime`, a work's
-`order` is NCCL's own stream-only `Work.wait()` (never `wait(timeout)`, which busy-waits the
-CPU until the GPU is done), and its `failure` is c10d's verdict once its watchdog has one.
-commlib, not c10d, decides what a timeout does to the process (`NCCL_ENV`, set before an
-engine is built).
+nccl is stream-ordered (`commlib.device`): the backend names a `CudaRuntime`; a synchronous
+op takes c10d's synchronous path (`asyncOp=False`: run on the caller's current stream, no
+side stream to order, no tensor stash, no work handed back); an asynchronous one's `order`
+is c10d's `Work.synchronize()`, the stream-only wait that never blocks the CPU nor takes the
+engine's lock (`wait()` does both for a barrier, and `wait(timeout)` busy-waits), and its end
+and failure are c10d's own verdict (`commlib.backends.nccl`, which also says how commlib
+builds the engine so that commlib, not c10d, decides what a timeout does to the process).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,10 +36,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d methods take
 
 from commlib import compat
+from commlib.backends import nccl
 from commlib.backends.gloo_p2p import OnePieceWait, PeerLanes
-from commlib.device import CudaRuntime, engine_timeout_s
+from commlib.device import CudaRuntime
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
-from commlib.observe import log as _log
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
 ENGINES = ("gloo", "nccl")
@@ -55,41 +56,6 @@ _DIST_OPS = {
     ReduceOp.AVG: dist.ReduceOp.AVG,
 }
 _SUM = ReduceOp.SUM  # most calls' reduction, tested per call: a module global reads faster than the enum member
-
-# What c10d's NCCL engine would otherwise do by itself on a timeout or an error, each of which
-# ends the process (MEASURED.md, torch 2.11): commlib's watchdog decides instead, and the
-# process lives on to recover in-job. Read by ProcessGroupNCCL when it is built, and
-# process-wide: every NCCL group of the process, commlib's or not, behaves so. A value the
-# user set is kept, with a warning that a timeout may then end the process.
-NCCL_ENV = {
-    # 0: on an error or a timeout c10d only marks the work failed. Its default (3) rethrows on
-    # its watchdog thread, which terminates the process; 1 tears the process down; 2 aborts
-    # the communicator behind commlib's back.
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
-    # The heartbeat monitor kills a process whose c10d watchdog looks stuck (as it is while an
-    # abort waits for a wedged device) or after a dump signal.
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-    # No debug dump on c10d's own timeouts (which count from the enqueue: false ones behind a
-    # busy GPU); commlib's flight recorder dumps on commlib's.
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-    # A CUDA error its watchdog meets is not rethrown on that thread (which would terminate).
-    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-}
-
-
-def nccl_survives_timeouts() -> dict[str, str]:
-    """Set `NCCL_ENV` where the user has not; returns the variables the user set otherwise (and warns)."""
-    kept = {}
-    for key, value in NCCL_ENV.items():
-        current = os.environ.setdefault(key, value)
-        if current != value:
-            kept[key] = current
-    if kept:
-        _log.get_logger().warning("comm.nccl_env_kept", kept=kept, wanted={k: NCCL_ENV[k] for k in kept},
-                                  consequence="a timeout or NCCL error may end the process; in-job recovery "
-                                              "then cannot work")
-    return kept
-
 
 def classify_exception(exc: BaseException) -> Failure:
     """What a raw torch.distributed failure means (`commlib.failures.classify`)."""
@@ -128,30 +94,20 @@ def _routed_through_torchcomms(group: Any, device: torch.device) -> bool:
 
 @dataclass(slots=True)
 class C10dWork:
-    work: Any  # torch.distributed.Work
+    work: Any  # torch.distributed.Work; None for a stream-ordered engine's synchronous op (c10d hands none back)
     finish: Callable[[], None] | None = None  # emulation step run after completion
     timed_wait: bool = True  # False when Work.wait rejects a finite timeout (torchcomms-routed groups)
     one_piece: OnePieceWait | None = None  # a gloo send/recv, waited for on its peer's lane (`gloo_p2p`)
+    end: nccl.VerdictEnd | None = None  # a stream-ordered engine's asynchronous op: c10d's verdict
 
     def order(self) -> None:
-        # Without a timeout NCCL's wait only makes the current stream wait on the op's end event.
-        self.work.wait()
+        # synchronize(): the current stream waits for the op's end event, and nothing else; a
+        # torchcomms-routed group's works have only wait(), stream-only there.
+        if self.work is not None:
+            (self.work.synchronize if self.timed_wait else self.work.wait)()
 
     def failure(self) -> BaseException | None:
-        get_verdict = getattr(self.work, "get_future_result", None)  # absent from some torch releases' works
-        if get_verdict is None:
-            return None
-        try:
-            verdict = get_verdict()
-        except RuntimeError:  # engines without one (a torchcomms-routed group's work)
-            return None
-        if not verdict.done():
-            return None  # c10d's watchdog has not looked yet: the op's end event is the fact
-        result = verdict.value()
-        if int(result) == 0:  # WorkResult.SUCCESS
-            return None
-        return RuntimeError(f"c10d reports the op ended with {result!s} (a timeout of its own, or "
-                            f"ncclRemoteError: a peer gone or its network failed)")
+        return None if self.end is None else self.end.failure()
 
     def wait(self, timeout: timedelta) -> bool:
         one_piece = self.one_piece
@@ -208,6 +164,12 @@ class C10dBackend:
         # thread per peer (`gloo_p2p`): its own timed waits close the context's connections.
         self._peer_lanes = PeerLanes(self.name) if self.resumable_wait else None
         self.runtime = CudaRuntime(device) if device.type == "cuda" and self.name != "gloo" else None
+        # c10d's NCCL engine runs send/recv with each peer on a stream of its own, unless it was
+        # initialised eagerly on its device (`nccl.build_engine` does; `device_id=` does for a
+        # caller's group): then on the collective stream (`lane`).
+        self._p2p_lanes = not owned and getattr(engine, "bound_device_id", None) is None
+        if self.runtime is not None and not owned and not self._routed:
+            nccl.warn_wrapped(self.name, device)
         # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
         # method names, Backend objects to the old ones: look each up once.
         self._all_gather_single = compat.method(self.engine, "all_gather_single")
@@ -223,12 +185,7 @@ class C10dBackend:
         if engine == "gloo":
             impl = dist.ProcessGroupGloo(engine_store, rank, size, timeout)
         elif engine == "nccl":
-            nccl_survives_timeouts()
-            opts = dist.ProcessGroupNCCL.Options()
-            # Far beyond commlib's deadline: c10d's watchdog counts from the enqueue (`engine_timeout_s`).
-            opts._timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
-            opts.is_high_priority_stream = False
-            impl = dist.ProcessGroupNCCL(engine_store, rank, size, opts)
+            impl = nccl.build_engine(engine_store, rank, size, device, timeout)
         else:
             raise ValueError(f"commlib: expected an engine in {ENGINES}; found {engine!r}")
         return cls(impl, device, store, owned=True, name=engine)
@@ -240,7 +197,12 @@ class C10dBackend:
         work = C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
         if call.peer is not None and self._peer_lanes is not None:
             work.one_piece = self._peer_lanes.wait_for(call.peer, work.work, timeout)
+        elif self.runtime is not None and work.work is not None and not self._routed:
+            work.end = nccl.VerdictEnd(work.work)
         return work
+
+    def lane(self, call: Collective) -> int | None:
+        return call.peer if self._p2p_lanes else None
 
     # One function per op, looked up by op (`_LAUNCH`, below the class): an if-chain over
     # OpName members would read up to a dozen of them per call, and reading an enum member
@@ -302,11 +264,15 @@ class C10dBackend:
         and so does turning a commlib reduction into a c10d one (`_c10d_reduction`), which
         is done only then.
         """
-        key = (kind, timeout, call.reduce_op, call.root)
+        # A stream-ordered engine's synchronous op takes c10d's synchronous path (module docstring).
+        synchronous = self.runtime is not None and not call.async_op
+        key = (kind, timeout, call.reduce_op, call.root, synchronous)
         opts = self._option_cache.get(key)
         if opts is None:
             opts = kind()
             opts.timeout = timeout
+            if synchronous:
+                opts.asyncOp = False
             if call.reduce_op is not None:
                 opts.reduceOp = self._c10d_reduction(call.reduce_op)
             if call.root is not None:
@@ -361,6 +327,8 @@ class C10dBackend:
     def supports(self, device: torch.device, op: Reduction | None) -> str | None:
         if device.type != self.device.type:
             return f"backend {self.name} serves {self.device.type} tensors"
+        if self.device.index is not None and device.index != self.device.index:
+            return f"backend {self.name} serves tensors on {self.device}, the device it runs on"
         return None
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":

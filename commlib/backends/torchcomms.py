@@ -19,8 +19,12 @@ On CUDA the communicator is stream-ordered (`commlib.device`): a work's `order` 
 `TorchWork.wait()`, which there only makes the current stream wait, and the deadline is
 commlib's watchdog's; torchcomms' own per-op timeout is set far beyond it
 (`commlib.device.engine_timeout_s`) and `abort_process_on_timeout_or_error` is False, so
-torchcomms never acts first. An abort torchcomms decides on anyway (its abort hook) is the
-work's `failure`. On CPU engines (gloo) a wait blocks the CPU under the deadline.
+torchcomms never acts first. An op's end is its work's `is_completed()`, which reads an atomic
+status without the GIL (safe from the watchdog's thread; torchcomms updates it within its 1 s
+status poll): an op in ERROR or TIMEDOUT never reads as completed, so commlib's deadline fails
+it, although its `wait()` skips the stream wait for it. An abort torchcomms decides on anyway
+(its abort hook) is the work's `failure`. Every op of a communicator runs on its one internal
+stream (one lane). On CPU engines (gloo) a wait blocks the CPU under the deadline.
 
 Where torchcomms' engines differ, this backend makes them mean one thing: a
 `reduce_scatter_single` leaves its input as it was (gloo's overwrites it), and a split that
@@ -113,11 +117,25 @@ class TorchcommsWork:
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
 
+    @property
+    def end(self) -> Any:
+        return _Completed(self.work)
+
     def order(self) -> None:
         self.work.wait()  # on CUDA: the current stream waits for the op; the CPU does not
 
     def failure(self) -> BaseException | None:
         return RuntimeError(_ABORTED_BY_TORCHCOMMS) if self.backend.engine_aborted else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Completed:
+    """A TorchWork's end for the watchdog: `is_completed()`, COMPLETED alone (module docstring)."""
+
+    work: Any
+
+    def query(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 class TorchcommsBackend:
@@ -198,6 +216,9 @@ class TorchcommsBackend:
         else:  # pragma: no cover - OpName is closed
             raise NotImplementedError(op)
         return TorchcommsWork(w, deadline_mono, self)
+
+    def lane(self, call: Collective) -> int | None:
+        return None  # one internal stream per communicator (module docstring)
 
     def _op(self, op: Reduction | None) -> Any:
         ops = self._tc.ReduceOp

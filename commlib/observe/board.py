@@ -42,12 +42,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from commlib.members import Members
 from commlib.observe import log as _log
 from commlib.observe.flight import STACKS_SIGNAL, install_sigusr1
 
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
-STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead
+STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead (see `stale_after_s`)
+MIN_STALE_S = 1.0  # never less: two missed heartbeats and a busy machine's delay
 GIVE_UP_FAILURES = 20  # consecutive failed publications ...
 GIVE_UP_S = 10.0  # ... spanning at least this long: the store is gone, stop publishing
 WARN_EVERY_S = 5.0  # at most one warning per board this often while publications fail
@@ -267,6 +269,14 @@ def _summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
+def stale_after_s(deadline_s: float) -> float:
+    """How old a heartbeat must be, at an op's expired deadline, for its rank to be called
+    stopped or dead: `STALE_AFTER_S`, or half the deadline where that is shorter (at least
+    `MIN_STALE_S`), so that a rank frozen inside a collective at its start is named by a
+    deadline shorter than the threshold as well."""
+    return min(STALE_AFTER_S, max(MIN_STALE_S, deadline_s / 2))
+
+
 @dataclass
 class TimeoutExplanation:
     """What the board says about one expired deadline: the message, and whom it names."""
@@ -347,7 +357,7 @@ def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> l
     return reached
 
 
-def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
+def explain_timeout(op: str, seq: int, members: Members, rank: int, elapsed: float, deadline_s: float,
                     entries: dict[int, BoardEntry | None], now_ns: int) -> TimeoutExplanation:
     """Say who kept collective `seq` from completing, and where each other rank last was.
 
@@ -357,29 +367,32 @@ def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
     ranks are the missing ones; it is missing itself only where every other rank has left k
     (it is stuck in k on its own). So a gather's root, waiting for a late rank, is not blamed
     by a peer that finished the gather and timed out in the next op: the late rank is. Board
-    entries lag by up to `PUBLISH_INTERVAL_S`, so a rank's last op is "last reported".
+    entries lag by up to `PUBLISH_INTERVAL_S`, so a rank's last op is "last reported". A rank
+    whose heartbeat is older than `stale_after_s(deadline_s)` is stopped or dead. Ranks are the
+    communicator's own in what is returned, and named as `members` says in the message.
     """
     missing: list[int] = []
     stale: list[int] = []
     notes: list[str] = []
+    stale_s = stale_after_s(deadline_s)
     for r, e in sorted(entries.items()):
         if r == rank:
             continue
+        who = members.name(r)
         if e is None:
             missing.append(r)
             stale.append(r)
-            notes.append(f"rank {r} never published progress (possibly dead)")
+            notes.append(f"{who} never published progress (possibly dead)")
             continue
         age_s = (now_ns - e.heartbeat_ns) / 1e9
-        is_stale = age_s > STALE_AFTER_S
+        is_stale = age_s > stale_s
         if is_stale:
             stale.append(r)
         if e.running_seq() >= seq:
             if is_stale:
-                notes.append(f"rank {r} started it but has sent no heartbeat for {age_s:.1f} s: "
-                             f"possibly dead or stopped")
+                notes.append(f"{who} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped")
             continue
-        is_missing, note = _not_started(op, seq, r, e, entries, rank)
+        is_missing, note = _not_started(op, seq, r, e, entries, rank, members)
         if is_missing:
             missing.append(r)
         if is_stale:
@@ -387,12 +400,13 @@ def explain_timeout(op: str, seq: int, comm: str, rank: int, elapsed: float,
         notes.append(note)
     if not notes:
         notes.append("every rank started it; the backend did not complete it")
-    message = f"{op} #{seq} on {comm!r} timed out after {elapsed:.1f} s on rank {rank}: " + "; ".join(notes)
+    message = (f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: "
+               + "; ".join(notes))
     return TimeoutExplanation(message, missing, stale)
 
 
 def _not_started(op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, BoardEntry | None],
-                 me: int) -> tuple[bool, str]:
+                 me: int, members: Members) -> tuple[bool, str]:
     """Whether rank `r` (entry `e`), which has not started collective `seq` running, is one
     of the missing (`explain_timeout`), and what it is doing instead. `me` is the rank that
     timed out in `seq`: it has left every earlier collective, whatever its entry says yet."""
@@ -401,19 +415,21 @@ def _not_started(op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, Bo
     if e.step is not None or e.phase is not None:
         last += f", at step {e.step}, phase {e.phase}"
     issued = e.stream_ordered and e.started_seq >= seq
-    head = f"rank {r} issued {op} #{seq}, but its GPU never started it" if issued else f"rank {r} never started it"
+    who = members.name(r)
+    head = f"{who} issued {op} #{seq}, but its GPU never started it" if issued else f"{who} never started it"
     if not e.inside():
         if issued:
             return True, f"{head}: its GPU is still busy with work queued before it ({last})"
         return True, f"{head} ({last})"
     k, k_op = e.running_seq(), e.running_op()
     if not issued:
-        head = f"rank {r} has not started it"
+        head = f"{who} has not started it"
     others = {q: other for q, other in sorted(entries.items()) if q not in (r, me)}
     not_there = [q for q, other in others.items() if other is None or other.running_seq() < k]
     if not_there:
-        return False, f"{head}: it is still in {k_op} #{k}, waiting for rank(s) {not_there}, which have not started that ({last})"
+        return False, (f"{head}: it is still in {k_op} #{k}, waiting for {members.names(not_there)}, which have not "
+                       f"started that ({last})")
     with_it = [q for q, other in others.items() if other is not None and other.finished_seq < k]
     if with_it:
-        return False, f"{head}: it is still in {k_op} #{k}, with rank(s) {with_it} ({last})"
+        return False, f"{head}: it is still in {k_op} #{k}, with {members.names(with_it)} ({last})"
     return True, f"{head}: it is still in {k_op} #{k}, which every other rank has left ({last})"

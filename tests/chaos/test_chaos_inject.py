@@ -1,15 +1,19 @@
 """The in-rank injector on two real gloo ranks, without a trainer: corrupt and delay through commlib's hooks."""
 
+import signal
 import threading
 import time
 
+import pytest
 import torch
 
 import commlib
 import commlib.testing
-from chaos.inject import SIGNAL_GRACE_S, Injector
+from chaos.fault import Fault, FaultType, Trigger, TriggerKind
+from chaos.inject import SIGNAL_GRACE_S, Injector, _act
 from chaos.plan import Ledger, Plan, parse_shorthand
 from commlib.observe.log import read_events
+from commlib.ops import Collective, OpName
 
 
 def _ranks(comm, state_dir):
@@ -69,3 +73,39 @@ def test_step_start_waits_for_the_harness_to_fire_an_external_fault(tmp_path):
         assert time.monotonic() - start < 0.1
     finally:
         injector.close()
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _cpu_until_alarm(seconds, act):
+    """Run `act()` until SIGALRM interrupts it after `seconds`; the CPU seconds this process
+    used meanwhile. An `act` that returns or raises on its own fails the test."""
+    def ring(signum, frame):
+        raise _Alarm
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    start = time.process_time()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        act()
+    except _Alarm:
+        return time.process_time() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    raise AssertionError(f"{act} returned before the alarm")
+
+
+@pytest.mark.parametrize("fault", [
+    Fault(FaultType.DELAY, 1, Trigger(TriggerKind.STEP, 3.0), duration_s=1e308),
+    Fault(FaultType.DELAY, 1, Trigger(TriggerKind.STEP, 3.0)),  # held past a deadline of 1e308 s
+    Fault(FaultType.STRAGGLER, 1, Trigger(TriggerKind.STEP, 3.0), ms=1e308),
+    Fault(FaultType.GIL, 1, Trigger(TriggerKind.STEP, 3.0), duration_s=1e308),
+])
+def test_a_hold_too_long_for_the_clock_still_holds_and_sleeps(fault):
+    """The plan refuses such values; should one reach a rank anyway, the injector holds the
+    collective (asleep: no CPU) instead of raising out of it, which would be another fault."""
+    call = Collective(OpName.ALL_REDUCE, "world", 1, 2, False, 1e308)
+    assert _cpu_until_alarm(0.5, lambda: _act(fault, call, 1, 3)) < 0.02

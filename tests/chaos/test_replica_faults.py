@@ -146,6 +146,7 @@ def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, l
     (["--fault", "partition:rank=1,step=3,duration_s=4", "--", "--steps", "9", "--timeout", "5"],
      "faults[0].duration_s: expected a partition either survived"),
     (["--job-timeout", "nan"], "expected --job-timeout to be a finite number"),
+    (["--", "--steps", "x"], "argument --steps: expected --steps to be an integer"),
 ])
 def test_python_m_chaos_replicas_refuses_a_bad_plan_or_job_before_anything_starts(tmp_path, capsys, argv, expected):
     from chaos.__main__ import main

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chaos.report import LABEL_GAP, FaultResult, fault_labels
+from chaos.report import LABEL_GAP, FaultResult, Report, fault_labels
 
 
 def _fault(kind: str, rank: int, at: float) -> FaultResult:
@@ -20,3 +20,10 @@ def test_faults_closer_than_the_gap_share_one_label_and_others_keep_their_own() 
         (10.0 + 2 * close + 0.01, "raise r0"),  # within the gap of the second, not of the label's start
         (50.0, "kill r1"),
     ]
+
+
+def test_the_summary_lists_the_files_the_report_wrote(tmp_path) -> None:
+    report = Report(passed=True, checks={"job_completed": True}, bitwise_verified=True, run_dir=str(tmp_path))
+    report.write(tmp_path, png=False)
+    last = report.summary().splitlines()[-1]
+    assert last == f"  report: {tmp_path / 'report.json'}", last

@@ -71,7 +71,7 @@ def test_slurm_faults_are_refused_where_they_cannot_run(capsys):
     assert cli(["sbatch", "--fault", "node_loss:step=2", "--nnodes", "2"]) == 2
     assert "--fault node_loss:step=2.rank: missing" in capsys.readouterr().err
     assert cli(["sbatch", "--fault", "preempt:step=2,partition=7", "--nnodes", "2"]) == 2
-    assert ".partition: expected a Slurm partition's name; found 7" in capsys.readouterr().err
+    assert ".partition: expected partition to be a non-empty line" in capsys.readouterr().err
 
 
 def test_a_crashed_owners_cluster_is_swept_and_down_leaves_nothing(tmp_path):

@@ -18,6 +18,9 @@ def _reject_everything(comm: commlib.Communicator) -> dict[str, str]:
     cases = {
         "all_gather_single size": lambda: comm.all_gather_single(torch.zeros(3 * n), torch.zeros(2)),
         "reduce_scatter_single divisible": lambda: comm.reduce_scatter_single(torch.zeros(1), torch.zeros(2 * n + 1)),
+        # The right number of elements in a shape no engine takes (gloo would refuse it at launch).
+        "all_gather_single shape": lambda: comm.all_gather_single(torch.zeros(6, n), torch.zeros(6)),
+        "reduce_scatter_single shape": lambda: comm.reduce_scatter_single(torch.zeros(6), torch.zeros(n, 6)),
         "dtype mismatch": lambda: comm.all_gather_single(torch.zeros(2 * n, dtype=torch.int64), torch.zeros(2)),
         "non-contiguous": lambda: comm.all_reduce(torch.zeros(4, 4).t()),
         "device": lambda: comm.all_reduce(torch.zeros(4, device="meta")),
@@ -61,9 +64,12 @@ def test_bad_input_rejected_locally(backend: str) -> None:
         for name, message in errors.items():
             assert message != "accepted", f"rank {rank} accepted {name}"
         assert f"rank {rank}" in errors["all_gather_single size"]
-        assert "expected output of 2 x 2 = 4 elements" in errors["all_gather_single size"]
-        assert "found 6" in errors["all_gather_single size"]
-        assert "divisible by size 2" in errors["reduce_scatter_single divisible"]
+        assert "expected output of shape (4,) (2 x input (2,)" in errors["all_gather_single size"]
+        assert "found (6,)" in errors["all_gather_single size"]
+        assert "expected input of shape (2,)" in errors["reduce_scatter_single divisible"]
+        assert "expected output of shape (12,)" in errors["all_gather_single shape"]
+        assert "found (6, 2)" in errors["all_gather_single shape"]
+        assert "expected input of shape (12,)" in errors["reduce_scatter_single shape"]
         assert errors["dtype mismatch"].startswith("TypeError") and "torch.int64" in errors["dtype mismatch"]
         assert "contiguous" in errors["non-contiguous"]
         assert "meta" in errors["device"]

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import commlib
+import commlib.dist as cdist
 from commlib import compat, testing
 
 
@@ -112,7 +114,7 @@ def test_dist_unknown_name() -> None:
 
 def test_dist_reductions_map_every_torch_spelling() -> None:
     import commlib
-    from commlib.dist import to_reduction
+    from commlib.ops import to_reduction
 
     assert to_reduction(dist.ReduceOp.AVG) is commlib.ReduceOp.AVG
     assert to_reduction(dist.ReduceOp.SUM) is commlib.ReduceOp.SUM
@@ -165,3 +167,28 @@ def test_backfill_is_asked_for_where_the_backend_registers(monkeypatch: pytest.M
     monkeypatch.setenv("COMMLIB_BACKFILL", "yes")
     with pytest.raises(ValueError, match="expected COMMLIB_BACKFILL to be 1 .* or 0; found 'yes'"):
         _torch_backend.register()
+
+
+def _default_follows_the_group() -> dict[str, object]:
+    import gc
+    import weakref
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False)
+    comm = commlib.init("gloo", rank=rank, world_size=size, store=store, timeout=30.0)
+    t = torch.ones(2)
+    cdist.all_reduce(t)
+    comm.abort("in-job recovery")  # as a failed step would: the group's engine is rebuilt under it
+    commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=20)).recover(RuntimeError("a failed step"))
+    cdist.all_reduce(t)  # goes to the rebuilt communicator
+    gone = [weakref.ref(comm), weakref.ref(commlib.current())]
+    del comm
+    dist.destroy_process_group()
+    gc.collect()
+    return {"value": t.tolist(), "kept": [ref() is not None for ref in gone]}
+
+
+def test_dist_follows_the_default_group_through_recovery_and_lets_it_go_after_destroy() -> None:
+    for r in testing.run(_default_follows_the_group, 2, backend=None, timeout=60):
+        assert r["value"] == [4.0, 4.0], r
+        assert r["kept"] == [False, False], r  # nothing here holds a communicator (its sockets, its store client)

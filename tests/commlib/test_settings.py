@@ -49,3 +49,15 @@ def test_the_environment_reads_empty_as_unset():
         settings.env_choice("E", ("gloo", "nccl"), "gloo", environ=env)
     with pytest.raises(ValueError, match="expected E to be 1 or 0"):
         settings.env_flag("E", environ=env)
+
+
+def test_text_is_one_non_empty_printable_line():
+    assert settings.text("debug", "partition") == "debug"
+    assert settings.text("--comment=a b", "arg", spaces=True) == "--comment=a b"
+    for bad in ("", "a\nb", "a\tb", "a\x00b", "a b", "x" * 1025):
+        with pytest.raises(ValueError, match="expected partition to be a non-empty line of at most 1024 printable"):
+            settings.text(bad, "partition")
+    with pytest.raises(ValueError, match="found 'a\\\\nb'"):
+        settings.text("a\nb", "arg", spaces=True)
+    with pytest.raises(TypeError, match="found int 7"):
+        settings.text(7, "partition")

@@ -122,3 +122,49 @@ def test_a_wait_shorter_than_the_deadline_leaves_the_op_and_the_communicator_ali
     assert r0["value"] == r1["value"] == [3.0] * 4  # the op completed, on both ranks
     assert not r0["broken"]  # and the peer saw nothing wrong either (it returned its values)
     assert r0["pg_short"] == "WaitTimeout" and r0["pg"] == r1["pg"] == [2.0, 2.0]
+
+
+def _subgroup_member_absent(comm: commlib.Communicator) -> dict[str, object]:
+    group = dist.new_group([1, 2])  # global ranks 1 and 2: their group ranks are 0 and 1
+    if comm.rank != 1:
+        time.sleep(3.0)  # rank 2 never joins the subgroup's collective; rank 0 is not in it
+        return {}
+    sub = commlib.current(group)
+    try:
+        sub.all_reduce(torch.ones(2), timeout=1.5)
+    except commlib.CollectiveTimeout as exc:
+        return {"missing": exc.missing_ranks, "rank": exc.rank, "message": str(exc)}
+    return {"missing": None}
+
+
+def test_a_subgroups_error_names_global_ranks() -> None:
+    _, r1, _ = testing.run(_subgroup_member_absent, 3, backend="gloo", timeout=60)
+    assert r1["missing"] == [2] and r1["rank"] == 1, r1
+    assert "timed out after 1.5 s on rank 1 (rank 0 of 'group1')" in r1["message"], r1
+    assert "rank 2 (rank 1 of 'group1') never started it" in r1["message"], r1
+
+
+def test_a_rank_frozen_inside_a_collective_is_named_under_a_short_deadline() -> None:
+    # Rank 1 started #5 and stopped (SIGSTOP) at once: at rank 0's 2 s deadline its heartbeat is
+    # 2 s old, under the 3 s an idle board may take, but past half the deadline.
+    from commlib.members import Members
+    from commlib.observe.board import BoardEntry, explain_timeout
+
+    now = 100 * 10**9
+    frozen = BoardEntry(started_seq=5, started_op="all_reduce", finished_seq=4, finished_op="all_reduce",
+                        heartbeat_ns=now - 2 * 10**9)
+    live = BoardEntry(started_seq=5, started_op="all_reduce", finished_seq=4, heartbeat_ns=now)
+    said = explain_timeout("all_reduce", 5, Members.of("world", 3), 0, 2.0, 2.0, {0: live, 1: frozen, 2: live}, now)
+    assert said.stale_ranks == [1] and said.missing_ranks == [], said
+    assert "rank 1 started it but has sent no heartbeat for 2.0 s: possibly dead or stopped" in said.message, said
+
+
+def test_a_send_to_a_peer_that_finished_no_collective_says_so() -> None:
+    from commlib.members import Members
+    from commlib.observe.board import BoardEntry
+    from commlib.ops import Collective, OpName
+    from commlib.verdicts import _explain_p2p_timeout
+
+    call = Collective(OpName.SEND, "world", 0, 2, False, 5.0, 1, tensor=torch.ones(1), peer=1)
+    message, named, _ = _explain_p2p_timeout(call, Members.of("world", 2), 5.0, {1: BoardEntry(heartbeat_ns=0)})
+    assert named == [1] and "rank 1 has finished no collective yet" in message and "None" not in message, message

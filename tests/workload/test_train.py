@@ -192,3 +192,32 @@ def test_results_bad_input(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text('{"format": 99}')
     with pytest.raises(ValueError, match="expected a results file of format 1"):
         read_results(tmp_path / "other.json")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "abc"], "argument --steps: expected --steps to be an integer in [0, 1e+15]; found 'abc'"),
+    (["--steps", "-1"], "argument --steps: expected --steps to be an integer in [0, 1e+15]; found '-1'"),
+    (["--ckpt-every", "1" + "0" * 400], "argument --ckpt-every: expected --ckpt-every to be an integer"),
+    (["--timeout", "-1"], "argument --timeout: expected --timeout to be a finite number of seconds"),
+    (["--timeout", "nan"], "argument --timeout: expected --timeout to be a finite number of seconds"),
+    (["--timeout", "1e308"], "argument --timeout: expected --timeout to be a finite number of seconds"),
+    (["--recovery-join-timeout", "0"], "argument --recovery-join-timeout: expected --recovery-join-timeout to be"),
+    (["--lr", "inf"], "argument --lr: expected --lr to be a finite number"),
+    (["--dim", "0"], "argument --dim: expected --dim to be an integer in [1, "),
+    (["--backend", "bogus"], "argument --backend: expected --backend to be one of ['auto', 'gloo', 'nccl', "),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--dim", "30", "--heads", "4"], "ModelConfig.dim: expected a multiple of n_heads=4, found 30"),
+    (["--backend", "nccl"], "expected --device cuda with --backend nccl"),
+])
+def test_bad_arguments_are_refused_naming_them(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                               words: str) -> None:
+    """The same refusal from the trainer's own command line (exit 2) and, before anything is
+    launched, from the harness's check of the arguments it would launch the trainer with."""
+    from chaos.workload import train
+
+    with pytest.raises(SystemExit) as exited:
+        train.parse_args(argv)
+    assert exited.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(ValueError) as refused:
+        train.check_args(argv)
+    assert words in str(refused.value)

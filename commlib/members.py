@@ -1,0 +1,51 @@
+"""Who the ranks of a communicator are: its members' global ranks, and how a rank is named.
+
+A communicator numbers its members 0..size-1 (its own ranks: the store keys, the progress
+board, the engine all use those), while an operator knows a process by its global rank (what
+torchrun, the logs and the doctor call it). A subgroup's error that said "rank 1" would send
+the operator to the wrong process, so every error, log field and message names global ranks
+(`global_of`), with the communicator's own rank beside it where the two differ (`name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Members:
+    comm: str
+    global_ranks: tuple[int, ...]  # indexed by the communicator's own rank
+
+    @classmethod
+    def of(cls, comm: str, size: int, global_ranks: Sequence[int] | None = None) -> "Members":
+        """`global_ranks` None: the communicator's ranks are the global ones (a world)."""
+        ranks = tuple(range(size)) if global_ranks is None else tuple(global_ranks)
+        if len(ranks) != size:
+            raise ValueError(f"communicator {comm!r}: expected the global ranks of its {size} members; found "
+                             f"{list(ranks)}")
+        return cls(comm, ranks)
+
+    @property
+    def is_world(self) -> bool:
+        return self.global_ranks == tuple(range(len(self.global_ranks)))
+
+    def global_of(self, ranks: Iterable[int]) -> list[int]:
+        return [self.global_ranks[r] for r in ranks]
+
+    def own_of(self, global_ranks: Iterable[int]) -> list[int]:
+        """The communicator's own ranks of members given by global rank."""
+        return [self.global_ranks.index(g) for g in global_ranks]
+
+    def name(self, rank: int) -> str:
+        """'rank 3', or 'rank 3 (rank 1 of 'group1')' where the communicator's rank differs."""
+        g = self.global_ranks[rank]
+        return f"rank {g}" if g == rank else f"rank {g} (rank {rank} of {self.comm!r})"
+
+    def names(self, ranks: Sequence[int], word: str = "rank(s)") -> str:
+        """'rank(s) [3, 5]', with the communicator's own ranks beside them where they differ."""
+        mine = list(ranks)
+        globals_ = self.global_of(mine)
+        said = f"{word} {globals_}"
+        return said if globals_ == mine else f"{said} ({word} {mine} of {self.comm!r})"
