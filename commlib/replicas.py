@@ -22,9 +22,11 @@ quorum id, this rank, the members as global ranks and replica groups, the commun
 ``replicas.q{id}``, which every collective of that quorum carries as its ``comm``), and
 ``replicas.failure`` when a collective fails, naming the failed peers' replica groups.
 
-A member's replica group is read from torchft's reconfigure handles: the Manager puts each
-rank's global rank there, ``replica index x ranks per group + group rank`` when its replica
-id ends in the index (``replica_id="replica3"``); without one, members are unnamed.
+A member's global rank is read from torchft's reconfigure handles: the Manager puts each
+rank's there, ``replica index x ranks per group + group rank`` when its replica id ends in the
+index (``replica_id="replica3"``). The quorum's communicator is given them, so its errors and
+logs name ranks of the whole job (the communicator's own beside them), and a failed rank's
+replica group is its global rank // ranks per group; without them, members are unnamed.
 
 torchft is imported when a group is made, never when this module is: without it,
 `replica_group` raises `TorchftMissing` saying how to install it.
@@ -72,18 +74,17 @@ class Quorum:
         return tuple(g // self.group_size for g in self.global_ranks)
 
     def replicas_of(self, ranks: list[int] | None) -> list[int] | None:
-        """The replica groups of communicator `ranks` (None where either is unknown)."""
-        members = self.replicas
-        if ranks is None or members is None:
+        """The replica groups of global `ranks`, as commlib's errors name them (None where unknown)."""
+        if ranks is None or self.global_ranks is None:
             return None
-        return [members[r] for r in ranks if 0 <= r < len(members)]
+        return sorted({g // self.group_size for g in ranks})
 
     def fields(self) -> dict[str, Any]:
         return {**asdict(self), "replicas": self.replicas, "comm_name": self.comm_name}
 
 
 def failed_ranks(error: CommError) -> list[int] | None:
-    """The communicator ranks a typed error blames: the failed peers, or those that never arrived."""
+    """The global ranks a typed error blames: the failed peers, or those that never arrived."""
     if isinstance(error, PeerFailure):
         return error.failed_ranks
     if isinstance(error, CollectiveTimeout):
@@ -121,7 +122,7 @@ def _group_class() -> type:
                             tuple(global_ranks) if global_ranks else None, getattr(self, "_group_world_size", None) or 1)
             _log.get_logger().info("replicas.quorum", **quorum.fields())
             group = group_over_store(store, rank, world_size, self._timeout.total_seconds(), quorum.comm_name,
-                                     self._options)
+                                     self._options, quorum.global_ranks)
             group.communicator().hooks.register_failure_hook(functools.partial(self._failed, quorum))
             self.quorum, self._error = quorum, None
             return group
