@@ -71,6 +71,7 @@ class Record:
     heals: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)  # in-rank firings (chaos.fault in a rank's log)
+    holds: list[dict[str, Any]] = field(default_factory=list)  # a group holding before the last step
 
     def membership(self) -> dict[int, list[int]]:
         """step -> its members, as the groups that committed it recorded them (the first record wins;
@@ -114,9 +115,11 @@ class ReplicaProof:
         lines = [f"replica run {self.run_dir}: {'PASSED' if self.passed else 'FAILED'}"]
         lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.found}" for c in self.checks]
         for f in self.faults:
+            held = f", then held {_s(f['held_for_it_s'])} for it at the last step" if f.get("held_for_it_s") else ""
             lines.append(f"  fault {f['fault']} on replica {f['replica']} (rank {f['target_rank']}) at step "
                          f"{f.get('fault_step')}: survivors' next commit after {_s(f.get('to_next_commit_s'))}, "
-                         f"time lost {_s(f.get('time_lost_s'))}, discarded steps {f.get('discarded_by_survivors')}")
+                         f"time lost {_s(f.get('time_lost_s'))}{held}, discarded steps "
+                         f"{f.get('discarded_by_survivors')}")
         return "\n".join(lines + ["", self.doctor_text] if self.doctor_text else lines)
 
     def write(self, png: bool = True) -> None:
@@ -162,6 +165,8 @@ def _take(record: Record, replica: int, rank: int, e: dict[str, Any]) -> None:
         record.heals.append({**where, "to_step": e.get("to_step"), "digest": e.get("digest")})
     elif name == "replica.start":
         record.starts.append(where)
+    elif name == "replica.holding":
+        record.holds.append(where)
     elif name == "chaos.fault":
         record.faults.append({**e, "replica": replica})
 
@@ -330,8 +335,9 @@ def every_commit_applied(record: Record) -> Check:
 # -- what each fault cost ------------------------------------------------------------------
 def fault_costs(run_dir: Path, record: Record, survivors: list[int]) -> list[dict[str, Any]]:
     """Per fault firing (the harness's and the ranks' own): when a survivor's step first failed after it
-    and with what error, the survivors' next commit, the time it cost them beyond a normal step, and
-    when the target group committed again."""
+    and with what error, the survivors' next commit, the time it cost them beyond a normal step (less
+    any time they held before the last step for the lost group, said apart), and when the target
+    group committed again."""
     fired = [e for e in journal(run_dir) if e.get("event") == "chaos.fault"] + record.faults
     periods = _step_periods(record, survivors)
     normal = statistics.median(periods) if periods else 0.0
@@ -349,16 +355,33 @@ def fault_costs(run_dir: Path, record: Record, survivors: list[int]) -> list[dic
         discarded = len({(d["replica"], d["step"]) for d in record.discarded
                          if d["replica"] in survivors and at < d["ts_ns"] <= (min(after) if after else at)})
         gap = (min(after) - max(before)) / 1e9 if after and before else None
+        # Survivors holding before the last step for the lost group (--finish-together-s) chose to wait:
+        # that is said apart from what the fault cost them.
+        held_s = _held(record, survivors, max(before), min(after)) if after and before else 0.0
         out.append({"fault": e.get("fault"), "replica": replica, "target_rank": target, "fault_step": e.get("fault_step"),
                     "at_s": (at - t0) / 1e9,
                     "detected_after_s": (noticed[0][0] - at) / 1e9 if noticed else None,
                     "detected_as": noticed[0][1] if noticed else None,
                     "to_next_commit_s": (min(after) - at) / 1e9 if after else None,
-                    "time_lost_s": max(0.0, gap - normal) if gap is not None else None,
+                    "time_lost_s": max(0.0, gap - normal - held_s) if gap is not None else None,
+                    "held_for_it_s": held_s,
                     "discarded_by_survivors": discarded,
                     "replica_back_after_s": (back[0].ts_ns - at) / 1e9 if back else None,
                     "replica_back_at_step": back[0].step if back else None})
     return out
+
+
+def _held(record: Record, survivors: list[int], start: int, end: int) -> float:
+    """Seconds of [start, end] a survivor spent holding before the last step (from its `replica.holding`
+    to its next commit)."""
+    held = 0.0
+    for h in record.holds:
+        if h["replica"] not in survivors:
+            continue
+        resumed = min((c.ts_ns for c in record.commits if c.replica == h["replica"] and c.ts_ns > h["ts_ns"]),
+                      default=end)
+        held = max(held, (min(end, resumed) - max(start, h["ts_ns"])) / 1e9)
+    return held
 
 
 def _step_periods(record: Record, survivors: list[int]) -> list[float]:

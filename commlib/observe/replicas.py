@@ -13,7 +13,9 @@ and the ends of the collectives on the quorums' communicators (``replicas.q{id}`
   how long the survivors took to notice (how long the first to notice was in the collective
   that failed),
   the time the survivors lost (the gap between their last collective with it and their first
-  in a later quorum, less their usual interval between collectives), and when it was back
+  in a later quorum, less their usual interval between collectives; a trainer that waits for
+  the lost group on purpose, as the reference trainer's ``--finish-together-s`` does at its last
+  step, has that wait counted in it), and when it was back
   in a quorum (healed by torchft from a peer);
 - the groups that never came back.
 
