@@ -9,8 +9,9 @@ With `COMMLIB_BACKFILL=1` it also adds to torch.distributed the newer names this
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from commlib.settings import env_flag
 
 BACKFILL_ENV = "COMMLIB_BACKFILL"
 
@@ -20,7 +21,7 @@ def register() -> None:
 
     if not dist.is_available():
         return
-    if _backfill_asked():
+    if backfill_asked():
         from commlib.compat import backfill
 
         backfill()
@@ -29,12 +30,9 @@ def register() -> None:
     dist.Backend.register_backend("commlib", _create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _backfill_asked() -> bool:
-    value = os.environ.get(BACKFILL_ENV, "0")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"commlib: expected {BACKFILL_ENV} to be 1 (add newer torch.distributed names) or 0; "
-                         f"found {value!r}")
-    return value == "1"
+def backfill_asked() -> bool:
+    """Whether `COMMLIB_BACKFILL` asks for the newer torch.distributed names (`commlib.settings.flag`)."""
+    return env_flag(BACKFILL_ENV)
 
 
 def _create(opts: Any, engine_options: Any) -> Any:

@@ -1,6 +1,7 @@
 """`commlib doctor`: read every rank's log in a directory and say who is stuck where.
 
     python -m commlib.doctor LOGDIR [--json] [--trace out.json] [--job ID]   (or: commlib-doctor ...)
+    python -m commlib.doctor LOGDIR --verdict [--json]   (the verdict alone, read from the end)
 
 Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`), optionally
 writes a Chrome/Perfetto trace (in the same pass over the logs), and exits 0 when no attempt
@@ -8,7 +9,10 @@ of the run had a problem, 1 when the final attempt has one, 3 when earlier attem
 but the final one is clean (a recovered run), and 2 when there is nothing it can judge: the
 directory is missing or holds no readable event, it holds several jobs' logs and --job does
 not pick one, or the trace cannot be written where --trace says (checked before any log is
-read). The analysis itself lives in `commlib.observe` (`model`: the logs read once;
+read, and again before it is moved there). A trace replaces only a regular file (or makes a
+new one): a FIFO, a device or a symlink to one (/dev/null, /dev/stdout) is refused, naming
+what it is; a symlink to a regular file is written through. Rank logs, flight dumps and
+stacks files that are not regular files are named as not read, never waited on. The analysis itself lives in `commlib.observe` (`model`: the logs read once;
 `blame`: the rules; `stats`: the tables; `doctor`: the three composed; `trace`: the trace);
 this module only renders it. Neither imports torch: the logs copied from a cluster can be
 read on a machine without it.
@@ -22,11 +26,16 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
-from commlib.observe.blame import AttemptFinding
+from commlib.observe.findings import AttemptFinding
+from commlib.observe.position import RankPosition
+from commlib.observe.records import rank_ranges, ranks_text
 from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.log import RANK_FILE
 from commlib.observe.model import LogDirError, load
 from commlib.observe.replicas import group_dirs, main as replicas_main
+from commlib.observe.tail import ReadInfo, verdict
 from commlib.observe.trace import TraceFile, TracePathError
 
 WIDTH = 110
@@ -59,35 +68,50 @@ def _wrap(text: str, indent: str) -> str:
 
 def _attempt_lines(a: AttemptFinding, final: bool) -> list[str]:
     head = f"Attempt {a.attempt}{' (final)' if final else ''}: {a.status.upper()}"
-    head += f", ranks {a.ranks}" + (f" of {a.world_size}" if a.world_size else "")
-    head += f", {a.collectives} collectives" + (f", {a.p2p_ops} send/recv" if a.p2p_ops else "")
-    head += f", {(a.end_ns - a.start_ns) / 1e9:.1f} s of logs"
+    head += f", ranks {rank_ranges(a.ranks)}" + (f" of {a.world_size}" if a.world_size else "")
+    if a.collectives is not None:  # counted where the whole log was read
+        head += f", {a.collectives} collectives" + (f", {a.p2p_ops} send/recv" if a.p2p_ops else "")
+    if a.start_ns is not None:
+        head += f", {(a.end_ns - a.start_ns) / 1e9:.1f} s of logs"
     if a.culprits:
-        head += f"; culprit rank(s) {a.culprits}"
+        head += f"; culprit {ranks_text(a.culprits)}"
     lines = [head]
     for p in a.problems:
-        lines.append(_wrap(f"[{p.kind.value}] ranks {p.ranks}: {p.message}", "  "))
+        lines.append(_wrap(f"[{p.kind.value}] {ranks_text(p.ranks) if p.ranks else 'no culprit'}: {p.message}", "  "))
     if a.status != "ok" and not a.problems:
         lines.append(_wrap("The logs end without a failure or an unfinished collective, and torchrun started "
                            "another attempt: a process died between collectives (see where each log ends).", "  "))
     if a.positions:
         lines.append("  Where each rank's log ends:")
+        places: dict[str, list[RankPosition]] = {}
         for pos in a.positions:
-            lines.append(_wrap(f"rank {pos.rank} ({pos.host}, pid {pos.pid}): {pos.describe()}", "    "))
+            places.setdefault(pos.describe(), []).append(pos)
+        for text, same in places.items():
+            who = (f"rank {same[0].rank} ({same[0].host}, pid {same[0].pid})" if len(same) == 1 else
+                   f"{ranks_text(p.rank for p in same)} ({_hosts_text({p.host or '?' for p in same})})")
+            lines.append(_wrap(f"{who}: {text}", "    "))
     return lines
+
+
+def _hosts_text(hosts: set[str]) -> str:
+    """A few hosts by name; many, by count with the first and last."""
+    names = sorted(hosts)
+    return ", ".join(names) if len(names) <= 3 else f"{len(names)} hosts, {names[0]} ... {names[-1]}"
 
 
 def render(d: Diagnosis) -> str:
     """The human-readable report."""
     n_ranks = len({r for a in d.attempts for r in a.ranks})
     lines = [f"commlib doctor: {d.logdir}" + (f" (job {d.job})" if d.job is not None else ""),
-             f"{n_ranks} rank(s) (world size {d.world_size}) on {len(d.hosts)} host(s) {d.hosts}; "
+             f"{n_ranks} rank(s) (world size {d.world_size}) on {_hosts_text(set(d.hosts)) or 'no named host'}; "
              f"{len(d.attempts)} attempt(s)"]
     for f in d.unreadable:
-        lines.append(_wrap(f"Not read: {f['path']}: {f['why']}. What follows says nothing of that rank's "
-                           f"log there.", ""))
+        what = " What follows says nothing of that rank's log there." if RANK_FILE.match(Path(f["path"]).name) else ""
+        lines.append(_wrap(f"Not read: {f['path']}: {f['why']}.{what}", ""))
     for path, n in d.skipped_lines.items():
         lines.append(_wrap(f"Skipped {n} line(s) of {path} that are not JSON events.", ""))
+    if d.read is not None:
+        lines.append(_wrap(_read_text(d.read), ""))
     lines.append("")
     for i, a in enumerate(d.attempts):
         lines += _attempt_lines(a, final=i == len(d.attempts) - 1)
@@ -133,8 +157,17 @@ def render(d: Diagnosis) -> str:
     else:
         final = d.final
         lines.append(f"PROBLEM: final attempt {final.attempt if final else '?'} {final.status if final else 'missing'}"
-                     + (f"; culprit rank(s) {final.culprits}" if final and final.culprits else "") + ".")
+                     + (f"; culprit {ranks_text(final.culprits)}" if final and final.culprits else "") + ".")
     return "\n".join(lines)
+
+
+def _read_text(read: ReadInfo) -> str:
+    """How a verdict read the logs."""
+    if read.full_read_because is not None:
+        return f"Verdict: read in full ({read.bytes_total / 1e6:.1f} MB): {read.full_read_because}."
+    whole = f"; ranks read whole: {rank_ranges(read.ranks_whole)}" if read.ranks_whole else ""
+    return (f"Verdict read from the end of each rank's log: {read.bytes_read / 1e6:.1f} MB of "
+            f"{read.bytes_total / 1e6:.1f} MB{whole}. No statistics (run without --verdict for them).")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,23 +176,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--trace", metavar="OUT.json", help="also write a Chrome/Perfetto trace there")
     parser.add_argument("--job", metavar="ID", help="read only this job's logs (a directory holding several jobs')")
+    parser.add_argument("--verdict", action="store_true",
+                        help="only the verdict (who is stuck where, who is dead, who waits for whom), read from the "
+                             "end of each rank's logs: seconds at any size; no statistics")
     args = parser.parse_args(argv)
+    if args.verdict and args.trace is not None:
+        print("commlib-doctor: --trace draws every call: it needs the whole logs, not --verdict's end of them",
+              file=sys.stderr)
+        return 2
     if group_dirs(args.logdir):  # one log dir per replica group (commlib.replicas): the replicas rule
         return replicas_main([args.logdir, *(["--json"] if args.json else [])])
     try:
-        trace = TraceFile(args.trace) if args.trace else None
+        trace = TraceFile(args.trace) if args.trace is not None else None
     except TracePathError as exc:
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2
     try:
-        run = load(args.logdir, job=args.job, observers=[trace.writer] if trace else [])
-        diagnosis = analyze(run)
-        if trace is not None:
-            trace.commit(run)
+        if args.verdict:
+            diagnosis = verdict(args.logdir, job=args.job)
+        else:
+            run = load(args.logdir, job=args.job, observers=[trace.writer] if trace else [])
+            diagnosis = analyze(run)
+            if trace is not None:
+                trace.commit(run)
     except BaseException as exc:
         if trace is not None:
             trace.discard()  # no trace, and no part of one
-        if not isinstance(exc, LogDirError):
+        if not isinstance(exc, (LogDirError, TracePathError)):
             raise
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2

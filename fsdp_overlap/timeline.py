@@ -48,7 +48,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.model import Call, LogDirError, RunLogs, build, dump_calls, flight_dumps, load
+from commlib.observe.dumps import dump_calls, flight_dumps
+from commlib.observe.model import Call, LogDirError, RunLogs, build, load
 
 ALL_GATHER_OPS = frozenset({"all_gather", "all_gather_single"})
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter", "reduce_scatter_single"})

@@ -1,14 +1,24 @@
 """The doctor at cluster scale, and what a log costs: the figures of docs/measurements.md, "The doctor and the logs".
 
-    .venv/bin/python scripts/bench_doctor.py scale [--ranks 1000] [--lines 1000000 10000000] [--old-lines 1000000]
+    .venv/bin/python scripts/bench_doctor.py scale [--ranks 1000] [--lines 1000000 10000000] [--verdict-only]
+    .venv/bin/python scripts/bench_doctor.py hangs [--ranks 1000] [--lines 1000000] [--at 0.01 0.5 0.99]
+    .venv/bin/python scripts/bench_doctor.py tails DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py bytes --ref 00cc0ef [--collectives 2000]
 
 `scale`: logs of a 1,000-rank job are generated (`generate`, below) at each line count, then
-`python -m commlib.doctor DIR --json` runs on them in a fresh process: its wall time and
-peak resident memory (the process's own `ru_maxrss`) are reported, with the verdict it
-printed. With `--old-lines`, the doctor of `--ref` (a git revision, extracted to a temporary
-directory) runs on logs of that size too, in the same run.
+`python -m commlib.doctor DIR --verdict --json` (read from the end) and the full report
+`python -m commlib.doctor DIR --json` each run on them in a fresh process: wall time, CPU time
+and peak resident memory (the process's own `ru_maxrss`) are reported, with the verdict
+printed and whether the two verdicts are the same (`_verdict_fields`). With `--old-lines`, the
+doctor of `--ref` (a git revision, extracted to a temporary directory) runs on logs of that
+size too, in the same run.
+
+`hangs`: the same, on generated logs where the culprit stops at 1 %, 50 % and 99 % of the steps
+and the others poll the all_reduce it never starts until the end (`generate`'s `hang_at`), and
+on the deadline that expires at the end. `tails`: `--verdict` against the full report on each
+directory given (the tests' logs: `pytest --basetemp DIR`, then every directory holding a rank
+log). Each exits 1 if any verdict differs.
 
 `verdicts`: every directory given is diagnosed by the doctor of `--ref` and by this one
 (`--json`, each in its own process); the two diagnoses must be equal but for the fields this
@@ -51,11 +61,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from commlib.observe import log  # noqa: E402
+from commlib.observe.logfile import LOG_FORMAT  # noqa: E402
 
 TP = 8
 STRAGGLER, CULPRIT = 5, 637
 STEP_NS = 200_000_000  # a step of four collectives, each in its own 50 ms
 LATE_NS = 30_000_000  # the straggler's lag
+POLL_NS = 25_000_000  # a hung rank's short waits (`generate`, hang_at)
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,11 +107,18 @@ def _line(event: dict[str, Any]) -> str:
     return json.dumps(event, separators=(",", ":")) + "\n"
 
 
-def generate(directory: Path, ranks: int, lines: int, seed: int = 0) -> dict[str, Any]:
-    """Logs of a `ranks`-rank job, about `lines` lines in all (module docstring); returns what was written."""
+def generate(directory: Path, ranks: int, lines: int, seed: int = 0, hang_at: float | None = None) -> dict[str, Any]:
+    """Logs of a `ranks`-rank job, about `lines` lines in all (module docstring); returns what was written.
+
+    `hang_at`: instead, the culprit stops at that fraction of the steps (0.01: near the start)
+    and the others, in the world all_reduce it never starts, poll it with short waits until the
+    end (a `collective.wait_timeout` line every 25 ms, as many lines as the steps left would have
+    written): no deadline expires, and the hang lies that far back in every rank's log."""
     directory.mkdir(parents=True, exist_ok=True)
     templates = _templates()
     steps = max(1, (lines // ranks - 4) // 8)
+    culprit = CULPRIT if ranks > CULPRIT else ranks - 1
+    hang_step = steps - 1 if hang_at is None else min(steps - 1, int(hang_at * steps))
     t0 = 1_800_000_000_000_000_000
     plan = [("all_reduce", "world", 4096), ("all_gather_single", "tp", 2048), ("reduce_scatter_single", "tp", 16384),
             ("broadcast", "world", 512)]
@@ -107,7 +126,7 @@ def generate(directory: Path, ranks: int, lines: int, seed: int = 0) -> dict[str
     for rank in range(ranks):
         rng = random.Random(seed * 100_003 + rank)
         pid, host = 100_000 + rank, f"node{rank // TP:04d}"
-        out = [_line({"event": "log.open", "format": log.LOG_FORMAT, "rank": rank, "size": ranks, "host": host,
+        out = [_line({"event": "log.open", "format": LOG_FORMAT, "rank": rank, "size": ranks, "host": host,
                       "pid": pid, "attempt": 0, "job": "bench-job", "ts_ns": t0 - 10_000_000, "mono_ns": 1_000})]
         names = {"world": "world", "tp": f"tp{rank // TP}"}
         for comm, comm_rank, comm_size in (("world", rank, ranks), ("tp", rank % TP, TP)):
@@ -123,16 +142,24 @@ def generate(directory: Path, ranks: int, lines: int, seed: int = 0) -> dict[str
                 start = t0 + step * STEP_NS + k * (STEP_NS // 4) + rng.randrange(0, 20_000)
                 if rank == STRAGGLER:
                     start += LATE_NS
-                elif step == steps - 1 and k == 0 and rank == CULPRIT:
+                elif step == hang_step and k == 0 and rank == culprit:
                     break
                 duration = (LATE_NS if rank != STRAGGLER else 0) + rng.randrange(100_000, 400_000)
-                if step == steps - 1 and k == 0:  # the last world all_reduce: rank 637 never comes
+                if step == hang_step and k == 0:  # the world all_reduce the culprit never comes to
                     fields = dict(ts=start, mono=start - t0 + mono_base, seq=seqs[comm], step=step, phase="forward",
                                   comm_rank=rank, comm_size=ranks, rank=rank, pid=pid, bytes=nbytes, op=op,
                                   comm=names[comm], shapes=json.dumps([[nbytes // 4]]), duration=0.0)
                     out.append(templates["start"].format(**fields))
+                    if hang_at is not None:
+                        out += [_line({"op": op, "seq": seqs[comm], "peer": None, "waited_s": 0.025,
+                                       "elapsed_s": (i + 1) * 0.025, "deadline_s": 300.0,
+                                       "event": "collective.wait_timeout", "step": step, "phase": "forward",
+                                       "ts_ns": start + (i + 1) * POLL_NS, "mono_ns": start - t0 + mono_base + (i + 1) * POLL_NS,
+                                       "comm": comm, "backend": "gloo", "comm_rank": rank, "comm_size": ranks,
+                                       "rank": rank, "pid": pid, "attempt": 0}) for i in range((steps - step) * 8)]
+                        break
                     out.append(_line({"op": op, "seq": seqs[comm], "error": "all_reduce timed out",
-                                      "error_type": "CollectiveTimeout", "deadline": 1.5, "missing_ranks": [CULPRIT],
+                                      "error_type": "CollectiveTimeout", "deadline": 1.5, "missing_ranks": [culprit],
                                       "duration_s": 1.5, "status": "timed_out", "event": "collective.timeout",
                                       "level": "error", "step": step, "phase": "forward",
                                       "ts_ns": start + 1_500_000_000, "mono_ns": start - t0 + mono_base + 1_500_000_000,
@@ -198,6 +225,43 @@ def _verdict(stdout: str) -> str:
     return "; ".join(parts)
 
 
+def _verdict_fields(diagnosis: dict[str, Any]) -> dict[str, Any]:
+    """What a diagnosis (`--json`) concludes that `--verdict` concludes too (`tail.verdict_fields`):
+    no statistics, no straggler, no counts of collectives, not when the logs begin."""
+    attempts = []
+    for a in diagnosis["attempts"]:
+        problems = [p for p in a["problems"] if p["kind"] != "straggler"]
+        attempts.append({**{k: v for k, v in a.items() if k not in ("collectives", "p2p_ops", "start_ns")},
+                         "problems": problems, "culprits": next((sorted(p["ranks"]) for p in problems if p["ranks"]), [])})
+    return {"exit_code": diagnosis["exit_code"], "attempts": attempts}
+
+
+def _tail_and_full(logdir: Path, full: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, list[str]]:
+    """`--verdict` and (with `full`) the full report on `logdir`, each in a process of its own, and
+    where their verdicts differ."""
+    tail = _doctor(REPO, logdir, "--verdict")
+    if not tail["stdout"]:  # refused: the full read must refuse alike
+        tail["read"] = f"refused: {tail['stderr'].strip()[:100]}"
+        whole = _doctor(REPO, logdir)
+        return tail, whole, [] if (whole["exit"], whole["stderr"]) == (tail["exit"], tail["stderr"]) else ["refusal"]
+    read = json.loads(tail["stdout"])["read"]
+    tail["read"] = (f"read {_mb(read['bytes_read'])} of {_mb(read['bytes_total'])}"
+                    + (f", in full: {read['full_read_because']}" if read["full_read_because"] else ""))
+    if not full:
+        return tail, None, []
+    whole = _doctor(REPO, logdir)
+    found = _differences(_verdict_fields(json.loads(whole["stdout"])), _verdict_fields(json.loads(tail["stdout"])))
+    return tail, whole, found
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _say(what: str, m: dict[str, Any]) -> str:
+    return f"{what}: {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU, peak {m['peak_mb']:.0f} MB"
+
+
 def scale(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_doctor_"))
     try:
@@ -208,13 +272,16 @@ def scale(args: argparse.Namespace) -> None:
             made = generate(logdir, args.ranks, lines)
             print(f"generated {made['lines']:,} lines, {made['bytes'] / 1e6:.0f} MB, {args.ranks} ranks, "
                   f"{made['steps']} steps in {time.perf_counter() - t:.1f} s", flush=True)
-            m = _doctor(REPO, logdir)
-            print(f"  doctor: {m['wall_s']:.2f} s wall, {m['cpu_s']:.2f} s CPU, peak {m['peak_mb']:.0f} MB; "
-                  f"{_verdict(m['stdout'])}", flush=True)
-            if old_tree is not None and lines == args.old_lines:
+            tail, m, found = _tail_and_full(logdir, full=not args.verdict_only)
+            print(f"  {_say('--verdict', tail)} ({tail['read']}); {_verdict(tail['stdout'])}", flush=True)
+            if m is not None:
+                print(f"  {_say('full report', m)}; {_verdict(m['stdout'])}", flush=True)
+                print(f"  the same verdict from the end as from the full read: {not found}")
+                for line in found[:10]:
+                    print(f"    {line}")
+            if old_tree is not None and m is not None and lines == args.old_lines:
                 o = _doctor(old_tree, logdir)
-                print(f"  doctor of {args.ref}: {o['wall_s']:.2f} s wall, {o['cpu_s']:.2f} s CPU, peak "
-                      f"{o['peak_mb']:.0f} MB; {_verdict(o['stdout'])}", flush=True)
+                print(f"  {_say(f'doctor of {args.ref}', o)}; {_verdict(o['stdout'])}", flush=True)
                 old, new = json.loads(o["stdout"]), json.loads(m["stdout"])
                 verdict = _differences(_verdict_of(old), _verdict_of(new))
                 tables = _differences({k: old[k] for k in TABLES}, {k: new[k] for k in TABLES}, rel=SKETCH_ERROR)
@@ -225,6 +292,52 @@ def scale(args: argparse.Namespace) -> None:
             shutil.rmtree(logdir)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def hangs(args: argparse.Namespace) -> int:
+    """Hangs at the start, middle and end of a long log, and a deadline expired at its end:
+    `--verdict` against the full report on each."""
+    differing = 0
+    root = Path(tempfile.mkdtemp(prefix="bench_doctor_hangs_"))
+    try:
+        for at in (*args.at, None):
+            logdir = root / f"hang_{at}"
+            made = generate(logdir, args.ranks, args.lines, hang_at=at)
+            what = f"hang at {at:.0%} of the steps" if at is not None else "deadline expired at the end"
+            print(f"{what}: {made['lines']:,} lines, {made['bytes'] / 1e6:.0f} MB, {args.ranks} ranks", flush=True)
+            tail, m, found = _tail_and_full(logdir)
+            assert m is not None
+            print(f"  {_say('--verdict', tail)} ({tail['read']}); {_verdict(tail['stdout'])}")
+            print(f"  {_say('full report', m)}; the same verdict: {not found}", flush=True)
+            for line in found[:10]:
+                print(f"    {line}")
+            differing += bool(found)
+            shutil.rmtree(logdir)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if differing else 0
+
+
+def tails(args: argparse.Namespace) -> int:
+    """`--verdict` against the full report on each directory (the tests' logs, say)."""
+    differing = 0
+    for logdir in args.dirs:
+        tail, _, found = _tail_and_full(logdir)
+        differing += _said(logdir, found, f"{tail['read']}; {_verdict(tail['stdout'])}")
+    return _tally(len(args.dirs), differing, "from the end as from the full read")
+
+
+def _said(logdir: Path, found: list[str], summary: str) -> int:
+    """Whether `logdir`'s two verdicts differ (1) or not (0), printed with where they differ."""
+    print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({summary})")
+    for line in found[:10]:
+        print(f"    {line}")
+    return int(bool(found))
+
+
+def _tally(dirs: int, differing: int, how: str) -> int:
+    print(f"{dirs - differing} of {dirs} directories: the same verdict {how}")
+    return 1 if differing else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,12 +357,13 @@ def _verdict_of(diagnosis: dict[str, Any]) -> dict[str, Any]:
 
 
 def _differences(old: Any, new: Any, path: str = "", rel: float = 1e-9) -> list[str]:
-    """Where two diagnoses (`--json`) differ, but for the fields this doctor added and float
-    rounding (`rel`: the relative difference taken for rounding)."""
+    """Where two diagnoses (`--json`) differ, but for the fields this doctor added (`ADDED`, and
+    any key the old diagnosis lacks) and float rounding (`rel`: the relative difference taken
+    for rounding)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted((set(old) | set(new)) - (set(ADDED) if path == "" else set()))
+        keys = sorted(set(old) - (set(ADDED) if path == "" else set()))
         return [d for k in keys for d in (
-            [f"{path}.{k}: missing on one side"] if k not in old or k not in new
+            [f"{path}.{k}: missing in this one"] if k not in new
             else _differences(old[k], new[k], f"{path}.{k}", rel))]
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):
@@ -268,19 +382,17 @@ def verdicts(args: argparse.Namespace) -> int:
         for logdir in args.dirs:
             old, new = _doctor(old_tree, logdir), _doctor(REPO, logdir)
             found = [f"exit {old['exit']} vs {new['exit']}"] if old["exit"] != new["exit"] else []
-            found += _differences(json.loads(old["stdout"]), json.loads(new["stdout"])) if found == [] else []
+            if not found and old["stdout"] and new["stdout"]:
+                found += _differences(json.loads(old["stdout"]), json.loads(new["stdout"]))
+            elif not found and old["stderr"] != new["stderr"]:  # refused (exit 2): the same refusal
+                found.append(f"stderr: {old['stderr'][-300:]!r} vs {new['stderr'][-300:]!r}")
             texts = [subprocess.run([sys.executable, "-m", "commlib.doctor", str(logdir)], cwd=tree, text=True,
                                     env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True).stdout
                      for tree in (old_tree, REPO)]
             if texts[0] != texts[1]:
                 found.append("the reports' text differs")
-            differing += bool(found)
-            print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({_verdict(new['stdout'])})")
-            for line in found[:10]:
-                print(f"    {line}")
-    print(f"{len(args.dirs) - differing} of {len(args.dirs)} directories: the same verdict from {args.ref} "
-          f"and this one")
-    return 1 if differing else 0
+            differing += _said(logdir, found, _verdict(new["stdout"]))
+    return _tally(len(args.dirs), differing, f"from {args.ref} and this one")
 
 
 # ---------------------------------------------------------------------------------------
@@ -375,19 +487,31 @@ def main() -> int:
     b = sub.add_parser("bytes", help="log bytes per collective, and the cost of writing them, --ref vs this one")
     b.add_argument("--ref", default="00cc0ef")
     b.add_argument("--collectives", type=int, default=2000)
+    s.add_argument("--verdict-only", action="store_true", help="only --verdict (the full report takes minutes)")
+    h = sub.add_parser("hangs", help="--verdict against the full report on hangs at the start, middle and end")
+    h.add_argument("--ranks", type=int, default=1000)
+    h.add_argument("--lines", type=int, default=1_000_000)
+    h.add_argument("--at", type=float, nargs="+", default=[0.01, 0.5, 0.99])
+    t = sub.add_parser("tails", help="--verdict against the full report on each directory")
+    t.add_argument("dirs", type=Path, nargs="+")
     g = sub.add_parser("generate", help="only write generated logs into DIR")
     g.add_argument("dir", type=Path)
     g.add_argument("--ranks", type=int, default=1000)
     g.add_argument("--lines", type=int, default=1_000_000)
+    g.add_argument("--hang-at", type=float, default=None)
     args = parser.parse_args()
     if args.cmd == "scale":
         scale(args)
+    elif args.cmd == "hangs":
+        return hangs(args)
+    elif args.cmd == "tails":
+        return tails(args)
     elif args.cmd == "verdicts":
         return verdicts(args)
     elif args.cmd == "bytes":
         bytes_per_collective(args)
     else:
-        print(generate(args.dir, args.ranks, args.lines))
+        print(generate(args.dir, args.ranks, args.lines, hang_at=args.hang_at))
     return 0
 
 

@@ -1,9 +1,10 @@
 """The doctor's rules: per torchrun attempt, what went wrong, who is blamed for it, and why.
 
 `attempt_finding(att, dumps, final)` applies every rule to one attempt of the log model
-(`commlib.observe.model`) and returns its `AttemptFinding`: a status, the problems found
-(each a `Problem` of one `Kind`, with its culprits in `ranks` and a message saying why),
-and where each rank's log ends.
+(`commlib.observe.records`) and returns its `AttemptFinding` (`commlib.observe.findings`):
+a status, the problems found (each a `Problem` of one `Kind`, with its culprits in `ranks`
+and a message saying why), and where each rank's log ends. The mismatch rule lives in
+`commlib.observe.mismatch`.
 
 Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
 progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
@@ -22,14 +23,16 @@ failure), the rank that arrived last at most of an attempt's collectives (at lea
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from commlib.failures import Failure, classify
-from commlib.observe.model import (AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, RankPosition, p2p_name, peer_of,
-                                   position)
+from commlib.observe.findings import AttemptFinding, Kind, Problem
+from commlib.observe.mismatch import first_mismatch
+from commlib.observe.position import position
+from commlib.observe.records import (AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, p2p_name, peer_of, rank_ranges,
+                                     ranks_text)
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
@@ -44,59 +47,23 @@ STRAGGLER_MIN_LAG_S = 0.02
 STRAGGLER_MIN_COLLECTIVES = 10  # fewer: one late arrival (a rank that hung, then timed out) is no pattern
 
 
-class Kind(enum.StrEnum):
-    """What a problem is. The rules below are named after it: `_timeout`, `_hang`, `_mismatches`,
-    `_dead_ranks`, `_peer_failure`, `_error` and `_app_errors`, `_straggler`; send/recv's `_p2p_*`."""
 
-    TIMEOUT = "timeout"
-    HANG = "hang"
-    MISMATCH = "mismatch"
-    DEAD_RANK = "dead_rank"
-    PEER_FAILURE = "peer_failure"
-    ERROR = "error"
-    STRAGGLER = "straggler"  # not a failure: the attempt may still be ok
-
-
-@dataclass
-class Problem:
-    kind: Kind
-    ranks: list[int]  # culprits (global ranks)
-    comm: str | None
-    op: str | None
-    seq: int | None
-    message: str
-    reporters: list[int] = field(default_factory=list)  # ranks whose logs show it
-    ts_ns: int | None = None  # when it first showed
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class AttemptFinding:
-    attempt: int
-    status: str  # ok | failed | incomplete | recovered (in-job: every problem before every rank's last recovery)
-    ranks: list[int]
-    world_size: int | None
-    collectives: int  # distinct (communicator, seq) started
-    start_ns: int
-    end_ns: int
-    problems: list[Problem]
-    culprits: list[int]  # the culprits of the earliest problem that names any
-    positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
-    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
-
-
-def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> AttemptFinding:
+def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool, whole: bool = True) -> AttemptFinding:
     """Every rule applied to one attempt (`dumps`: the flight-recorder dumps its processes wrote;
-    `final`: it is the run's last, so an attempt that simply ends is ok rather than cut short)."""
+    `final`: it is the run's last, so an attempt that simply ends is ok rather than cut short).
+
+    `whole`: the model holds the whole attempt. Where it holds only the end of each rank's log
+    (`commlib.observe.tail`), what needs all of it is left out: the straggler rule, and the
+    counts of collectives and of the time the logs span (None)."""
     problems: list[Problem] = []
     for comm in att.comms.values():
-        mismatches = _mismatches(comm)
+        mismatches = first_mismatch(comm)
         problems += mismatches.values()
         problems += _failures(att, comm, mismatches, dumps)
     problems += _app_errors(att)  # before dead ranks: a backend failure outside commlib is evidence too
     problems += _dead_ranks(att, problems)
     problems.sort(key=lambda p: (p.ts_ns or 0, p.kind.value))
-    slow = _straggler(att)
+    slow = _straggler(att) if whole else None
     recovered_ns = _recovered_in_job_at(att)
     if all(p.kind is Kind.HANG for p in problems):
         # Nobody reported a failure: a live hang, a job killed from outside, or (an attempt
@@ -111,11 +78,12 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool) -> Atte
     culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
     return AttemptFinding(
         attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
-        collectives=att.collectives,
-        start_ns=min(rl.first_ns for rl in att.ranks.values()), end_ns=max(rl.last_ns for rl in att.ranks.values()),
+        collectives=att.collectives if whole else None,
+        start_ns=min(rl.first_ns for rl in att.ranks.values()) if whole else None,
+        end_ns=max(rl.last_ns for rl in att.ranks.values()),
         problems=problems, culprits=culprits,
         positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
-        p2p_ops=att.p2p_ops)
+        p2p_ops=att.p2p_ops if whole else None)
 
 
 def _recovered_in_job_at(att: AttemptLog) -> int | None:
@@ -153,7 +121,7 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
             culprits = reporters
         first = min((g.first for g in groups), key=lambda e: e["ts_ns"])
         what = first.get("error") or first.get("message") or ""
-        message = f"{name} logged at error level by rank(s) {reporters}: {first.get('error_type') or ''} {what}"
+        message = f"{name} logged at error level by {ranks_text(reporters)}: {first.get('error_type') or ''} {what}"
         details: dict[str, Any] = {"event": name}
         if classify(first.get("error_type"), str(what)) in (Failure.TIMEOUT, Failure.PEER):
             # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
@@ -162,7 +130,7 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
             others = sorted(set(att.ranks) - set(reporters))
             quiet = [r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])]
             culprits, details["quiet"] = quiet, quiet
-            message += (f" (a backend failure in a torch.distributed call outside commlib; rank(s) {quiet} had "
+            message += (f" (a backend failure in a torch.distributed call outside commlib; {ranks_text(quiet)} had "
                         f"stopped logging before it)" if quiet else
                         " (a backend failure in a torch.distributed call outside commlib)")
         problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
@@ -173,79 +141,6 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
 def _ops_text(calls: dict[int, Call]) -> str:
     return "/".join(sorted({c.op for c in calls.values()})) or "?"
 
-
-def _mismatches(comm: CommLog) -> dict[int, Problem]:
-    """The first seq of `comm` at which ranks disagree (later ones are its consequences)."""
-    found = [p for p in (_checked_mismatch(comm), _seen_mismatch(comm)) if p is not None]
-    first = min(found, key=lambda p: p.seq or 0) if found else None
-    return {first.seq: first} if first is not None and first.seq is not None else {}
-
-
-def _checked_mismatch(comm: CommLog) -> Problem | None:
-    """The first mismatch the consistency check raised (`collective.mismatch` events)."""
-    if not comm.mismatches:
-        return None
-    seq = min(comm.mismatches)
-    by_rank = comm.mismatches[seq]
-    ops = {r: ev.get("op") for r, ev in by_rank.items()}
-    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
-                             reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
-                             detail=by_rank[min(by_rank)].get("error"), checked=True)
-
-
-def _seen_mismatch(comm: CommLog) -> Problem | None:
-    """The first seq whose `collective.start` events disagree (the check was off).
-
-    Only calls whose start was logged count: a call made up from its failure event (a rank
-    whose pre-hook raised, or that failed before its start was written) has no shapes to compare.
-    """
-    found = comm.first_differing()
-    if found is None:
-        return None
-    seq, calls, differing = found
-    by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for r, c in sorted(calls.items()):
-        by_sig[c.signature()].append(r)
-    detail = "; ".join(f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})"
-                       for r, c in sorted(calls.items()))
-    problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
-                                reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
-                                detail=detail, checked=False)
-    problem.details["later_differing_seqs"] = differing - 1
-    return problem
-
-
-def _agreement_groups(comm: CommLog, by_rank: dict[int, dict[str, Any]]) -> list[list[int]]:
-    """Ranks that agreed with each other, from each rank's `differing_ranks` (comm ranks)."""
-    differ = {r: {comm.global_rank(d) for d in ev.get("differing_ranks") or []} for r, ev in by_rank.items()}
-    groups: list[list[int]] = []
-    for r in sorted(by_rank):
-        for g in groups:
-            s = g[0]
-            if r not in differ.get(s, set()) and s not in differ.get(r, set()):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
-    return groups
-
-
-def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dict[int, Any], *,
-                      reporters: list[int], ts: int, detail: str | None, checked: bool) -> Problem:
-    groups = sorted(groups, key=lambda g: (-len(g), g))
-    majority = groups[0] if len(groups) > 1 and len(groups[0]) > len(groups[1]) else None
-    culprits = sorted(r for g in groups if g is not majority for r in g)
-    parts = []
-    for g in groups:
-        g_ops = sorted({str(ops[r]) for r in g if r in ops})
-        parts.append(f"ranks {g} issued {'/'.join(g_ops) or '?'}")
-    how = "the consistency check caught it" if checked else "seen in the collective.start events"
-    who = f"the minority {culprits}" if majority else f"no majority: all of {culprits}"
-    message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
-    op_names = sorted({str(o) for o in ops.values()})
-    return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,
-                   {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail,
-                    "checked": checked})
 
 
 def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
@@ -288,7 +183,11 @@ def _where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, An
 
 
 def _where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
-    return "; ".join(f"rank {r}: {position(att, r, at_ns).describe()}" for r in ranks)
+    """Where `ranks` were, ranks in the same place said once: "ranks 0-5, 7: last started ..."."""
+    places: dict[str, list[int]] = defaultdict(list)
+    for r in ranks:
+        places[position(att, r, at_ns).describe()].append(r)
+    return "; ".join(f"{ranks_text(rs)}: {text}" for text, rs in places.items())
 
 
 def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
@@ -307,30 +206,33 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     missing = sorted((board_missing | set(late) | set(never)) - set(waiting))
     arrived = sorted(r for r in members if r not in missing and r not in waiting)
     deadline = events[0].get("deadline")
-    frozen = _frozen(comm.calls.get(seq, {}), t)
+    frozen = _frozen(att, comm.calls.get(seq, {}), t)
     head = (f"{op} #{seq} on {comm.label!r} timed out"
             + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
-            + f" on rank(s) {reporters}")
+            + f" on {ranks_text(reporters)}")
     if missing:
         culprits = missing
-        body = f"rank(s) {missing} had not arrived"
+        body = f"{ranks_text(missing)} had not arrived"
         if late:
             body += "; " + ", ".join(f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline"
                                      for r in late)
         if waiting:
-            body += "; " + ", ".join(f"rank {r} was still in {comm.calls[k][r].op} #{k}, waiting for rank(s) "
-                                     f"{blockers}, which had not started that" for r, (k, blockers) in waiting.items())
+            body += "; " + ", ".join(f"rank {r} was still in {comm.calls[k][r].op} #{k}, waiting for "
+                                     f"{ranks_text(blockers)}, which had not started that"
+                                     for r, (k, blockers) in waiting.items())
     elif mismatch is not None:
         culprits = mismatch.ranks
-        body = f"every rank arrived, but rank(s) {mismatch.ranks} issued a different collective (see the mismatch)"
+        body = (f"every rank arrived, but {ranks_text(mismatch.ranks)} issued a different collective "
+                "(see the mismatch)")
     else:
         culprits = sorted(set(stale) | set(frozen))
         body = "every rank arrived and the backend did not complete it"
         if frozen:
-            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+            body += f"; {ranks_text(frozen)} never left it, not even at their own deadline (stopped or dead)"
         if stale:
-            body += f"; rank(s) {stale} had stopped sending heartbeats"
-    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}. Arrived: {arrived}.",
+            body += f"; {ranks_text(stale)} had stopped sending heartbeats"
+    arrived_text = rank_ranges(arrived) or "none"
+    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}. Arrived: {arrived_text}.",
                             {"arrived": arrived, "missing": missing, "waiting": sorted(waiting),
                              "board_missing": sorted(board_missing) if board_known else None, "late": late,
                              "stale": stale, "frozen": frozen, "deadline_s": deadline})
@@ -365,16 +267,20 @@ def _timeout_problem(att: AttemptLog, comm: CommLog, op: str, seq: int, t: int, 
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": where})
 
 
-def _frozen(calls: dict[int, Call], t: int) -> list[int]:
+def _frozen(att: AttemptLog, calls: dict[int, Call], t: int) -> list[int]:
     """Ranks in the collective at `t` that logged no outcome of it by their own deadline (plus grace).
 
     Reporters count too: a rank stopped past its deadline reports its own timeout once resumed.
+    A rank whose log ends in a line cut short was killed while writing after it entered the
+    call (that line may have been its outcome): it was not silent in it, and is not counted.
     """
     out = []
     for r, c in sorted(calls.items()):
         if c.start_ns is None or c.start_ns > t or c.deadline_s is None:
             continue
         due = c.start_ns + int((c.deadline_s + FROZEN_GRACE_S) * 1e9)
+        if c.end_ns is None and r in att.ranks and att.ranks[r].cut:
+            continue
         if c.end_ns is None or c.end_ns > due:
             out.append(r)
     return out
@@ -394,15 +300,15 @@ def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[st
         others = [r for r in comm.member_ranks() if r not in reporters]
     gone = _gone_before(att, others, t)
     silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
-    head = f"rank(s) {reporters} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
+    head = f"{ranks_text(reporters)} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
     if silent:
-        message = (f"{head}: rank(s) {silent} had stopped logging before, without reporting an error "
+        message = (f"{head}: {ranks_text(silent)} had stopped logging before, without reporting an error "
                    f"(killed or crashed). {_where_text(att, silent, None)}.")
     elif gone:
-        message = (f"{head}: rank(s) {gone} had already failed and left: a consequence of their failure "
+        message = (f"{head}: {ranks_text(gone)} had already failed and left: a consequence of their failure "
                    f"(see the earlier problem).")
     elif announced := sorted({comm.global_rank(r) for e in events for r in e.get("failed_ranks") or []}):
-        message = (f"{head}: rank(s) {announced} had aborted the communicator and said so (their own "
+        message = (f"{head}: {ranks_text(announced)} had aborted the communicator and said so (their own "
                    f"failure, or an in-job recovery: see the earlier problem).")
     else:
         message = (f"{head}: every other member kept logging after it, so a peer most likely aborted "
@@ -419,7 +325,7 @@ def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Prob
     op = events[0].get("op")
     errors = sorted({f"{e.get('error_type')}: {e.get('error')}" for e in events})
     culprits = mismatch.ranks if mismatch is not None else reporters
-    message = f"{what or f'{op} #{seq}'} on {comm.label!r} failed on rank(s) {reporters}: {errors[0]}"
+    message = f"{what or f'{op} #{seq}'} on {comm.label!r} failed on {ranks_text(reporters)}: {errors[0]}"
     if mismatch is not None:
         message += f" (ranks disagree on this collective: {mismatch.message})"
     return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
@@ -444,10 +350,10 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
     culprits = missing or (mismatch.ranks if mismatch else [])
     t = min(c.start_ns or 0 for c in calls.values())
     op = _ops_text(calls)
-    message = (f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: rank(s) {stuck} are in it "
-               f"at the end of their logs (hung, or killed while in it)")
+    message = (f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: {ranks_text(stuck)} still "
+               f"in it at the end of their logs (hung, or killed while in it)")
     if missing:
-        message += (f"; rank(s) {missing} never started it. Where they were: "
+        message += (f"; {ranks_text(missing)} never started it. Where they were: "
                     f"{_where_text(att, missing, None)}")
     elif mismatch is not None:
         message += f"; every rank started it, but: {mismatch.message}"
@@ -455,8 +361,8 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
         message += "; every rank started it (the backend did not complete it)"
     seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
     if seen:
-        message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
-                    f"{sorted({d.rank for d in seen})} alive and still in it")
+        message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
+                    f"{ranks_text(d.rank for d in seen)} alive and still in it")
     return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
                    {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None),
                     "dumps": [d.path for d in seen]})
@@ -489,7 +395,7 @@ def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str
     want = _MATCHING_P2P.get(op, "?")
     deadline = events[0].get("deadline")
     head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
-            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "") + f" on rank(s) {reporters}")
+            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "") + f" on {ranks_text(reporters)}")
     late: list[int] = []
     frozen: list[int] = []
     if theirs is None or (theirs.start_ns is not None and theirs.start_ns > t and peer not in reporters):
@@ -503,11 +409,11 @@ def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str
         body = (f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
                 f"both sides issued {op} as their point-to-point op #{seq} with each other")
     else:
-        frozen = _frozen({r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
+        frozen = _frozen(att, {r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
         culprits = frozen
         body = f"rank {peer} posted the matching {want} and the backend did not complete it"
         if frozen:
-            body += f"; rank(s) {frozen} never left it, not even at their own deadline (stopped or dead)"
+            body += f"; {ranks_text(frozen)} never left it, not even at their own deadline (stopped or dead)"
     return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}.",
                             {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
                              "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
@@ -531,8 +437,8 @@ def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pr
         peer = hi if rank == lo else lo
         op = calls[rank].op
         theirs = calls.get(peer)
-        head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: rank(s) "
-                f"{stuck} in it at the end of their logs (hung, or killed while in it)")
+        head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: "
+                f"{ranks_text(stuck)} in it at the end of their logs (hung, or killed while in it)")
         if theirs is None:
             culprits = [peer]
             body = (f"rank {peer} never posted the matching {p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
@@ -548,8 +454,8 @@ def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pr
             and u.get("peer") == (hi if d.rank == lo else lo) for u in d.unfinished)]
         message = f"{head}; {body}"
         if seen:
-            message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show rank(s) "
-                        f"{sorted({d.rank for d in seen})} alive and still in it")
+            message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
+                        f"{ranks_text(d.rank for d in seen)} alive and still in it")
         t = min(c.start_ns or 0 for c in calls.values())
         problems.append(Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
                                 {"p2p": True, "pair": [lo, hi], "peer": peer, "stuck": stuck,
@@ -564,7 +470,7 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
     for p in problems:
         if p.kind is Kind.PEER_FAILURE:
             for r in p.ranks:
-                evidence[r].append(f"rank(s) {p.reporters} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
+                evidence[r].append(f"{ranks_text(p.reporters)} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
         elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
             quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
             for r in _gone_before(att, quiet, p.ts_ns):
@@ -573,7 +479,7 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
                                        f"{p.op} #{p.seq} on {p.comm!r} timed out")
         elif p.kind is Kind.ERROR and p.details.get("quiet"):
             for r in p.details["quiet"]:
-                evidence[r].append(f"it had stopped logging before rank(s) {p.reporters} hit a backend failure "
+                evidence[r].append(f"it had stopped logging before {ranks_text(p.reporters)} hit a backend failure "
                                    f"outside commlib ({p.details['event']})")
     dead = []
     for r, why in sorted(evidence.items()):

@@ -15,8 +15,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from commlib.observe.blame import AttemptFinding, attempt_finding
-from commlib.observe.model import DumpInfo, RunLogs, load
+from commlib.observe.blame import attempt_finding
+from commlib.observe.findings import AttemptFinding
+from commlib.observe.model import RunLogs, load
+from commlib.observe.records import DumpInfo
 from commlib.observe.stats import OpStat, StragglerStat, op_stats, stragglers
 
 
@@ -32,8 +34,10 @@ class Diagnosis:
     ops: list[OpStat]
     dumps: list[DumpInfo]
     job: str | None = None  # the job's id (`commlib.observe.log.job_id`); None in logs that carry none
-    unreadable: list[dict[str, str]] = field(default_factory=list)  # {"path", "why"}: rank files nothing was read from
+    # {"path", "why"}: rank files nothing was read from, and flight dumps and stacks files not read
+    unreadable: list[dict[str, str]] = field(default_factory=list)
     skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any
+    read: Any = None  # how a verdict read the logs (`commlib.observe.tail.ReadInfo`); None: all of them
 
     @property
     def final(self) -> AttemptFinding | None:
@@ -79,6 +83,7 @@ def analyze(run: RunLogs) -> Diagnosis:
     world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
     return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
                      stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps, job=run.job,
-                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable],
+                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable]
+                     + [{"path": path, "why": why} for path, why in run.skipped or ()],
                      skipped_lines={f.path: f.garbled for f in run.files if f.garbled and f.events})
 

@@ -17,7 +17,7 @@ by one dump taken when the interval is over, so the newest state is always dumpe
 storm of signals writes a few files, not one per signal.
 
 SIGUSR2 (`STACKS_SIGNAL`) makes `faulthandler` write the Python stack of every thread of
-the process to ``stacks_{pid}.txt`` in the log dir (stderr without one). That C-level
+the process to ``stacks_{host}_{pid}.txt`` in the log dir (stderr without one). That C-level
 handler needs no GIL, so it answers even for a rank wedged in C code that holds the GIL,
 where the flight-recorder dump (Python) has to wait. Its file must be open before the signal
 comes, yet it should exist only once a dump is in it: it is opened unnamed (`O_TMPFILE`) and
@@ -67,7 +67,9 @@ from typing import Any
 
 import torch
 
+from commlib import settings
 from commlib.observe import log as _log
+from commlib.observe.stacks import file_name, safe_host
 from commlib.ops import PLAIN_NAMES, Collective
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
@@ -75,8 +77,12 @@ STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
 DUMPS_ENV = "COMMLIB_FLIGHT_DUMPS"
 INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
+MAX_SIZE = 100_000  # entries a communicator's ring may hold
 DEFAULT_DUMPS = 32
+MAX_DUMPS = 10_000
 DEFAULT_INTERVAL_S = 1.0
+MAX_INTERVAL_S = 3600.0
+FAILED_PAUSE_S = 1.0  # how long the SIGUSR1 thread rests after a turn that failed
 JOIN_S = 5.0  # how long releasing waits for the SIGUSR1 thread to finish a dump under way
 
 
@@ -120,14 +126,14 @@ class FlightRecorder:
 
     def __init__(self, comm: str, rank: int, capacity: int | None = None, world_rank: int | None = None) -> None:
         if capacity is None:
-            capacity = int(os.environ.get(SIZE_ENV, DEFAULT_SIZE))
-        if capacity <= 0:
-            raise ValueError(f"{SIZE_ENV} must be positive; found {capacity}")
+            capacity = settings.env_integer(SIZE_ENV, DEFAULT_SIZE, low=1, high=MAX_SIZE)
+        else:
+            capacity = settings.integer(capacity, "a flight recorder's capacity", low=1, high=MAX_SIZE)
         self.comm = comm
         self.rank = rank
         self.world_rank = rank if world_rank is None else world_rank
         self.capacity = capacity
-        self.with_stacks = os.environ.get(STACKS_ENV, "0") == "1"
+        self.with_stacks = settings.env_flag(STACKS_ENV)
         self._ring: deque[FlightEntry] = deque(maxlen=capacity)
         self._dumps = itertools.count(1)  # next() is atomic: the SIGUSR1 thread dumps too
         self.state = State.OPEN
@@ -194,7 +200,9 @@ class FlightRecorder:
         if directory is None:
             sys.stderr.write(data + "\n")
             return None
-        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{os.getpid()}_{next(self._dumps)}_{reason}.json"
+        # Named by the process's host and pid: pids repeat across the hosts sharing a log dir.
+        process = f"{safe_host(socket.gethostname())}_{os.getpid()}"
+        path = directory / f"flight_rank{self.world_rank}_{self.comm}_{process}_{next(self._dumps)}_{reason}.json"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             f.write(data)
@@ -211,7 +219,7 @@ class _DumpFiles:
         self._lock = threading.Lock()  # the SIGUSR1 thread and a failing caller both dump
 
     def wrote(self, path: Path) -> None:
-        keep = _budget()[0]
+        keep = dump_budget()[0]
         with self._lock:
             self._paths.append(path)
             while len(self._paths) > keep:
@@ -219,20 +227,11 @@ class _DumpFiles:
                     self._paths.popleft().unlink()
 
 
-def _budget() -> tuple[int, float]:
+def dump_budget() -> tuple[int, float]:
     """(dump files a process keeps, seconds between two SIGUSR1 dumps), from the environment."""
-    raw_keep, raw_interval = os.environ.get(DUMPS_ENV, str(DEFAULT_DUMPS)), os.environ.get(INTERVAL_ENV,
-                                                                                          str(DEFAULT_INTERVAL_S))
-    if not raw_keep.isdigit() or int(raw_keep) < 1:
-        raise ValueError(f"commlib flight recorder: expected {DUMPS_ENV} to be an integer >= 1; found {raw_keep!r}")
-    try:
-        interval = float(raw_interval)
-    except ValueError:
-        interval = -1.0
-    if not interval >= 0:
-        raise ValueError(f"commlib flight recorder: expected {INTERVAL_ENV} to be a number of seconds >= 0; "
-                         f"found {raw_interval!r}")
-    return int(raw_keep), interval
+    keep = settings.env_integer(DUMPS_ENV, DEFAULT_DUMPS, low=1, high=MAX_DUMPS)
+    interval = settings.env_number(INTERVAL_ENV, DEFAULT_INTERVAL_S, low=0, high=MAX_INTERVAL_S, unit="seconds")
+    return keep, interval
 
 
 @functools.cache
@@ -278,7 +277,10 @@ def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:
     The process has one wakeup fd, and it may be someone else's already (asyncio's loop sets
     one to learn of its signals): every byte read is forwarded to that previous fd, so its
     owner still hears of every signal. A SIGUSR1 handler installed before keeps being called.
-    A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again.
+    A failed dump is logged and the thread goes on, so the next SIGUSR1 dumps again; a turn of
+    the thread that fails (a setting changed to a bad value since) is logged once, however
+    often it repeats, and the thread rests `FAILED_PAUSE_S` before the next: no failure makes
+    it spin.
     Whoever sets the wakeup fd later takes it over for good, and asyncio does not forward:
     a loop that adds its first signal handler after `commlib.init`, or closes (removing its
     last handler sets the wakeup fd to -1, and a SIGUSR1 handler of its own back to the
@@ -288,7 +290,7 @@ def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:
         return False
     if _INSTALLED:
         return True
-    _budget()  # bad settings fail here, not in the thread at the first signal
+    dump_budget()  # bad settings fail here, not in the thread at the first signal
     _INSTALLED.append(_Installed(directory_fn))
     install_sigusr1.installed = True  # type: ignore[attr-defined]
     return True
@@ -318,9 +320,10 @@ class _Installed:
     def _watch(self) -> None:
         last_round = -float("inf")
         pending = False  # a SIGUSR1 came within the interval: its dump is due when the interval is over
+        said = None  # the last failure logged: one that repeats is logged once
         while True:
             try:
-                interval = _budget()[1]
+                interval = dump_budget()[1]
                 wait = max(0.0, last_round + interval - time.monotonic()) if pending else None
                 if select.select([self.read_fd], [], [], wait)[0]:
                     signals = os.read(self.read_fd, 64)
@@ -339,8 +342,13 @@ class _Installed:
                             recorder.dump(directory, "sigusr1")
                         except Exception as exc:  # the other recorders still dump
                             _dump_failed(exc, recorder.comm)
+                said = None
             except Exception as exc:  # one failure must not silence every later SIGUSR1
-                _dump_failed(exc, None)
+                if repr(exc) != said:
+                    said = repr(exc)
+                    _dump_failed(exc, None)
+                # Whatever failed may fail again at once: rest, so that the thread can never spin.
+                time.sleep(FAILED_PAUSE_S)
 
     def undo(self) -> None:
         """Put back the wakeup fd and the handlers as they were, then stop the thread and close the pipe."""
@@ -372,13 +380,13 @@ def release() -> None:
     _log.release()
 
 
-STACKS_FILE = "stacks_{pid}.txt"
 STACKS_SIGNAL = signal.SIGUSR2
 
 
 class _StackFile:
     """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), writing into a file that gets
-    its name, `STACKS_FILE` in the log dir, only once a dump is in it (module docstring)."""
+    its name in the log dir (`stacks.file_name`: its host and pid), only once a dump is in it
+    (module docstring)."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
@@ -388,7 +396,7 @@ class _StackFile:
             try:  # unnamed until `publish` links it
                 self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_APPEND, 0o644)
             except OSError:  # a file system without O_TMPFILE: named from the start, as it must be open now
-                self.fd = os.open(directory / STACKS_FILE.format(pid=os.getpid()),
+                self.fd = os.open(directory / file_name(socket.gethostname(), os.getpid()),
                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 self.named = True
         # Chained to our Python-level handler, installed just before: it writes the wakeup
@@ -402,7 +410,7 @@ class _StackFile:
         if self.fd is None or self.named or os.fstat(self.fd).st_size == 0:
             return
         assert self.directory is not None
-        name = STACKS_FILE.format(pid=os.getpid())
+        name = file_name(socket.gethostname(), os.getpid())
         directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: os.link takes that path only with dir fds
             os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory,

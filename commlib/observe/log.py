@@ -8,12 +8,15 @@ Configured once per process by `commlib.init` (or `configure` directly):
 Each line is written with a single `os.write` on an `O_APPEND` descriptor, so a process
 killed mid-write leaves at most one truncated last line, ranks restarted by torchrun
 append to the same file, and a second thread of the process (a GPU watchdog) never splits
-a line.
+a line. A process that opens a file whose last line was cut short ends that line first, so
+its own first line stands alone. The file and its rotation are `commlib.observe.logfile`'s;
+a name that holds something else than a regular file (a FIFO, a device) is refused.
 
-The budget: when a rank's file reaches `COMMLIB_LOG_MAX_MB` it is renamed
-`rank{R}.jsonl.{n}` (n counting up, never reused) and a new one is started; only the newest
-`COMMLIB_LOG_KEEP` renamed files are kept. A rank's logs therefore never exceed
-(KEEP + 1) x MAX_MB, plus one line.
+The budget: when a rank's file reaches `COMMLIB_LOG_MAX_MB` (at least 0.01, a few tens of
+lines) it is renamed `rank{R}.jsonl.{n}` (n counting up, never reused) and a new one is
+started; only the newest `COMMLIB_LOG_KEEP` renamed files are kept. A rank's logs therefore
+never exceed (KEEP + 1) x MAX_MB, plus one line. Both are read with `commlib.settings`'
+rules (an empty value is unset; out of range is refused, naming the variable).
 
 Every line carries what tells it apart in its file (`rank`, `pid`, `attempt`); what is
 fixed per process (`host`, the world `size`, the `job`) is written once, in the
@@ -48,13 +51,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import heapq
-import json
 import logging
 import os
 import re
 import socket
 import sys
-import threading
 import time
 import uuid
 import weakref
@@ -65,23 +66,30 @@ from typing import Any
 
 import structlog
 
+from commlib import settings
+from commlib.observe.codec import decode, encode
+from commlib.observe.files import NotRegularFile, open_regular
+from commlib.observe.logfile import HEADER_EVENT, HEADER_START, LogFile
+
 LOG_DIR_ENV = "COMMLIB_LOG_DIR"
 MAX_MB_ENV = "COMMLIB_LOG_MAX_MB"
 KEEP_ENV = "COMMLIB_LOG_KEEP"
 DEFAULT_MAX_MB = 100.0
+MAX_MB_RANGE = (0.01, 1e6)  # a file holds tens of lines at least, a terabyte at most
 DEFAULT_KEEP = 4
+MAX_KEEP = 10_000
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 REQUEUE_ENV = "SLURM_RESTART_COUNT"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 JOB_KEY = "commlib/job"  # where ranks without torchrun agree on their job id
-HEADER_EVENT = "log.open"
-LOG_FORMAT = 2  # 1: every field on every line (no header); 2: per-process fields in the header
 # What the header alone carries; every other line carries the rest of ProcessFields.
 HEADER_ONLY = ("host", "size", "job")
 # What of a communicator's own fields a collective's two lines leave to its other events
-# (`comm.init` first): the readers put them back.
-COMM_ONLY = ("backend", "comm_size")
+# (`comm.init` first): the readers put them back. Its size stays in every line (it costs
+# bytes, not time: it is in the line's pre-encoded tail), so that the last lines of a log say
+# who the members are (`commlib.observe.tail` reads only those).
+COMM_ONLY = ("backend",)
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl(?:\.(\d+))?$")
 
 _CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})
@@ -223,86 +231,12 @@ def _write_nothing(event: str, fields: dict[str, Any]) -> None:
     pass
 
 
-class _LogFile:
-    """A log file as this process writes it: one descriptor that every logger of the process
-    pointed at it shares, its size, and, for a rank's log, its rotation (module docstring).
-
-    A rotation swaps the descriptor; the one it replaces is closed only at the next
-    rotation, because another thread may have read it just before the swap and be about
-    to write to it (the line then lands, whole, at the end of the renamed file). Once the
-    file is closed (`close`), lines still logged through it are dropped.
-    """
-
-    def __init__(self, path: Path, max_bytes: int, keep: int, header: dict[str, Any] | None) -> None:
-        self.path = path
-        self.max_bytes = max_bytes
-        self.keep = keep
-        self.header = header
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self.fd).st_size
-        self._fds = [self.fd]  # every descriptor not yet closed: the current one, and the one retired last
-        self._rotating = threading.Lock()
-        self._closed = weakref.finalize(self, _close_fds, self._fds)  # once no logger uses the file
-        if header is not None:
-            self.write(_header_line(header))
-
-    def write(self, line: bytes) -> None:
-        os.write(self.fd, line)
-        self.size += len(line)
-        if self.size >= self.max_bytes:
-            self._rotate()
-
-    def close(self) -> None:
-        self.write = _drop  # type: ignore[method-assign]
-        self._closed()
-
-    def _rotate(self) -> None:
-        if not self._rotating.acquire(blocking=False):
-            return  # another thread is rotating: this line went to the old file, whole
-        try:
-            if self.size < self.max_bytes:
-                return
-            self.size = 0  # also when the rename fails: try again one budget later, not every line
-            numbers = sorted(rotated_numbers(self.path))
-            numbers.append(numbers[-1] + 1 if numbers else 1)
-            os.rename(self.path, self.path.with_name(f"{self.path.name}.{numbers[-1]}"))
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            self._fds.append(fd)
-            self.fd = fd
-            while len(self._fds) > 2:
-                os.close(self._fds.pop(0))
-            for n in numbers[:max(0, len(numbers) - self.keep)]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path.with_name(f"{self.path.name}.{n}"))
-            if self.header is not None:
-                self.write(_header_line(self.header))
-        except OSError:
-            pass  # a log that cannot rotate keeps logging into its file
-        finally:
-            self._rotating.release()
-
-
-def _close_fds(fds: list[int]) -> None:
-    while fds:
-        with contextlib.suppress(OSError):
-            os.close(fds.pop())
-
-
-def _drop(line: bytes) -> None:
-    pass
-
-
-def _header_line(fields: dict[str, Any]) -> bytes:
-    return encode({"event": HEADER_EVENT, "format": LOG_FORMAT, **fields, "ts_ns": time.time_ns(),
-                    "mono_ns": time.monotonic_ns()}) + b"\n"
-
-
-# Every rank log this process writes, by path: loggers of one file share its _LogFile.
-_FILES: "weakref.WeakValueDictionary[Path, _LogFile]" = weakref.WeakValueDictionary()
+# Every rank log this process writes, by path: loggers of one file share its LogFile.
+_FILES: "weakref.WeakValueDictionary[Path, LogFile]" = weakref.WeakValueDictionary()
 
 
 class _Descriptor:
-    """A descriptor this module does not own (stderr), written like a `_LogFile`."""
+    """A descriptor this module does not own (stderr), written like a `LogFile`."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -313,13 +247,13 @@ class _Descriptor:
 
 class LineWriter:
     """A structlog logger that writes each rendered event as one line in one write(2): to a
-    log file (`_LogFile`), or to a descriptor it does not own (stderr).
+    log file (`LogFile`), or to a descriptor it does not own (stderr).
 
     It holds its file, so a logger bound earlier never writes to a closed descriptor or to
     a file that reused its number.
     """
 
-    def __init__(self, target: _LogFile | _Descriptor) -> None:
+    def __init__(self, target: LogFile | _Descriptor) -> None:
         self.target = target
 
     def msg(self, line: bytes) -> None:
@@ -350,7 +284,7 @@ class _State:
 STATE = _State()
 
 
-def _build_logger(target: _LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
+def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
     sink = _Sink(LineWriter(target), _LineRenderer(static), level)
     wrapper = structlog.make_filtering_bound_logger(level)
@@ -361,25 +295,15 @@ def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
     """A logger appending to `path` in the ranks' format (same renderer and writer), with
     `static` in every line: the events of a process that is not a rank (the chaos harness's
     journal), never rotated. Its file is closed when the logger is garbage."""
-    return _build_logger(_LogFile(Path(path), sys.maxsize, 0, None), logging.INFO, static)[0]
+    return _build_logger(LogFile(Path(path), sys.maxsize, 0, None), logging.INFO, static)[0]
 
 
 def budget(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """(bytes a rank's file may reach before it is rotated, rotated files kept), from the environment."""
-    raw_mb, raw_keep = environ.get(MAX_MB_ENV, str(DEFAULT_MAX_MB)), environ.get(KEEP_ENV, str(DEFAULT_KEEP))
-    try:
-        max_mb = float(raw_mb)
-    except ValueError:
-        max_mb = -1.0
-    if not max_mb > 0:
-        raise ValueError(f"commlib log: expected {MAX_MB_ENV} to be a positive number of MB; found {raw_mb!r}")
-    try:
-        keep = int(raw_keep)
-    except ValueError:
-        keep = -1
-    if keep < 0:
-        raise ValueError(f"commlib log: expected {KEEP_ENV} to be an integer >= 0; found {raw_keep!r}")
-    return max(1, int(max_mb * 1e6)), keep
+    max_mb = settings.env_number(MAX_MB_ENV, DEFAULT_MAX_MB, environ=environ, low=MAX_MB_RANGE[0],
+                                 high=MAX_MB_RANGE[1], unit="MB")
+    keep = settings.env_integer(KEEP_ENV, DEFAULT_KEEP, environ=environ, low=0, high=MAX_KEEP)
+    return int(max_mb * 1e6), keep
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None, store: Any = None) -> Path | None:
@@ -388,20 +312,27 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     `store`: one every rank of the job shares, to agree on a job id without torchrun.
     Returns the log file's path, or None when logging to stderr.
     """
-    log_dir = log_dir if log_dir is not None else os.environ.get(LOG_DIR_ENV) or None
+    source = "log_dir" if log_dir is not None else LOG_DIR_ENV
+    log_dir = log_dir if log_dir is not None else settings.env(LOG_DIR_ENV)
+    if log_dir is not None and not os.fspath(log_dir):
+        raise ValueError(f"commlib log: expected {source} to be a directory; found ''")
     max_bytes, keep = budget()  # bad settings fail here, before anything is written
     process = ProcessFields(rank=rank, size=size, host=socket.gethostname(), pid=os.getpid(),
                             attempt=attempt_number(), job=job_id(store))
     fields = asdict(process)
     static = {k: v for k, v in fields.items() if k not in HEADER_ONLY}
-    target: _LogFile | _Descriptor
+    target: LogFile | _Descriptor
     if log_dir is not None:
         directory = Path(log_dir)
-        directory.mkdir(parents=True, exist_ok=True)
         path: Path | None = directory / f"rank{rank}.jsonl"
         target = _FILES.get(path)  # type: ignore[assignment]
         if target is None or target.header != fields:
-            target = _FILES[path] = _LogFile(path, max_bytes, keep, fields)  # type: ignore[index]
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                target = _FILES[path] = LogFile(path, max_bytes, keep, fields)  # type: ignore[index]
+            except OSError as exc:
+                raise ValueError(f"commlib log: expected {source} to be a directory where rank {rank} can write "
+                                 f"its log; found {exc.filename or directory}: {exc.strerror or exc}") from None
         level = logging.INFO
     else:
         path, target, level = None, _Descriptor(sys.stderr.fileno()), logging.WARNING
@@ -412,32 +343,6 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     STATE.enabled = path is not None
     STATE.job = process.job
     return path
-
-
-def _plain(obj: Any) -> Any:
-    """What JSON has no type for: tuples (torch.Size among them) as lists, the rest as text."""
-    return list(obj) if isinstance(obj, tuple) else str(obj)
-
-
-try:
-    import orjson
-except ImportError:  # the doctor reads logs where commlib's dependencies may not all be
-    orjson = None
-
-# Built once: `json.dumps` with options builds a new encoder per call.
-_ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))
-
-
-def encode(obj: dict[str, Any]) -> bytes:
-    """`obj` as compact JSON: orjson where installed (a collective's two events are on the
-    hot path: it encodes ~5x faster than the stdlib), the stdlib otherwise; both give the
-    same JSON."""
-    if orjson is not None:
-        return orjson.dumps(obj, default=_plain, option=orjson.OPT_NON_STR_KEYS)
-    return _ENCODER.encode(obj).encode()
-
-
-decode = orjson.loads if orjson is not None else json.loads
 
 
 def get_logger(**bound: Any) -> Any:
@@ -474,16 +379,6 @@ def release() -> None:
 # ---------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------
-def rotated_numbers(live: Path) -> list[int]:
-    """The numbers n of `live`'s rotated files (`{live}.{n}`), in no order."""
-    out = []
-    for p in live.parent.glob(f"{live.name}.*"):
-        suffix = p.name[len(live.name) + 1:]
-        if suffix.isdigit():
-            out.append(int(suffix))
-    return out
-
-
 def rank_segments(directory: str | os.PathLike[str]) -> dict[int, list[Path]]:
     """rank -> its log files in the order they were written (rotated ones, oldest first, then the live one)."""
     found: dict[int, list[tuple[float, Path]]] = {}
@@ -527,13 +422,20 @@ class Inflater:
         return event
 
 
+def after_cut(raw: bytes) -> bytes | None:
+    """The header a garbled line hides, if any: a process killed mid-write leaves its last line
+    without a newline, and the rank's next process appended its `log.open` line to it."""
+    at = raw.find(HEADER_START, 1)
+    return raw[at:] if at > 0 else None
+
+
 def scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """(offset after the line, its event or None if garbled) for each complete line from `offset`.
 
     A last line without its newline is being written, or was cut short by a kill: it is
-    not read, so its offset is never passed.
+    not read, so its offset is never passed. `NotRegularFile` where `path` is not a regular file.
     """
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         f.seek(offset)
         for raw in f:
             if not raw.endswith(b"\n"):
@@ -542,7 +444,11 @@ def scan(path: str | os.PathLike[str], offset: int) -> Iterator[tuple[int, dict[
             try:
                 event = decode(raw)
             except ValueError:
-                event = None
+                header = after_cut(raw)
+                try:
+                    event = decode(header) if header is not None else None
+                except ValueError:
+                    event = None
             yield offset, event if isinstance(event, dict) else None
 
 
@@ -554,14 +460,14 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 
 def read_rank(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
     """Events of one rank's files (`rank_segments`) in order, as one stream; a file rotated
-    away before it could be opened is skipped."""
+    away before it could be opened, or that is not a regular file, is skipped."""
     inflate = Inflater()
     for path in paths:
         try:
             for _, event in scan(path, 0):
                 if event is not None and (event := inflate(event)) is not None:
                     yield event
-        except FileNotFoundError:
+        except (FileNotFoundError, NotRegularFile):
             continue
 
 
@@ -603,7 +509,7 @@ class LogTail:
                 offset = 0  # the file read last was rotated away unread to its end: go on from the oldest left
             for ino, path in files[start:]:
                 offset = offset if ino == inode else 0
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError, NotRegularFile):
                     for offset, event in scan(path, offset):
                         if event is not None and (event := inflate(event)) is not None:
                             events.append(event)

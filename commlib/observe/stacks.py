@@ -1,4 +1,4 @@
-"""The stacks a rank's `faulthandler` wrote on SIGUSR2 (``stacks_{pid}.txt``), read back.
+"""The stacks a rank's `faulthandler` wrote on SIGUSR2 (``stacks_{host}_{pid}.txt``), read back.
 
 `commlib.observe.flight` registers faulthandler on SIGUSR2 (`flight.STACKS_SIGNAL`), which writes, without needing
 the GIL, one block per thread::
@@ -14,8 +14,9 @@ the GIL, one block per thread::
 Each SIGUSR2 appends such a dump, with no marker between dumps: a new one starts where a
 thread id already seen in the current one comes again. The main thread is the one that
 runs a module's top level (a ``<module>`` frame; under ``python -m``, runpy's frames are
-outside it). Files are read line by line, keeping one dump at a time. Torch-free (the doctor
-reads it).
+outside it). Files are read line by line, keeping one dump at a time. A file is named by its
+process's host and pid (`file_name`): pids repeat across the hosts of a job, whose ranks may
+share one log dir. Torch-free (the doctor reads it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-FILE_PATTERN = re.compile(r"^stacks_(\d+)\.txt$")
+from commlib.observe.files import open_regular
+
+FILE_PATTERN = re.compile(r"^stacks_(?:(.+)_)?(\d+)\.txt$")  # the host is absent in files written before it was named
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
@@ -64,15 +68,33 @@ def main_thread(dump: dict[str, list[Frame]]) -> list[Frame] | None:
     return next((frames for frames in dump.values() if any(f.func == "<module>" for f in frames)), None)
 
 
-def read_main_stacks(directory: Path) -> dict[int, list[Frame]]:
-    """pid -> the main thread's frames of the last dump, for every stacks file of `directory`."""
-    out: dict[int, list[Frame]] = {}
+def safe_host(host: str | None) -> str | None:
+    """`host` as it shows in a file name (anything but letters, digits, '.', '_' and '-' as '-')."""
+    return None if host is None else _UNSAFE.sub("-", host)
+
+
+def file_name(host: str, pid: int) -> str:
+    """The stacks file of process `pid` on `host`."""
+    return f"stacks_{safe_host(host)}_{pid}.txt"
+
+
+def read_main_stacks(directory: Path, skipped: list[tuple[str, str]] | None = None
+                     ) -> dict[tuple[str | None, int], list[Frame]]:
+    """(host as in the file name (`safe_host`), pid) -> the main thread's frames of the last
+    dump, for every stacks file of `directory` (host None: a file named by its pid alone);
+    (path, why) of each that could not be read goes into `skipped`."""
+    out: dict[tuple[str | None, int], list[Frame]] = {}
     for path in sorted(directory.glob("stacks_*.txt")):
         match = FILE_PATTERN.match(path.name)
         if match is None:
             continue
-        with open(path, errors="replace") as f:
-            frames = main_thread(last_dump(f))
+        try:
+            with open(open_regular(path), errors="replace") as f:
+                frames = main_thread(last_dump(f))
+        except OSError as exc:  # a FIFO among them is named, never waited on
+            if skipped is not None:
+                skipped.append((str(path), f"{type(exc).__name__}: {exc.strerror or exc}"))
+            continue
         if frames:
-            out[int(match.group(1))] = frames
+            out[(match.group(1), int(match.group(2)))] = frames
     return out

@@ -12,7 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from commlib.observe.model import AttemptLog, RunLogs
+from commlib.observe.model import RunLogs
+from commlib.observe.records import AttemptLog
 from commlib.observe.sketch import Quantiles
 
 # op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after

@@ -23,19 +23,24 @@ Streaming: `TraceWriter` is an observer of the model's one pass (`commlib.observ
 each event goes to the file once it is final, and the names of processes and tracks at
 the end, so the trace of any log size takes the memory of the model alone. `TraceFile`
 checks where the trace goes before anything is read, writes it beside its destination and
-moves it there only once whole.
+moves it there only once whole, and never in place of what is not a regular file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import stat
+import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from commlib.observe.log import encode
-from commlib.observe.model import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer, RunLogs, load
+from commlib.observe.codec import encode
+from commlib.observe.files import kind
+from commlib.observe.model import RunLogs, load
+from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
 
 # Fields every event carries: the track already says them.
 _COMMON_FIELDS = ("event", "level", "ts_ns", "mono_ns", "rank", "size", "host", "pid", "backend", "comm_rank",
@@ -151,34 +156,77 @@ class TraceWriter(Observer):
 
 
 class TraceFile:
-    """Where a trace goes: checked at once (`TracePathError`, saying why), written beside it,
-    and moved there by `commit` only once whole; `discard` leaves nothing behind."""
+    """Where a trace goes: checked at once (`TracePathError`, saying why), written beside it, and
+    moved there by `commit` only once whole; `discard` leaves nothing behind, not even the
+    directories made for it.
+
+    Only a regular file, or a new one, is written: a name that holds a FIFO, a device, a socket
+    (or a symlink to one: /dev/stdout, /proc/self/fd/1) is refused, never replaced by a file. A
+    symlink to a regular file is written through: its target is replaced, the link kept.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not os.fspath(path):
+            raise TracePathError("--trace '': expected a file to write; found an empty path")
         self.path = Path(path)
-        if self.path.is_dir():
-            raise TracePathError(f"--trace {self.path}: expected a file to write; found a directory")
+        self.target = self._target()
+        self._made: list[Path] = []  # directories made for the trace, outermost first
+        try:
+            for parent in reversed(self.target.parents):
+                if not parent.exists():
+                    parent.mkdir()
+                    self._made.append(parent)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+            self._tmp = Path(tmp)
+        except OSError as exc:
+            self._remove_made()
+            raise TracePathError(f"--trace {self.path}: expected a file that can be written; found "
+                                 f"{type(exc).__name__}: {exc.strerror or exc}") from None
+        os.fchmod(fd, 0o644)
+        self.writer = TraceWriter(os.fdopen(fd, "wb"))
+
+    def _target(self) -> Path:
+        """The file the trace replaces: the path, or the regular file it links to."""
         above = next((p for p in self.path.parents if p.exists()), None)
         if above is not None and not above.is_dir():
             raise TracePathError(f"--trace {self.path}: expected a file in a directory; found {above} is a file")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            self._file = open(self._tmp, "wb")
+            mode = os.stat(self.path).st_mode  # through symlinks
+        except FileNotFoundError:
+            if self.path.is_symlink():
+                raise TracePathError(f"--trace {self.path}: expected a file to write; found a symlink to "
+                                     f"{os.readlink(self.path)}, which does not exist") from None
+            mode = None
         except OSError as exc:
             raise TracePathError(f"--trace {self.path}: expected a file that can be written; found "
                                  f"{type(exc).__name__}: {exc.strerror or exc}") from None
-        self.writer = TraceWriter(self._file)
+        if mode is not None and not stat.S_ISREG(mode):
+            link = f"a symlink to {os.path.realpath(self.path)}, " if self.path.is_symlink() else ""
+            raise TracePathError(f"--trace {self.path}: expected a regular file to write (or a new one); found "
+                                 f"{link}{kind(mode)}")
+        return Path(os.path.realpath(self.path)) if mode is not None else self.path
 
     def commit(self, run: RunLogs) -> Path:
         self.writer.finish(run)
         self.writer.out.close()
-        os.replace(self._tmp, self.path)
+        try:
+            self._target()  # what is there now, once more: never replace what is not a regular file
+            os.replace(self._tmp, self.target)
+        except BaseException:
+            self.discard()
+            raise
         return self.path
 
     def discard(self) -> None:
         self.writer.out.close()
         self._tmp.unlink(missing_ok=True)
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for directory in reversed(self._made):
+            with contextlib.suppress(OSError):  # not empty: something else was put there meanwhile
+                directory.rmdir()
+        self._made = []
 
 
 def write_trace(logdir: str | os.PathLike[str], path: str | os.PathLike[str], job: str | None = None) -> Path:

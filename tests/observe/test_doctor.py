@@ -30,7 +30,7 @@ from commlib.observe import log
 from commlib.observe.blame import FROZEN_GRACE_S, Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.trace import build_trace
-from doctor_logs import live_copy
+from doctor_logs import live_copy, same_verdict
 from commlib.testing import outcome, run
 
 DEADLINE = 1.5
@@ -137,6 +137,9 @@ def test_every_scenario_of_one_run(tmp_path: Path) -> None:
     _check_timeouts_and_deaths(root, results[0], tmp_path)
     _check_clean_run_cli_json_and_trace(root, tmp_path)
     _check_truncated_last_line_and_unfinished_trace(root, tmp_path)
+    # The verdict read from the end of each log is the full read's, on every directory of the run.
+    for logdir in [*sorted(root.iterdir()), tmp_path / "live", tmp_path / "restarted", tmp_path / "kill"]:
+        same_verdict(logdir)
 
 
 def _doctor(*args: str) -> subprocess.Popen[str]:
@@ -219,7 +222,7 @@ def _check_clean_run_cli_json_and_trace(root: Path, tmp_path: Path) -> None:
     procs = [_doctor(str(clean), "--json", "--trace", str(trace_path)), _doctor(str(root / "skip"))]
     (json_out, _), (skip_text, _) = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 1]
-    assert "[timeout] ranks [1]" in skip_text and "all_reduce #2 on 'skip'" in skip_text
+    assert "[timeout] rank 1:" in skip_text and "all_reduce #2 on 'skip'" in skip_text
     assert main([str(tmp_path / "absent")]) == 2
     assert "No problem found" in render(diagnose(clean))
 
@@ -279,7 +282,7 @@ def test_mismatch_caught_by_consistency_check(tmp_path: Path) -> None:
     [mismatch] = d.final.problems
     assert (mismatch.kind, mismatch.ranks, mismatch.seq, mismatch.comm) == (Kind.MISMATCH, [2], 2, "world")
     assert mismatch.details["groups"] == [[0, 1], [2]] and mismatch.details["checked"]
-    assert "ranks [0, 1] issued all_reduce; ranks [2] issued broadcast" in mismatch.message
+    assert "ranks 0-1 issued all_reduce; rank 2 issued broadcast" in mismatch.message
     assert d.exit_code == 1
 
 

@@ -28,6 +28,7 @@ from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.model import MixedJobsError, load
 from commlib.observe.trace import build_trace
+from doctor_logs import same_verdict
 
 MAX_MB, KEEP = 0.02, 2  # 20 kB a file: a rotation every ~40 collectives
 COLLECTIVES = 400
@@ -104,6 +105,7 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
     assert len(jobs) == 1 and None not in jobs
 
     d = diagnose(logs)
+    same_verdict(logs)  # read from the end: the same verdict, across the rotated files
     final = d.final
     assert final is not None and (final.status, final.culprits, d.unreadable) == ("failed", [1], [])
     [timeout] = [p for p in final.problems if p.kind is Kind.TIMEOUT]
@@ -129,13 +131,16 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
                               if e["event"] == "collective.start")
 
 
+LINES = 600  # about 80 kB: rotated seven times
+
+
 def _tail_across_rotations(log_dir: str) -> dict[str, Any]:
-    os.environ[log.MAX_MB_ENV], os.environ[log.KEEP_ENV] = "0.002", "3"  # ~2 kB a file
+    os.environ[log.MAX_MB_ENV], os.environ[log.KEEP_ENV] = "0.01", "3"  # 10 kB a file (the least allowed)
     log.configure(0, 1, log_dir)
     tail = log.LogTail(Path(log_dir))
     seen: list[int] = []
     logger = log.get_logger()
-    for i in range(300):
+    for i in range(LINES):
         logger.info("app.tick", i=i, pad="x" * 40)
         if i % 7 == 0:  # a poll every few lines: some between rotations, some across one
             seen += [e["i"] for e in tail.poll() if e["event"] == "app.tick"]
@@ -146,7 +151,7 @@ def _tail_across_rotations(log_dir: str) -> dict[str, Any]:
 def test_log_tail_follows_a_live_log_across_rotations(tmp_path: Path) -> None:
     [out] = testing.run(_tail_across_rotations, 1, backend=None, args=(str(tmp_path),), timeout=60)
     assert out["files"] == 4, out  # rotated many times, three kept
-    assert out["seen"] == list(range(300)), "expected every line once, in order, across rotations"
+    assert out["seen"] == list(range(LINES)), "expected every line once, in order, across rotations"
 
 
 def test_two_jobs_in_one_directory_are_refused_and_read_apart(runs: dict[str, Any], tmp_path: Path,
@@ -209,9 +214,10 @@ def test_a_bad_trace_path_exits_2_before_any_log_is_read(runs: dict[str, Any], t
 
 
 def test_budget_and_attempt_settings_are_checked() -> None:
-    for env, says in (({log.MAX_MB_ENV: "0"}, "COMMLIB_LOG_MAX_MB to be a positive number of MB; found '0'"),
+    for env, says in (({log.MAX_MB_ENV: "0"}, r"COMMLIB_LOG_MAX_MB to be a finite number of MB in \[0.01, 1e\+06\]; "
+                                              "found '0'"),
                       ({log.MAX_MB_ENV: "lots"}, "found 'lots'"),
-                      ({log.KEEP_ENV: "-1"}, "COMMLIB_LOG_KEEP to be an integer >= 0; found '-1'")):
+                      ({log.KEEP_ENV: "-1"}, r"COMMLIB_LOG_KEEP to be an integer in \[0, 10000\]; found '-1'")):
         with pytest.raises(ValueError, match=says):
             log.budget(env)
     assert log.budget({}) == (int(log.DEFAULT_MAX_MB * 1e6), log.DEFAULT_KEEP)

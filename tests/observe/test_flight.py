@@ -1,7 +1,7 @@
 """The SIGUSR1 flight dump: a storm of signals while the rank appends as fast as it can writes
 a few dumps, the newest kept, each a consistent copy; a dump thread that outlives a failed
-dump, and an asyncio loop's own signals still delivered after commlib took the process's
-wakeup fd (every test on real ranks over gloo)."""
+dump and never spins on one that repeats, and an asyncio loop's own signals still delivered
+after commlib took the process's wakeup fd (every test on real ranks over gloo)."""
 
 from __future__ import annotations
 
@@ -139,6 +139,16 @@ def _asyncio_loop_then_commlib(log_dir: str) -> dict[str, Any]:
     os.rename(away, directory)
     os.kill(os.getpid(), signal.SIGUSR1)
     out["dumped_after_failure"] = wait_for(lambda: len(_sigusr1_dumps(directory, 0)) == 2, DUMP_WAIT_S)
+
+    # Every turn of the thread fails (the dump interval made absurd since it started): no spin.
+    os.environ[flight.INTERVAL_ENV] = "inf"
+    for _ in range(3):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+    cpu = time.process_time()
+    time.sleep(1.0)
+    out["failing_thread_cpu_s"] = time.process_time() - cpu
+    del os.environ[flight.INTERVAL_ENV]
     comm.all_reduce(torch.ones(1))
     # Not before: closing a loop removes its signal handlers, and with the last one asyncio
     # resets the process's wakeup fd (and SIGUSR1 to its default action, which kills).
@@ -154,6 +164,9 @@ def test_asyncio_signals_still_arrive_and_a_failed_dump_is_not_the_last(tmp_path
     assert out["usr1_dumped"], "expected commlib's SIGUSR1 dump beside the loop's own handler"
     assert out["failure_logged"], "expected a failed SIGUSR1 dump to be logged as flight.sigusr1_dump_failed"
     assert out["dumped_after_failure"], "expected the SIGUSR1 after a failed dump to dump again"
-    [failed] = [e for e in log.read_events(tmp_path / "logs" / "rank0.jsonl")
-                if e["event"] == "flight.sigusr1_dump_failed"]
+    failed, interval = [e for e in log.read_events(tmp_path / "logs" / "rank0.jsonl")
+                        if e["event"] == "flight.sigusr1_dump_failed"]
     assert failed["level"] == "error" and "FileNotFoundError" in failed["error"] and failed["comm"] == "world"
+    # A failure that repeats is logged once, and the thread rests between tries instead of spinning.
+    assert "COMMLIB_FLIGHT_DUMP_INTERVAL_S" in interval["error"], interval
+    assert out["failing_thread_cpu_s"] < 0.5, out  # a spinning thread takes the whole second

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import commlib
 from commlib import testing
 from commlib.observe import flight
+from commlib.observe.stacks import file_name
 from commlib.process_group import commlib_groups
 from doctor_logs import wait_for
 
@@ -62,7 +63,7 @@ def _lifecycle(log_dir: str) -> dict[str, Any]:
     group = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(2))
     dist.all_reduce(torch.ones(2), group=group)
-    stacks = directory / f"stacks_{os.getpid()}.txt"
+    stacks = directory / file_name(socket.gethostname(), os.getpid())
     out["stacks_before_a_dump"] = stacks.exists()
     installed = flight._INSTALLED[0]
     pipe = {fds_before.get(fd) or _fds()[fd] for fd in (installed.read_fd, installed.write_fd)}
@@ -107,7 +108,7 @@ def test_the_last_destroyed_group_leaves_the_process_as_it_was(tmp_path: Path) -
         assert out["after_rebuild"] == out["running"] and out["dumped_after_rebuild"], (
             f"rank {rank}: expected an abort followed by a rebuild (in-job recovery) to keep commlib's thread, "
             f"log and handlers; found {out['after_rebuild']} (before: {out['running']})")
-        assert out["stacks_after_a_dump"], f"rank {rank}: expected the SIGUSR2 dump in stacks_<pid>.txt"
+        assert out["stacks_after_a_dump"], f"rank {rank}: expected the SIGUSR2 dump in stacks_<host>_<pid>.txt"
         assert out["after_destroy"] == {"thread": False, "log_fds": [], "installed": False}, (
             f"rank {rank}: expected nothing of commlib left after destroy_process_group; found {out['after_destroy']}")
         assert out["pipe_left"] == [] and out["fds_added"] == [], (rank, out["pipe_left"], out["fds_added"])

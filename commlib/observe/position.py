@@ -1,0 +1,97 @@
+"""Where a rank was: at the end of its log in an attempt, or when a deadline expired.
+
+`position(att, rank, at_ns)` reads it from the log model (`commlib.observe.records`): the
+fold keeps, per rank, its last event, step and phase and its last started and finished
+calls, and, at the moment each deadline expired, the same of every rank then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from commlib.observe.records import AttemptLog, Call, p2p_name
+
+
+@dataclass
+class CallRef:
+    comm: str
+    op: str
+    seq: int  # a send/recv's: the count of its pair's point-to-point ops
+    status: str  # at the time the position is taken: ok, started (in progress), timed_out, failed
+    start_ns: int | None
+    peer: int | None = None  # a send/recv's other side (global rank)
+
+    def describe(self) -> str:
+        if self.peer is None:
+            return f"{self.op} #{self.seq} on {self.comm!r}"
+        return f"{p2p_name(self.op, self.seq, self.peer)} on {self.comm!r}"
+
+
+@dataclass
+class RankPosition:
+    """Where a rank was at a moment (a deadline, or the end of its log)."""
+
+    rank: int
+    host: str | None
+    pid: int | None
+    last_event: str | None
+    last_event_ns: int | None
+    step: Any
+    phase: Any
+    last_started: CallRef | None
+    last_finished: CallRef | None
+    log_ends_ns: int | None  # when this rank's log for the attempt ends
+    stack: list[str] | None = None  # call site of last_started, when a dump recorded it
+    cut: bool = False  # its log ends in a line cut short (killed while writing it, or still writing)
+
+    def describe(self) -> str:
+        parts = []
+        s = self.last_started
+        if s is not None:
+            state = {"started": "still in it", "ok": "finished"}.get(s.status, s.status)
+            parts.append(f"last started {s.describe()} ({state})")
+        f = self.last_finished
+        if f is not None and (s is None or (f.comm, f.seq, f.peer) != (s.comm, s.seq, s.peer)):
+            parts.append(f"last finished {f.describe()}")
+        if s is None and f is None:
+            parts.append("no collective yet")
+        if self.step is not None or self.phase is not None:
+            parts.append(f"step {self.step}, phase {self.phase}")
+        if self.last_event:
+            parts.append(f"last event {self.last_event}")
+        if self.stack:
+            parts.append(f"called from {self.stack[-1].strip().splitlines()[0]}")
+        if self.cut:
+            parts.append("then a line cut short (killed while writing it)")
+        return "; ".join(parts)
+
+
+def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
+    """Where `rank` was at `at_ns`: the end of its log in this attempt (None), or a moment a
+    deadline expired (the model keeps where every rank was at each)."""
+    rl = att.ranks.get(rank)
+    if rl is None:
+        return RankPosition(rank, None, None, None, None, None, None, None, None, None)
+    if at_ns is None:
+        place, t = rl.place(), rl.last_ns
+    else:
+        snapshot = att.snapshots.get(at_ns)
+        if snapshot is None:
+            raise KeyError(f"no position of the ranks kept at {at_ns} (only where a deadline expired)")
+        place, t = snapshot.get(rank, (None, None, None, None, None, None)), at_ns
+    last_event, last_event_ns, step, phase, last_started, last_finished = place
+
+    def ref(c: Call | None) -> CallRef | None:
+        if c is None:
+            return None
+        status = c.status if c.end_ns is not None and c.end_ns <= t else "started"  # still in it at t
+        comm = att.comms.get(c.comm)
+        peer = None if c.peer is None else comm.global_rank(c.peer) if comm is not None else c.peer
+        return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer)
+
+    return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last_event, last_event_ns=last_event_ns,
+                        step=step, phase=phase, last_started=ref(last_started), last_finished=ref(last_finished),
+                        log_ends_ns=rl.last_ns,
+                        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack,
+                        cut=rl.cut and at_ns is None)
