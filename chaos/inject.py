@@ -292,16 +292,18 @@ def _flip_bytes(path: Path, offset: int, n: int) -> None:
         os.fsync(f.fileno())
 
 
-def install_from_env(comm: commlib.Communicator | None = None) -> Injector | None:
+def install_from_env(comm: commlib.Communicator | None = None, rank: int | None = None) -> Injector | None:
     """The injector for this rank when the harness set ``CHAOS_PLAN``, else None.
 
-    `comm` gives the rank (its world rank); without it ``RANK`` from the environment is used.
+    The plan's rank of this process: `rank` where given (a replica group's rank in the whole
+    job, `chaos.workload.replica`), else `comm`'s world rank, else ``RANK`` from the environment.
     """
     path = os.environ.get(PLAN_ENV)
     if not path:
         return None
     plan = Plan.from_dict(json.loads(open(path).read()))
-    rank = comm.world_rank if comm is not None else settings.integer(os.environ.get("RANK", ""), "RANK", low=0)
+    if rank is None:
+        rank = comm.world_rank if comm is not None else settings.integer(os.environ.get("RANK", ""), "RANK", low=0)
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
     start_ns = settings.env_integer(START_ENV, time.time_ns(), low=0)
     attempt = attempt_number()

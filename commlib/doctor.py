@@ -34,6 +34,7 @@ from commlib.observe.records import rank_ranges, ranks_text
 from commlib.observe.doctor import Diagnosis, analyze
 from commlib.observe.log import RANK_FILE
 from commlib.observe.model import LogDirError, load
+from commlib.observe.replicas import group_dirs, main as replicas_main
 from commlib.observe.tail import ReadInfo, verdict
 from commlib.observe.trace import TraceFile, TracePathError
 
@@ -183,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("commlib-doctor: --trace draws every call: it needs the whole logs, not --verdict's end of them",
               file=sys.stderr)
         return 2
+    if group_dirs(args.logdir):  # one log dir per replica group (commlib.replicas): the replicas rule
+        return replicas_main([args.logdir, *(["--json"] if args.json else [])])
     try:
         trace = TraceFile(args.trace) if args.trace is not None else None
     except TracePathError as exc:

@@ -51,7 +51,7 @@ Limits (see docs/torch-backend.md):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -120,6 +120,26 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
                      _deadline_of_new_group(opts.timeout, is_default), global_ranks)
     _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(store), opts.group_rank, opts.group_size)
+    group._recipe = recipe
+    return group
+
+
+def group_over_store(store: dist.Store, rank: int, size: int, timeout_s: float, name: str,
+                     options: EngineOptions | None = None,
+                     global_ranks: Sequence[int] | None = None) -> "CommlibProcessGroup":
+    """A commlib process group over `store` that no `init_process_group` makes, for a library
+    that makes and replaces its groups itself (torchft at each quorum: `commlib.replicas`).
+    `global_ranks`: each member's global rank, by group rank, which errors and logs name (None:
+    the group's own ranks).
+
+    torch.distributed's registry does not hold it; it logs into this process's log as it is
+    configured, and in-job recovery can rebuild it like any other (it keeps its recipe).
+    """
+    options = options or EngineOptions()
+    options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
+    members = tuple(range(size)) if global_ranks is None else tuple(global_ranks)
+    recipe = Recipe(options, tuple(devices_for(options, name)), store, rank, size, timeout_s, members)
+    group = CommlibProcessGroup(recipe.build(store), rank, size)
     group._recipe = recipe
     return group
 
