@@ -136,13 +136,14 @@ def test_a_harness_killed_with_its_supervisor_is_swept_at_the_next_start(tmp_pat
         # The agents' parent-death signal: torchrun stops its workers and exits.
         took = _until(lambda: not leftovers(run_dir), BOUND_S)
         print(f"the job stopped {took:.1f} s after the SIGKILL")
-        assert _mounted(run_dir / "ckpt") and _records(harness.pid)  # no one left to remove them
 
-        # The next harness's start (the Guard run_job enters before it launches anything) sweeps them.
+        # The next harness's start (the Guard run_job enters before it launches anything) sweeps
+        # the tmpfs and the record: this one, or one that a test running beside this one starts
+        # first. Either way a sweep did it, not the killed supervisor.
         with Guard(tmp_path / "next"):
             assert not _mounted(run_dir / "ckpt") and not _records(harness.pid)
         [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
-        assert cleaned["by"] == f"sweep by {os.getpid()}" and cleaned["mounts"] == [str(run_dir / "ckpt")], cleaned
+        assert cleaned["by"].startswith("sweep by ") and cleaned["mounts"] == [str(run_dir / "ckpt")], cleaned
     finally:
         harness.kill()
         _scrub(run_dir, leftovers, [])
