@@ -31,13 +31,25 @@ if TYPE_CHECKING:
 DEFAULT_RUNS = "runs"
 
 
-def run(plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | None",
-        run_dir: str | os.PathLike[str] | None = None, trainer_args: Sequence[str] | None = None, *,
-        trainer: str = "chaos.workload.train", nproc_per_node: int = 2, nnodes: int = 1, backend: str = "gloo",
-        timeout_s: float = 600.0, rdzv_endpoint: str | None = None, node_rank: int | None = None,
-        rdzv_id: str | None = None, max_restarts: int | None = None,
-        reference_dir: str | os.PathLike[str] | None = None, verify: bool = True, png: bool = True,
-        progress: Callable[[str], None] | None = None) -> "Report | None":
+def run(
+    plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | None",
+    run_dir: str | os.PathLike[str] | None = None,
+    trainer_args: Sequence[str] | None = None,
+    *,
+    trainer: str = "chaos.workload.train",
+    nproc_per_node: int = 2,
+    nnodes: int = 1,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+    rdzv_id: str | None = None,
+    max_restarts: int | None = None,
+    reference_dir: str | os.PathLike[str] | None = None,
+    verify: bool = True,
+    png: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> "Report | None":
     """Run `trainer` under `plan`, verify it against the fault-free reference, and report.
 
     `plan`: a `Plan`, its dict form, a YAML/JSON file, a list of CLI shorthands
@@ -80,17 +92,31 @@ def run(plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | 
         plan = Plan(plan.faults, max_restarts)
     if trainer_args is None:
         trainer_args = harness.default_trainer_args(trainer)
-    job = harness.Job(trainer=trainer, trainer_args=tuple(trainer_args), nproc_per_node=nproc_per_node,
-                      nnodes=nnodes, backend=backend, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank,
-                      rdzv_id=rdzv_id)
+    job = harness.Job(
+        trainer=trainer,
+        trainer_args=tuple(trainer_args),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        backend=backend,
+        rdzv_endpoint=rdzv_endpoint,
+        node_rank=node_rank,
+        rdzv_id=rdzv_id,
+    )
     plan = plan.resolve(job.world_size)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
     if rdzv_endpoint is not None:
         from chaos.multinode import run_node
 
         shared = Path(reference_dir) if reference_dir is not None else run_dir.absolute().parent / ".reference"
-        return run_node(job, plan, run_dir, reference_root=shared if verify else None, png=png, timeout_s=timeout_s,
-                        progress=progress)
+        return run_node(
+            job,
+            plan,
+            run_dir,
+            reference_root=shared if verify else None,
+            png=png,
+            timeout_s=timeout_s,
+            progress=progress,
+        )
     outcome = harness.run_job(job, plan, run_dir, timeout_s=timeout_s, progress=progress)
     root = None
     if verify:

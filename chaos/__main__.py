@@ -31,8 +31,7 @@ from functools import partial
 from pathlib import Path
 
 from chaos.harness import DEFAULT_FAULTS, REFERENCE_TRAINER, Job, check_plan, default_trainer_args
-from chaos.options import (LARGEST_INDEX, LONGEST_S, MOST_FIRINGS, MOST_NODES, MOST_PER_NODE, directory_problem,
-                           option)
+from chaos.options import LARGEST_INDEX, LONGEST_S, MOST_FIRINGS, MOST_NODES, MOST_PER_NODE, directory_problem, option
 from chaos.plan import RESTART_MARGIN, Plan
 from chaos.slurm.batch import DEFAULT_NOTICE_S, DEFAULT_RDZV_PORT, Settings
 from chaos.soak import MOST_SOAK_FAULTS
@@ -45,28 +44,45 @@ EXIT_STOPPED = 143
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m chaos", description="Fault injection with bitwise-verified recovery.")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run a trainer under a fault plan and verify it recovered",
-                       description="Run a trainer under torchrun with a fault plan, then verify the run against a "
-                                   "fault-free reference. Arguments after -- go to the trainer.")
+    r = sub.add_parser(
+        "run",
+        help="run a trainer under a fault plan and verify it recovered",
+        description="Run a trainer under torchrun with a fault plan, then verify the run against a "
+        "fault-free reference. Arguments after -- go to the trainer.",
+    )
     _job_options(r)
-    r.add_argument("--node-rank", type=option(settings.integer, "--node-rank", low=0, high=MOST_NODES - 1),
-                   default=None, help="this machine's node (with --rdzv-endpoint)")
-    r.add_argument("--rdzv-endpoint", type=_endpoint, default=None,
-                   help="HOST:PORT of a multi-node job's rendezvous, on node 0")
-    r.add_argument("--rdzv-id", type=option(settings.text, "--rdzv-id"), default=None,
-                   help="the multi-node job's id, the same on every node")
+    r.add_argument(
+        "--node-rank",
+        type=option(settings.integer, "--node-rank", low=0, high=MOST_NODES - 1),
+        default=None,
+        help="this machine's node (with --rdzv-endpoint)",
+    )
+    r.add_argument(
+        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of a multi-node job's rendezvous, on node 0"
+    )
+    r.add_argument(
+        "--rdzv-id",
+        type=option(settings.text, "--rdzv-id"),
+        default=None,
+        help="the multi-node job's id, the same on every node",
+    )
     r.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
-    b = sub.add_parser("sbatch", help="submit the run as a Slurm job, one harness per node",
-                       description="Submit a chaos run as an sbatch job: one harness per node, preemption and "
-                                   "requeue, the --signal notice; wait for its verdict. Arguments after -- go to "
-                                   "the trainer.")
+    b = sub.add_parser(
+        "sbatch",
+        help="submit the run as a Slurm job, one harness per node",
+        description="Submit a chaos run as an sbatch job: one harness per node, preemption and "
+        "requeue, the --signal notice; wait for its verdict. Arguments after -- go to "
+        "the trainer.",
+    )
     _job_options(b)
     # Checked, with the rest of the job's Slurm settings, by `chaos.slurm.batch.Settings`.
     b.add_argument("--partition", default=None, help="sbatch --partition")
     b.add_argument("--time", default=None, help="sbatch --time (the job's time limit)")
-    b.add_argument("--notice", default=DEFAULT_NOTICE_S,
-                   help="seconds before the end (a time limit, a preemption's grace) the notice comes "
-                        "(sbatch --signal=B:USR1@N)")
+    b.add_argument(
+        "--notice",
+        default=DEFAULT_NOTICE_S,
+        help="seconds before the end (a time limit, a preemption's grace) the notice comes (sbatch --signal=B:USR1@N)",
+    )
     b.add_argument("--sbatch-arg", action="append", default=[], help="another sbatch option (repeatable)")
     b.add_argument("--max-requeues", default=5, help="refuse to run the job again past this")
     b.add_argument("--rdzv-port", default=DEFAULT_RDZV_PORT, help="the rendezvous port on node 0")
@@ -82,29 +98,66 @@ def _job_options(r: argparse.ArgumentParser) -> None:
     """The options of a run, with or without Slurm."""
     count = partial(option, settings.integer)
     r.add_argument("--plan", type=option(settings.text, "--plan", spaces=True), help="a YAML or JSON fault plan")
-    r.add_argument("--fault", type=option(settings.text, "--fault", spaces=True), action="append", default=[],
-                   metavar="TYPE:key=value,...",
-                   help="a fault, e.g. kill:rank=1,step=5 (repeatable; added to --plan's)")
-    r.add_argument("--soak", type=count("--soak", low=1, high=MOST_SOAK_FAULTS), default=None, metavar="N",
-                   help="draw N faults from --seed over one longer run of the reference trainer (chaos.soak)")
-    r.add_argument("--seed", type=count("--seed", low=0, high=LARGEST_INDEX), default=0,
-                   help="the seed --soak draws from")
-    r.add_argument("--run-dir", type=option(settings.text, "--run-dir", spaces=True),
-                   help="where logs, checkpoints, plan and report go (default: a new dir under runs/)")
-    r.add_argument("--trainer", type=option(settings.text, "--trainer", spaces=True), default=REFERENCE_TRAINER,
-                   help="a module (run with -m) or a script path")
+    r.add_argument(
+        "--fault",
+        type=option(settings.text, "--fault", spaces=True),
+        action="append",
+        default=[],
+        metavar="TYPE:key=value,...",
+        help="a fault, e.g. kill:rank=1,step=5 (repeatable; added to --plan's)",
+    )
+    r.add_argument(
+        "--soak",
+        type=count("--soak", low=1, high=MOST_SOAK_FAULTS),
+        default=None,
+        metavar="N",
+        help="draw N faults from --seed over one longer run of the reference trainer (chaos.soak)",
+    )
+    r.add_argument(
+        "--seed", type=count("--seed", low=0, high=LARGEST_INDEX), default=0, help="the seed --soak draws from"
+    )
+    r.add_argument(
+        "--run-dir",
+        type=option(settings.text, "--run-dir", spaces=True),
+        help="where logs, checkpoints, plan and report go (default: a new dir under runs/)",
+    )
+    r.add_argument(
+        "--trainer",
+        type=option(settings.text, "--trainer", spaces=True),
+        default=REFERENCE_TRAINER,
+        help="a module (run with -m) or a script path",
+    )
     r.add_argument("--nproc-per-node", type=count("--nproc-per-node", low=1, high=MOST_PER_NODE), default=2)
-    r.add_argument("--nnodes", type=count("--nnodes", low=1, high=MOST_NODES), default=1,
-                   help="nodes; for run without --rdzv-endpoint all of them run on this machine")
-    r.add_argument("--backend", type=option(settings.choice, "--backend", choices=BACKENDS), default="gloo",
-                   help="passed to the reference trainer (gloo, nccl: then with --device cuda)")
-    r.add_argument("--max-restarts", type=count("--max-restarts", low=0, high=MOST_FIRINGS), default=None,
-                   help=f"torchrun's; default: one per possible fault firing, plus {RESTART_MARGIN}")
-    r.add_argument("--job-timeout", type=option(settings.number, "--job-timeout", above=0.0, high=LONGEST_S,
-                                                unit="seconds"), default=900.0,
-                   help="stop the job (and the reference run) after this many seconds each")
-    r.add_argument("--reference-dir", type=option(settings.text, "--reference-dir", spaces=True), default=None,
-                   help="cache of fault-free references (default: <runs>/.reference)")
+    r.add_argument(
+        "--nnodes",
+        type=count("--nnodes", low=1, high=MOST_NODES),
+        default=1,
+        help="nodes; for run without --rdzv-endpoint all of them run on this machine",
+    )
+    r.add_argument(
+        "--backend",
+        type=option(settings.choice, "--backend", choices=BACKENDS),
+        default="gloo",
+        help="passed to the reference trainer (gloo, nccl: then with --device cuda)",
+    )
+    r.add_argument(
+        "--max-restarts",
+        type=count("--max-restarts", low=0, high=MOST_FIRINGS),
+        default=None,
+        help=f"torchrun's; default: one per possible fault firing, plus {RESTART_MARGIN}",
+    )
+    r.add_argument(
+        "--job-timeout",
+        type=option(settings.number, "--job-timeout", above=0.0, high=LONGEST_S, unit="seconds"),
+        default=900.0,
+        help="stop the job (and the reference run) after this many seconds each",
+    )
+    r.add_argument(
+        "--reference-dir",
+        type=option(settings.text, "--reference-dir", spaces=True),
+        default=None,
+        help="cache of fault-free references (default: <runs>/.reference)",
+    )
     r.add_argument("--no-verify", action="store_true", help="skip the reference run and the bitwise checks")
     r.add_argument("--no-png", action="store_true", help="do not draw report.png")
 
@@ -140,31 +193,58 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan, trainer_args = _plan(args, trainer_args)
         if slurm:  # the job each node's harness will run (chaos.slurm.batch.node)
-            submitted = Settings(trainer=args.trainer, trainer_args=tuple(trainer_args), nnodes=args.nnodes,
-                                 nproc_per_node=args.nproc_per_node, backend=args.backend,
-                                 max_restarts=args.max_restarts, job_timeout_s=args.job_timeout,
-                                 verify=not args.no_verify, png=not args.no_png, rdzv_port=args.rdzv_port,
-                                 notice_s=args.notice, partition=args.partition, time_limit=args.time,
-                                 sbatch_args=tuple(args.sbatch_arg), max_requeues=args.max_requeues)
-            job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
-                      nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=f"{{first node}}:{submitted.rdzv_port}",
-                      node_rank=0, rdzv_id="{SLURM_JOB_ID}")
+            submitted = Settings(
+                trainer=args.trainer,
+                trainer_args=tuple(trainer_args),
+                nnodes=args.nnodes,
+                nproc_per_node=args.nproc_per_node,
+                backend=args.backend,
+                max_restarts=args.max_restarts,
+                job_timeout_s=args.job_timeout,
+                verify=not args.no_verify,
+                png=not args.no_png,
+                rdzv_port=args.rdzv_port,
+                notice_s=args.notice,
+                partition=args.partition,
+                time_limit=args.time,
+                sbatch_args=tuple(args.sbatch_arg),
+                max_requeues=args.max_requeues,
+            )
+            job = Job(
+                trainer=args.trainer,
+                trainer_args=tuple(trainer_args),
+                nproc_per_node=args.nproc_per_node,
+                nnodes=args.nnodes,
+                backend=args.backend,
+                rdzv_endpoint=f"{{first node}}:{submitted.rdzv_port}",
+                node_rank=0,
+                rdzv_id="{SLURM_JOB_ID}",
+            )
         else:
-            job = Job(trainer=args.trainer, trainer_args=tuple(trainer_args), nproc_per_node=args.nproc_per_node,
-                      nnodes=args.nnodes, backend=args.backend, rdzv_endpoint=args.rdzv_endpoint,
-                      node_rank=args.node_rank, rdzv_id=args.rdzv_id)
+            job = Job(
+                trainer=args.trainer,
+                trainer_args=tuple(trainer_args),
+                nproc_per_node=args.nproc_per_node,
+                nnodes=args.nnodes,
+                backend=args.backend,
+                rdzv_endpoint=args.rdzv_endpoint,
+                node_rank=args.node_rank,
+                rdzv_id=args.rdzv_id,
+            )
         # Fail here, before anything starts.
-        check_plan(job, plan.resolve(job.world_size), args.job_timeout,
-                   notice_s=submitted.notice_s if slurm else None)
+        check_plan(job, plan.resolve(job.world_size), args.job_timeout, notice_s=submitted.notice_s if slurm else None)
         if job.rdzv_endpoint is not None and not args.run_dir and not slurm:
-            raise ValueError("--run-dir: expected the run directory every node shares (with --rdzv-endpoint); "
-                             "found none")
+            raise ValueError(
+                "--run-dir: expected the run directory every node shares (with --rdzv-endpoint); found none"
+            )
     except (PlanError, ValueError, TypeError) as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     joining = job.rdzv_endpoint is not None and not slurm  # a node's harness joins the shared run directory
-    problems = [directory_problem(args.run_dir, "--run-dir", empty=not joining) if args.run_dir else None,
-                directory_problem(args.reference_dir, "--reference-dir", empty=False) if args.reference_dir else None]
+    problems = [
+        directory_problem(args.run_dir, "--run-dir", empty=not joining) if args.run_dir else None,
+        directory_problem(args.reference_dir, "--reference-dir", empty=False) if args.reference_dir else None,
+    ]
     for problem in filter(None, problems):
         print(f"chaos: {problem}", file=sys.stderr)
         return 2
@@ -185,10 +265,13 @@ def _plan(args: argparse.Namespace, trainer_args: list[str]) -> tuple[Plan, list
     shorthand = list(args.fault)
     if args.soak is not None:
         if args.trainer != REFERENCE_TRAINER:
-            raise ValueError(f"--soak: expected the reference trainer (its steps and checkpoints are placed "
-                             f"for the faults); found --trainer {args.trainer}")
-        plan = Plan(soak_plan(args.soak, args.seed, args.nproc_per_node * args.nnodes).faults + plan.faults,
-                    plan.max_restarts)
+            raise ValueError(
+                f"--soak: expected the reference trainer (its steps and checkpoints are placed "
+                f"for the faults); found --trainer {args.trainer}"
+            )
+        plan = Plan(
+            soak_plan(args.soak, args.seed, args.nproc_per_node * args.nnodes).faults + plan.faults, plan.max_restarts
+        )
         trainer_args = trainer_args or list(soak_trainer_args(args.soak))
     elif not args.plan and not shorthand and args.trainer == REFERENCE_TRAINER:
         shorthand = list(DEFAULT_FAULTS)
@@ -201,11 +284,24 @@ def _run(args: argparse.Namespace, job: Job, plan: Plan, trainer_args: list[str]
     from chaos.multinode import Stopped
 
     try:
-        report = chaos.run(plan, args.run_dir, trainer_args or None, trainer=args.trainer,
-                           nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, backend=args.backend,
-                           timeout_s=args.job_timeout, rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank,
-                           rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, reference_dir=args.reference_dir,
-                           verify=not args.no_verify, png=not args.no_png, progress=_progress)
+        report = chaos.run(
+            plan,
+            args.run_dir,
+            trainer_args or None,
+            trainer=args.trainer,
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            backend=args.backend,
+            timeout_s=args.job_timeout,
+            rdzv_endpoint=args.rdzv_endpoint,
+            node_rank=args.node_rank,
+            rdzv_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+            reference_dir=args.reference_dir,
+            verify=not args.no_verify,
+            png=not args.no_png,
+            progress=_progress,
+        )
     except KeyboardInterrupt:
         print("\nchaos: interrupted; the job was stopped", file=sys.stderr)
         return 130
@@ -215,8 +311,10 @@ def _run(args: argparse.Namespace, job: Job, plan: Plan, trainer_args: list[str]
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if report is None:
-        print(f"chaos: node {job.node_rank}'s part of the job is done; node 0 writes the verdict to "
-              f"{Path(args.run_dir) / 'report.json'}")
+        print(
+            f"chaos: node {job.node_rank}'s part of the job is done; node 0 writes the verdict to "
+            f"{Path(args.run_dir) / 'report.json'}"
+        )
         return 0
     print(report.summary())
     return 0 if report.passed else 1
@@ -248,8 +346,11 @@ def _sbatch(args: argparse.Namespace, submitted: Settings, plan: Plan) -> int:
     if report is None:
         output = run_dir / f"slurm-{job_id}.out"
         tail = output.read_text(errors="replace").splitlines()[-15:] if output.is_file() else []
-        print(f"chaos: job {job_id} ended {state} without a verdict in {run_dir / 'report.json'}; "
-              f"{output} ends:\n  " + "\n  ".join(tail), file=sys.stderr)
+        print(
+            f"chaos: job {job_id} ended {state} without a verdict in {run_dir / 'report.json'}; "
+            f"{output} ends:\n  " + "\n  ".join(tail),
+            file=sys.stderr,
+        )
         return 1
     print(report.summary())
     return 0 if report.passed else 1

@@ -65,8 +65,10 @@ def state_dir() -> Path:
     path = Path("/run/chaos") if os.access("/run", os.W_OK) else Path(tempfile.gettempdir()) / f"chaos-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     if path.stat().st_uid != os.getuid():
-        raise PermissionError(f"chaos.cleanup: expected the state dir {path} to be owned by uid {os.getuid()}; "
-                              f"found uid {path.stat().st_uid}")
+        raise PermissionError(
+            f"chaos.cleanup: expected the state dir {path} to be owned by uid {os.getuid()}; "
+            f"found uid {path.stat().st_uid}"
+        )
     return path
 
 
@@ -96,8 +98,12 @@ class Guard:
 
     def __enter__(self) -> Guard:
         sweep()
-        header = {"harness_pid": os.getpid(), "pid_ns": _pid_namespace(), "run_dir": str(self.run_dir),
-                  "token": self.token}
+        header = {
+            "harness_pid": os.getpid(),
+            "pid_ns": _pid_namespace(),
+            "run_dir": str(self.run_dir),
+            "token": self.token,
+        }
         # Whole or absent: a record is never seen without its header, nor unlocked while its run lives.
         partial = self.record.with_suffix(".tmp")
         self._lock = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -109,8 +115,11 @@ class Guard:
             read, self._pipe = os.pipe()  # both ends close-on-exec: the agents never hold the write end
             self._supervisor = subprocess.Popen(
                 [sys.executable, "-m", "chaos.cleanup", str(self.record), str(read), str(self._lock)],
-                pass_fds=(read, self._lock), start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL)
+                pass_fds=(read, self._lock),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
         except BaseException:
             for path in (partial, self.record):
                 path.unlink(missing_ok=True)
@@ -130,8 +139,7 @@ class Guard:
         for name in names:
             _append(self.record, {"netns": name})
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.record.unlink(missing_ok=True)  # before the pipe closes: the supervisor then has nothing to do
         os.close(self._pipe)
         assert self._supervisor is not None

@@ -34,8 +34,10 @@ def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
         out.problems.append(f"losses: expected {len(want)} steps as in the reference; found {len(got)}")
     if differing:
         i = differing[0]
-        out.problems.append(f"losses: {len(differing)} step(s) differ from the reference, first at index {i}: "
-                            f"expected {float.fromhex(want[i])!r}; found {float.fromhex(got[i])!r}")
+        out.problems.append(
+            f"losses: {len(differing)} step(s) differ from the reference, first at index {i}: "
+            f"expected {float.fromhex(want[i])!r}; found {float.fromhex(got[i])!r}"
+        )
 
     want_steps = _history_steps(reference) or list(range(1, int(reference["steps"]) + 1))
     got_steps = _history_steps(faulted)
@@ -48,16 +50,23 @@ def compare(faulted: dict[str, Any], reference: dict[str, Any]) -> Comparison:
             doubled = sorted({s for s in got_steps if got_steps.count(s) > 1})
             missing = sorted(set(want_steps) - set(got_steps))
             expected = f"steps {want_steps[0]}..{want_steps[-1]}" if want_steps else "no steps"
-            out.problems.append(f"history: expected {expected} once each, in order; found doubled {doubled}, "
-                                f"missing {missing}" + ("" if doubled or missing else f", order {got_steps}"))
+            out.problems.append(
+                f"history: expected {expected} once each, in order; found doubled {doubled}, "
+                f"missing {missing}" + ("" if doubled or missing else f", order {got_steps}")
+            )
 
     got_digest, want_digest = faulted["state_digest"], reference["state_digest"]
     out.checks["state_bitwise"] = got_digest["total"] == want_digest["total"]
     if not out.checks["state_bitwise"]:
-        names = sorted(k for k in want_digest["tensors"].keys() | got_digest["tensors"].keys()
-                       if want_digest["tensors"].get(k) != got_digest["tensors"].get(k))
-        out.problems.append(f"state: expected the reference's final model and optimizer state; "
-                            f"{len(names)} tensor(s) differ: {names[:5]}")
+        names = sorted(
+            k
+            for k in want_digest["tensors"].keys() | got_digest["tensors"].keys()
+            if want_digest["tensors"].get(k) != got_digest["tensors"].get(k)
+        )
+        out.problems.append(
+            f"state: expected the reference's final model and optimizer state; "
+            f"{len(names)} tensor(s) differ: {names[:5]}"
+        )
     return out
 
 

@@ -39,12 +39,16 @@ class SmallDisk:
 
     def mount(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", SOURCE,
-                               str(self.directory)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", SOURCE, str(self.directory)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise DiskFullUnavailable(
                 f"disk_full: expected to mount a {TMPFS_MB} MiB tmpfs on {self.directory} (needs root or "
-                f"CAP_SYS_ADMIN); `mount` exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}")
+                f"CAP_SYS_ADMIN); `mount` exited {done.returncode}: {done.stderr.strip() or done.stdout.strip()}"
+            )
         self.mounted = True
 
     def fill(self) -> int:
@@ -80,8 +84,10 @@ def unmount(directory: Path) -> bool:
         found = True
         done = subprocess.run(["umount", "-l", str(directory)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise OSError(f"disk_full: expected to unmount the tmpfs on {directory}; `umount` exited "
-                          f"{done.returncode}: {done.stderr.strip()}")
+            raise OSError(
+                f"disk_full: expected to unmount the tmpfs on {directory}; `umount` exited "
+                f"{done.returncode}: {done.stderr.strip()}"
+            )
     return found
 
 

@@ -40,8 +40,17 @@ HANG_MAX_HOLD_S = 300.0  # a hang with no duration is released at the latest aft
 # A survivor's event that says the fault was noticed (`train.failed_in_step`: the trainer
 # caught it in a step and is recovering in-job, e.g. a NonFiniteError, which is no CommError;
 # `train.preempted`: every rank agreed to stop after a SIGTERM).
-TYPED_ERRORS = frozenset({"collective.timeout", "peer.failure", "collective.error", "collective.mismatch",
-                          "train.error", "train.failed_in_step", "train.preempted"})
+TYPED_ERRORS = frozenset(
+    {
+        "collective.timeout",
+        "peer.failure",
+        "collective.error",
+        "collective.mismatch",
+        "train.error",
+        "train.failed_in_step",
+        "train.preempted",
+    }
+)
 _FAULT_SIGNALS = {FaultType.KILL: signal.SIGKILL, FaultType.HANG: signal.SIGSTOP, FaultType.SIGTERM: signal.SIGTERM}
 
 
@@ -61,8 +70,16 @@ class _Hold:
 class ExternalFaults:
     """The plan's external faults over one run: their triggers, firings and holds."""
 
-    def __init__(self, plan: Plan, ledger: Ledger, notes: Any, processes: JobProcesses, start_ns: int,
-                 disk: SmallDisk | None = None, network: Network | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        ledger: Ledger,
+        notes: Any,
+        processes: JobProcesses,
+        start_ns: int,
+        disk: SmallDisk | None = None,
+        network: Network | None = None,
+    ) -> None:
         self.faults = [(i, f) for i, f in enumerate(plan.faults) if f.type.external]
         self.ledger = ledger
         self.notes = notes  # the harness's journal (`commlib.observe.log.event_log`)
@@ -163,8 +180,9 @@ class ExternalFaults:
         if firing is None:
             self.disk.drain()
             return
-        self._note_fired(fault, index, firing, worker, step, attempt, filled_bytes=filled,
-                         free_bytes=self.disk.free_bytes())
+        self._note_fired(
+            fault, index, firing, worker, step, attempt, filled_bytes=filled, free_bytes=self.disk.free_bytes()
+        )
         self.holds.append(_Hold(fault, index, worker.proc, int(fault.rank), firing.ts_ns))
 
     def _impair(self, index: int, fault: Fault, worker: Worker, step: int | None, attempt: int) -> None:
@@ -179,8 +197,18 @@ class ExternalFaults:
         if firing is None:
             _set_impairment(self.network, fault, node, on=False)
             return
-        self._note_fired(fault, index, firing, worker, step, attempt, netns=self.network.nodes[node].netns,
-                         address=self.network.address(node), link=asdict(link), duration_s=fault.duration_s)
+        self._note_fired(
+            fault,
+            index,
+            firing,
+            worker,
+            step,
+            attempt,
+            netns=self.network.nodes[node].netns,
+            address=self.network.address(node),
+            link=asdict(link),
+            duration_s=fault.duration_s,
+        )
         self.holds.append(_Hold(fault, index, worker.proc, int(fault.rank), firing.ts_ns, node, before))
 
     def _act_on_job(self, index: int, fault: Fault, worker: Worker, step: int | None, attempt: int) -> None:
@@ -210,11 +238,22 @@ class ExternalFaults:
         except slurm.SlurmFaultError as exc:
             self.notes.error("chaos.fault_failed", fault=fault.type.value, index=index, error=str(exc))
 
-    def _note_fired(self, fault: Fault, index: int, firing: Firing, worker: Worker, step: int | None, attempt: int,
-                    **how: Any) -> None:
-        self.notes.info("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
-                        target_rank=int(fault.rank), target_pid=worker.proc.pid, node=worker.node, fault_step=step,
-                        attempt=attempt, **how, fired_ts_ns=firing.ts_ns)
+    def _note_fired(
+        self, fault: Fault, index: int, firing: Firing, worker: Worker, step: int | None, attempt: int, **how: Any
+    ) -> None:
+        self.notes.info(
+            "chaos.fault",
+            fault=fault.type.value,
+            index=index,
+            firing=firing.n,
+            target_rank=int(fault.rank),
+            target_pid=worker.proc.pid,
+            node=worker.node,
+            fault_step=step,
+            attempt=attempt,
+            **how,
+            fired_ts_ns=firing.ts_ns,
+        )
 
     # -- holds -------------------------------------------------------------------------
     def release_holds(self, force: bool = False) -> None:
@@ -225,8 +264,10 @@ class ExternalFaults:
                 reason = "harness stopping"
             elif hold.fault.duration_s is not None:
                 reason = "duration" if held_s >= hold.fault.duration_s else ""
-            elif any(ts >= hold.since_ns and (pid != hold.proc.pid or hold.fault.type is FaultType.DISK_FULL)
-                     for ts, pid in self.errors_after):
+            elif any(
+                ts >= hold.since_ns and (pid != hold.proc.pid or hold.fault.type is FaultType.DISK_FULL)
+                for ts, pid in self.errors_after
+            ):
                 reason = "a survivor reported the failure"
             elif not self.processes.running():
                 reason = "the job ended"
@@ -254,16 +295,26 @@ class ExternalFaults:
         _set_impairment(self.network, hold.fault, hold.node, on=False)
         counts = asdict(self.network.stats(hold.node))
         self.windows.append((hold, time.time_ns()))
-        self._note_released(hold, held_s, reason, node=hold.node,
-                            link={k: counts[k] - hold.link_before[k] for k in counts})
+        self._note_released(
+            hold, held_s, reason, node=hold.node, link={k: counts[k] - hold.link_before[k] for k in counts}
+        )
 
     def _note_released(self, hold: _Hold, held_s: float, reason: str, **how: Any) -> None:
-        self.notes.info("chaos.release", fault=hold.fault.type.value, index=hold.index, target_rank=hold.rank,
-                        target_pid=hold.proc.pid, held_s=held_s, reason=reason, **how)
+        self.notes.info(
+            "chaos.release",
+            fault=hold.fault.type.value,
+            index=hold.index,
+            target_rank=hold.rank,
+            target_pid=hold.proc.pid,
+            held_s=held_s,
+            reason=reason,
+            **how,
+        )
 
     def note_step_times(self) -> None:
         """Once the job is over: per lifted network fault, the target rank's steps that started
         while it was on, against that rank's steps that started outside every such window."""
+
         def inside(start: int) -> bool:
             return any(h.since_ns <= start < lifted for h, lifted in self.windows)
 
@@ -271,10 +322,16 @@ class ExternalFaults:
             mine = [(start, step, took) for start, r, step, took in self.step_times if r == hold.rank]
             during = [(step, took) for start, step, took in mine if hold.since_ns <= start < lifted]
             outside = [took for start, _, took in mine if not inside(start)]
-            self.notes.info("chaos.net_steps", fault=hold.fault.type.value, index=hold.index,
-                            target_rank=hold.rank, steps=[s for s, _ in during],
-                            step_time_s_during=_median([t for _, t in during]), step_time_s_outside=_median(outside),
-                            steps_outside=len(outside))
+            self.notes.info(
+                "chaos.net_steps",
+                fault=hold.fault.type.value,
+                index=hold.index,
+                target_rank=hold.rank,
+                steps=[s for s, _ in during],
+                step_time_s_during=_median([t for _, t in during]),
+                step_time_s_outside=_median(outside),
+                steps_outside=len(outside),
+            )
 
 
 def _set_impairment(network: Network, fault: Fault, node: int, *, on: bool) -> Impairment:

@@ -39,8 +39,11 @@ class FaultType(enum.StrEnum):
     @property
     def external(self) -> bool:
         """Applied by the harness from outside, with a signal (the others act inside the rank)."""
-        return (self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL) or self.network
-                or self.slurm)
+        return (
+            self in (FaultType.KILL, FaultType.HANG, FaultType.SIGTERM, FaultType.DISK_FULL)
+            or self.network
+            or self.slurm
+        )
 
     @property
     def slurm(self) -> bool:
@@ -55,14 +58,24 @@ class FaultType(enum.StrEnum):
     @property
     def in_collective(self) -> bool:
         """Acts inside a collective's pre-hook, so `seq`, `op` and `comm` apply to it."""
-        return self in (FaultType.SEGFAULT, FaultType.EXIT, FaultType.DELAY, FaultType.RAISE, FaultType.CORRUPT,
-                        FaultType.STRAGGLER, FaultType.GIL)
+        return self in (
+            FaultType.SEGFAULT,
+            FaultType.EXIT,
+            FaultType.DELAY,
+            FaultType.RAISE,
+            FaultType.CORRUPT,
+            FaultType.STRAGGLER,
+            FaultType.GIL,
+        )
 
     @property
     def default_rank(self) -> int | None:
         """The rank when the plan names none: a checkpoint's files are committed by rank 0."""
-        return 0 if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL, FaultType.PREEMPT,
-                             FaultType.TIME_LIMIT) else None
+        return (
+            0
+            if self in (FaultType.CORRUPT_CHECKPOINT, FaultType.DISK_FULL, FaultType.PREEMPT, FaultType.TIME_LIMIT)
+            else None
+        )
 
     @property
     def default_from_start(self) -> bool:
@@ -111,13 +124,15 @@ class Trigger:
         """Whether a collective is the one this fault acts on (the seq, and the op/comm/phase filters)."""
         if self.kind is TriggerKind.SEQ and seq != self.value:
             return False
-        return ((self.op is None or op == self.op) and (self.comm is None or comm == self.comm)
-                and (self.phase is None or phase == self.phase))
+        return (
+            (self.op is None or op == self.op)
+            and (self.comm is None or comm == self.comm)
+            and (self.phase is None or phase == self.phase)
+        )
 
     def filters(self) -> list[tuple[str, str]]:
         """The op/comm/phase filters that are set, as (field, value)."""
-        return [(name, v) for name, v in (("op", self.op), ("comm", self.comm), ("phase", self.phase))
-                if v is not None]
+        return [(name, v) for name, v in (("op", self.op), ("comm", self.comm), ("phase", self.phase)) if v is not None]
 
 
 @dataclass(frozen=True)
@@ -144,8 +159,13 @@ class Fault:
         """The flat form plans are written in."""
         t = self.trigger
         value: float | int = int(t.value) if t.kind in (TriggerKind.STEP, TriggerKind.SEQ) else t.value
-        out: dict[str, Any] = {"type": self.type.value, "rank": self.rank, t.kind.value: value,
-                               "count": self.count, "seed": self.seed}
+        out: dict[str, Any] = {
+            "type": self.type.value,
+            "rank": self.rank,
+            t.kind.value: value,
+            "count": self.count,
+            "seed": self.seed,
+        }
         out.update(t.filters())
         if self.duration_s is not None:
             out["duration_s"] = self.duration_s

@@ -74,10 +74,25 @@ from commlib.attempt import MAX_RESTARTS_ENV, NODES_ENV, launch_base
 from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
-__all__ = ["DEFAULT_FAULTS", "DEFAULT_TRAINER_ARGS", "RECOVERY_ONLY_FLAGS", "REFERENCE_TRAINER", "RUN_DIR_ENV",
-           "TYPED_ERRORS", "Job", "JobOutcome", "check_plan", "default_trainer_args", "first_attempt", "free_port",
-           "journal", "journal_name", "run_job",
-           "torchrun_commands", "trainer_deadline"]
+__all__ = [
+    "DEFAULT_FAULTS",
+    "DEFAULT_TRAINER_ARGS",
+    "RECOVERY_ONLY_FLAGS",
+    "REFERENCE_TRAINER",
+    "RUN_DIR_ENV",
+    "TYPED_ERRORS",
+    "Job",
+    "JobOutcome",
+    "check_plan",
+    "default_trainer_args",
+    "first_attempt",
+    "free_port",
+    "journal",
+    "journal_name",
+    "run_job",
+    "torchrun_commands",
+    "trainer_deadline",
+]
 
 REFERENCE_TRAINER = "chaos.workload.train"
 # The main job (`python -m chaos run` with no arguments): a small 30-step run of the
@@ -93,6 +108,7 @@ RECOVERY_ONLY_FLAGS = ("--no-in-job-recovery",)
 def default_trainer_args(trainer: str) -> tuple[str, ...]:
     """A trainer's arguments when none are given: `DEFAULT_TRAINER_ARGS` for the reference trainer."""
     return DEFAULT_TRAINER_ARGS if trainer == REFERENCE_TRAINER else ()
+
 
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
 JOURNAL = "harness.jsonl"
@@ -128,22 +144,31 @@ class Job:
         for name, most in (("nproc_per_node", MOST_PER_NODE), ("nnodes", MOST_NODES)):
             settings.integer(getattr(self, name), f"Job.{name}", low=1, high=most)
         if self.local_nodes * self.nproc_per_node > MOST_PER_NODE:
-            raise ValueError(f"Job: expected at most {MOST_PER_NODE} ranks on this machine; found {self.local_nodes} "
-                             f"local node(s) of {self.nproc_per_node} (--nnodes without --rdzv-endpoint runs every "
-                             f"node here)")
+            raise ValueError(
+                f"Job: expected at most {MOST_PER_NODE} ranks on this machine; found {self.local_nodes} "
+                f"local node(s) of {self.nproc_per_node} (--nnodes without --rdzv-endpoint runs every "
+                f"node here)"
+            )
         if not (Path(self.trainer).is_file() if self.is_script else _importable(self.trainer)):
-            raise ValueError(f"Job.trainer: expected a script file or an importable module; found neither: "
-                             f"{self.trainer!r}")
+            raise ValueError(
+                f"Job.trainer: expected a script file or an importable module; found neither: {self.trainer!r}"
+            )
         if self.node_rank is not None and self.rdzv_endpoint is None:
-            raise ValueError(f"Job.node_rank: expected only with rdzv_endpoint (a multi-node job); "
-                             f"found node_rank={self.node_rank} and no endpoint")
+            raise ValueError(
+                f"Job.node_rank: expected only with rdzv_endpoint (a multi-node job); "
+                f"found node_rank={self.node_rank} and no endpoint"
+            )
         if self.rdzv_endpoint is not None:  # one node's harness among several (chaos.multinode)
             if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
-                raise ValueError(f"Job.node_rank: expected this machine's node in [0, {self.nnodes}) with "
-                                 f"rdzv_endpoint; found {self.node_rank!r}")
+                raise ValueError(
+                    f"Job.node_rank: expected this machine's node in [0, {self.nnodes}) with "
+                    f"rdzv_endpoint; found {self.node_rank!r}"
+                )
             if not self.rdzv_id:
-                raise ValueError(f"Job.rdzv_id: expected the job's rendezvous id with rdzv_endpoint (every node's "
-                                 f"harness gives the same one); found {self.rdzv_id!r}")
+                raise ValueError(
+                    f"Job.rdzv_id: expected the job's rendezvous id with rdzv_endpoint (every node's "
+                    f"harness gives the same one); found {self.rdzv_id!r}"
+                )
 
     @property
     def world_size(self) -> int:
@@ -166,8 +191,14 @@ class Job:
         argv = [self.trainer] if self.is_script else ["-m", self.trainer]
         argv += [a.replace("{run_dir}", str(run_dir)) for a in self.trainer_args]
         if self.is_reference_trainer:
-            argv += ["--log-dir", str(run_dir / "logs"), "--ckpt-dir", str(run_dir / "ckpt"),
-                     "--results", str(run_dir / "results.json")]
+            argv += [
+                "--log-dir",
+                str(run_dir / "logs"),
+                "--ckpt-dir",
+                str(run_dir / "ckpt"),
+                "--results",
+                str(run_dir / "results.json"),
+            ]
             if not _has_flag(self.trainer_args, "--backend"):
                 argv += ["--backend", self.backend]
             if self.backend == "nccl" and not _has_flag(self.trainer_args, "--device"):
@@ -194,8 +225,7 @@ class JobOutcome:
 
     @property
     def ok(self) -> bool:
-        return (not self.timed_out and not self.interrupted and not self.stopped
-                and all(c == 0 for c in self.exit_codes))
+        return not self.timed_out and not self.interrupted and not self.stopped and all(c == 0 for c in self.exit_codes)
 
     @property
     def cold_start_s(self) -> float | None:
@@ -205,8 +235,9 @@ class JobOutcome:
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:
     """The harnesses' events of a run (one journal per node of a multi-node job), in time order."""
-    return sorted((e for path in sorted(run_dir.glob("harness*.jsonl")) for e in read_events(path)),
-                  key=lambda e: e["ts_ns"])
+    return sorted(
+        (e for path in sorted(run_dir.glob("harness*.jsonl")) for e in read_events(path)), key=lambda e: e["ts_ns"]
+    )
 
 
 def journal_name(job: Job) -> str:
@@ -236,8 +267,9 @@ def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s
     steps, deadline = (None, None) if args is None else (args.steps, float(args.timeout))
     check_run(plan, steps=steps, deadline_s=deadline, timeout_s=timeout_s)
     if any(f.type.network for f in plan.faults):
-        check_network(plan, nnodes=job.nnodes, local=job.rdzv_endpoint is None, backend=job.backend,
-                      deadline_s=deadline)
+        check_network(
+            plan, nnodes=job.nnodes, local=job.rdzv_endpoint is None, backend=job.backend, deadline_s=deadline
+        )
     if any(f.type.slurm for f in plan.faults):
         from chaos.slurm.faults import check
 
@@ -295,19 +327,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_commands(job: Job, max_restarts: int, run_dir: Path,
-                      network: Network | None = None) -> list[list[str]]:
+def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Network | None = None) -> list[list[str]]:
     """One torchrun command per agent this machine runs; with `network`, each agent in its
     node's namespace, on a rendezvous at node 0's address."""
-    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(job.nnodes),
-            "--nproc-per-node", str(job.nproc_per_node), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.1"]
+    base = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(job.nnodes),
+        "--nproc-per-node",
+        str(job.nproc_per_node),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.1",
+    ]
     trainer = job.trainer_argv(run_dir)
     if job.rdzv_endpoint is not None:  # one node of a multi-node job
         # Node 0 hosts the rendezvous store: said outright, as nodes sharing a machine (or a
         # loopback endpoint) would each take themselves for its host.
-        node = ["--rdzv-backend", job.rdzv_backend, "--rdzv-endpoint", job.rdzv_endpoint,
-                "--rdzv-id", str(job.rdzv_id), "--rdzv-conf", f"is_host={'true' if job.node_rank == 0 else 'false'}"]
+        node = [
+            "--rdzv-backend",
+            job.rdzv_backend,
+            "--rdzv-endpoint",
+            job.rdzv_endpoint,
+            "--rdzv-id",
+            str(job.rdzv_id),
+            "--rdzv-conf",
+            f"is_host={'true' if job.node_rank == 0 else 'false'}",
+        ]
         return [base + node + trainer]
     if job.nnodes == 1:
         return [base + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
@@ -319,14 +368,35 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path,
         prefixes = [network.exec_prefix(n) for n in range(job.nnodes)]
         addresses = [network.address(n) for n in range(job.nnodes)]
     # Every agent here would take itself for the store's host: say which one is.
-    return [prefixes[n] + base + ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-                                  "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}",
-                                  "--local-addr", addresses[n]]
-            + trainer for n in range(job.nnodes)]
+    return [
+        prefixes[n]
+        + base
+        + [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            f"is_host={'true' if n == 0 else 'false'}",
+            "--local-addr",
+            addresses[n],
+        ]
+        + trainer
+        for n in range(job.nnodes)
+    ]
 
 
-def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s: float = 600.0,
-            progress: Callable[[str], None] | None = None, inject: bool = True) -> JobOutcome:
+def run_job(
+    job: Job,
+    plan: Plan,
+    run_dir: str | os.PathLike[str],
+    *,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+    inject: bool = True,
+) -> JobOutcome:
     """Run `job` under the resolved `plan` in `run_dir`; see the module docstring.
 
     `inject=False` runs it without the in-rank injector (the fault-free reference).
@@ -338,16 +408,26 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
     start_ns = time.time_ns()
     env = _environment(plan, run_dir, start_ns, inject)
     stop = _OutsideStop(job.rdzv_endpoint is not None)
-    with (stop, Guard(run_dir) as guard, _fault_resources(job, plan, run_dir, guard) as (disk, network)):
+    with stop, Guard(run_dir) as guard, _fault_resources(job, plan, run_dir, guard) as (disk, network):
         notes = event_log(run_dir / journal_name(job), pid=os.getpid(), first_attempt=first_attempt(job, plan))
         if network is not None:
-            notes.info("harness.network", namespaces=[n.netns for n in network.nodes],
-                       addresses=[n.address for n in network.nodes], device=DEVICE)
+            notes.info(
+                "harness.network",
+                namespaces=[n.netns for n in network.nodes],
+                addresses=[n.address for n in network.nodes],
+                device=DEVICE,
+            )
         processes = JobProcesses(guard.token)
         ledger = Ledger(run_dir / "chaos_state")
         faults = ExternalFaults(plan, ledger, notes, processes, start_ns, disk, network)
-        status = Progress(plan, ledger, processes, start_ns,
-                          _flag(job.trainer_args, "--steps") if job.is_reference_trainer else None, progress)
+        status = Progress(
+            plan,
+            ledger,
+            processes,
+            start_ns,
+            _flag(job.trainer_args, "--steps") if job.is_reference_trainer else None,
+            progress,
+        )
         tail = LogTail(run_dir / "logs")
         outcome = JobOutcome(run_dir, start_ns, start_ns, [])
         try:
@@ -359,8 +439,9 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
             while processes.running():
                 if time.monotonic() > deadline:
                     outcome.timed_out = not outcome.stopped
-                    notes.info("harness.timeout" if outcome.timed_out else "harness.stop_grace_over",
-                               timeout_s=timeout_s)
+                    notes.info(
+                        "harness.timeout" if outcome.timed_out else "harness.stop_grace_over", timeout_s=timeout_s
+                    )
                     break
                 if stop.requested_ns is not None and not outcome.stopped:
                     # The job's own preemption path: the ranks stop together after the step in
@@ -386,16 +467,23 @@ def run_job(job: Job, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s:
             processes.stop()  # before the network goes: no process of the job is left in a namespace
             outcome.pids, outcome.pgids = set(processes.seen), processes.pgids
             outcome.first_step_ns, outcome.restarts = status.first_step_ns, status.restarts
-            outcome.exit_codes = [None if (outcome.timed_out or outcome.interrupted or outcome.stopped)
-                                  else a.returncode for a in processes.agents]
+            outcome.exit_codes = [
+                None if (outcome.timed_out or outcome.interrupted or outcome.stopped) else a.returncode
+                for a in processes.agents
+            ]
             outcome.end_ns = time.time_ns()
             if network is not None:
                 for event in tail.poll():  # the last lines: steps the notes count (no worker is left to fault)
                     faults.on_event(event)
                 faults.note_step_times()
                 notes.info("harness.network_totals", links=[asdict(network.stats(n)) for n in range(job.nnodes)])
-            notes.info("harness.end", exit_codes=outcome.exit_codes, timed_out=outcome.timed_out,
-                       stopped=outcome.stopped, first_step_ns=outcome.first_step_ns)
+            notes.info(
+                "harness.end",
+                exit_codes=outcome.exit_codes,
+                timed_out=outcome.timed_out,
+                stopped=outcome.stopped,
+                first_step_ns=outcome.first_step_ns,
+            )
     return outcome
 
 
@@ -407,8 +495,10 @@ def _prepare(job: Job, plan: Plan, run_dir: Path) -> None:
         return
     if run_dir.is_dir() and any(run_dir.iterdir()):
         # Logs, checkpoints and the ledger of an earlier run would leak into this one.
-        raise ValueError(f"run_job: expected a new or empty run directory; found {run_dir} holding "
-                         f"{sorted(p.name for p in run_dir.iterdir())[:5]}")
+        raise ValueError(
+            f"run_job: expected a new or empty run directory; found {run_dir} holding "
+            f"{sorted(p.name for p in run_dir.iterdir())[:5]}"
+        )
     for sub in ("logs", "ckpt", "chaos_state"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")
@@ -434,20 +524,29 @@ def _join(job: Job, plan: Plan, run_dir: Path) -> None:
             found = json.loads(path.read_text())
             if found != data:
                 differ = sorted(k for k in data.keys() | found.keys() if data.get(k) != found.get(k))
-                raise ValueError(f"run_job: expected {path} to be this job's, to join it; found another "
-                                 f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)")
+                raise ValueError(
+                    f"run_job: expected {path} to be this job's, to join it; found another "
+                    f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)"
+                )
         finally:
             partial.unlink()
     if (run_dir / "report.json").exists():
-        raise ValueError(f"run_job: expected a multi-node run still going on in {run_dir}; found its verdict "
-                         f"written (report.json)")
+        raise ValueError(
+            f"run_job: expected a multi-node run still going on in {run_dir}; found its verdict written (report.json)"
+        )
 
 
 def _environment(plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict[str, str]:
     """The agents' environment: where the ranks log, the run, the ledger, the start time, and
     (with `inject`) the plan for the in-rank injector."""
-    env = {**os.environ, LOG_DIR_ENV: str(run_dir / "logs"), RUN_DIR_ENV: str(run_dir),
-           STATE_ENV: str(run_dir / "chaos_state"), START_ENV: str(start_ns), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        LOG_DIR_ENV: str(run_dir / "logs"),
+        RUN_DIR_ENV: str(run_dir),
+        STATE_ENV: str(run_dir / "chaos_state"),
+        START_ENV: str(start_ns),
+        "PYTHONUNBUFFERED": "1",
+    }
     if inject:
         env[PLAN_ENV] = str(run_dir / "plan.json")
     else:
@@ -458,8 +557,9 @@ def _environment(plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict
 
 
 @contextlib.contextmanager
-def _fault_resources(job: Job, plan: Plan, run_dir: Path,
-                     guard: Guard) -> Iterator[tuple[SmallDisk | None, Network | None]]:
+def _fault_resources(
+    job: Job, plan: Plan, run_dir: Path, guard: Guard
+) -> Iterator[tuple[SmallDisk | None, Network | None]]:
     """What the plan's faults need before the launch: the small disk of ``disk_full``, the
     nodes' network of a network fault; noted in `guard` before they are made, taken down after
     the run, whatever its end."""

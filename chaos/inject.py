@@ -84,8 +84,16 @@ class InjectedFault(RuntimeError):
 class Injector:
     """The faults of one plan that target this rank."""
 
-    def __init__(self, plan: Plan, rank: int, ledger: Ledger, start_ns: int, attempt: int, *,
-                 external_wait_s: float = EXTERNAL_WAIT_S) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        ledger: Ledger,
+        start_ns: int,
+        attempt: int,
+        *,
+        external_wait_s: float = EXTERNAL_WAIT_S,
+    ) -> None:
         self.rank = rank
         self.attempt = attempt
         self._ledger = ledger
@@ -93,10 +101,14 @@ class Injector:
         self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
         # Whoever's step triggers them, they stop every rank (the whole job): `_await_stop`.
         stops = (FaultType.PREEMPT, FaultType.TIME_LIMIT)
-        self._job_stops = [(i, f) for i, f in enumerate(plan.faults)
-                           if f.type in stops and f.trigger.kind is not TriggerKind.AFTER_S]
-        self._external = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and f.type.external
-                          and f.type not in stops and f.trigger.kind is not TriggerKind.AFTER_S]
+        self._job_stops = [
+            (i, f) for i, f in enumerate(plan.faults) if f.type in stops and f.trigger.kind is not TriggerKind.AFTER_S
+        ]
+        self._external = [
+            (i, f)
+            for i, f in enumerate(plan.faults)
+            if f.rank == rank and f.type.external and f.type not in stops and f.trigger.kind is not TriggerKind.AFTER_S
+        ]
         self.external_wait_s = external_wait_s
         self._armed: set[int] = set()
         # Stragglers slow from an earlier attempt on stay slow in this one.
@@ -131,8 +143,11 @@ class Injector:
         `SIGNAL_GRACE_S` for the signal that follows the claim: the fault lands at the start
         of its step, before the step's first collective.
         """
-        due = {i: self._ledger.fired(i) for i, f in self._external
-               if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count}
+        due = {
+            i: self._ledger.fired(i)
+            for i, f in self._external
+            if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed) and self._ledger.fired(i) < f.count
+        }
         if not due:
             return
         give_up = time.monotonic() + self.external_wait_s
@@ -151,8 +166,12 @@ class Injector:
         delay (a time-limit notice waits for its next check). Waiting here instead of training
         on makes that delay cost no step: the trainer's own handler, which runs too, has the
         request noted before this step begins, and every rank stops after this very step."""
-        due = {i for i, f in self._job_stops if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed)
-               and (self._ledger.fired(i) < f.count or self._claimed(i, step))}
+        due = {
+            i
+            for i, f in self._job_stops
+            if f.trigger.matches_step(f.seed, i, self.attempt, step, elapsed)
+            and (self._ledger.fired(i) < f.count or self._claimed(i, step))
+        }
         if not due:
             return
         noticed: list[int] = []
@@ -191,8 +210,10 @@ class Injector:
     def on_checkpoint_committed(self, step: int, directory: str | os.PathLike[str]) -> None:
         for i, f in self._faults:
             if f.type is FaultType.CORRUPT_CHECKPOINT and i in self._armed:
-                victim = max((p for p in Path(directory).rglob("*") if p.is_file() and p.name != "COMPLETE.json"),
-                             key=lambda p: p.stat().st_size)
+                victim = max(
+                    (p for p in Path(directory).rglob("*") if p.is_file() and p.name != "COMPLETE.json"),
+                    key=lambda p: p.stat().st_size,
+                )
                 offset = victim.stat().st_size // 2
                 if self._fire(i, f, step, checkpoint_step=step, file=str(victim), offset=offset):
                     _flip_bytes(victim, offset, CORRUPT_BYTES)
@@ -213,8 +234,7 @@ class Injector:
             if f.type is FaultType.CORRUPT and _floating_input(call) is None:
                 continue  # nothing to corrupt in this one; the next floating collective gets it
             step = self.step if self.step is not None else call.context.get("step")
-            if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm,
-                          phase=call.context.get("phase")):
+            if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm, phase=call.context.get("phase")):
                 if f.type is FaultType.STRAGGLER:
                     self._slow.add(i)
                 _act(f, call, self.rank, step)
@@ -222,12 +242,20 @@ class Injector:
     def _fire(self, index: int, fault: Fault, step: Any, **where: Any) -> bool:
         """Claim the firing in the ledger and log it; False when the count is already spent."""
         self._armed.discard(index)
-        firing = self._ledger.claim(fault, index, self.attempt, step if isinstance(step, int) else None,
-                                    pid=os.getpid(), **where)
+        firing = self._ledger.claim(
+            fault, index, self.attempt, step if isinstance(step, int) else None, pid=os.getpid(), **where
+        )
         if firing is None:
             return False
-        commlib.get_logger().warning("chaos.fault", fault=fault.type.value, index=index, firing=firing.n,
-                                     target_rank=self.rank, fault_step=step, **where)
+        commlib.get_logger().warning(
+            "chaos.fault",
+            fault=fault.type.value,
+            index=index,
+            firing=firing.n,
+            target_rank=self.rank,
+            fault_step=step,
+            **where,
+        )
         return True
 
 
@@ -311,7 +339,9 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
     if comm is not None:
         for i, f in enumerate(plan.faults):
             if f.type is FaultType.STRAGGLER and f.rank == rank and f.ms is not None and f.ms / 1000 >= comm.timeout:
-                raise ValueError(f"chaos plan faults[{i}] on rank {rank}: expected a straggler's ms under the "
-                                 f"collective deadline ({comm.timeout * 1000:g} ms), so that it slows the job "
-                                 f"without failing it; found ms={f.ms:g} (use delay to go past the deadline)")
+                raise ValueError(
+                    f"chaos plan faults[{i}] on rank {rank}: expected a straggler's ms under the "
+                    f"collective deadline ({comm.timeout * 1000:g} ms), so that it slows the job "
+                    f"without failing it; found ms={f.ms:g} (use delay to go past the deadline)"
+                )
     return Injector(plan, rank, Ledger(state), start_ns, attempt, external_wait_s=wait_s)

@@ -53,8 +53,7 @@ class Ledger:
     def total(self) -> int:
         return len(list(self.directory.glob("fault*.json")))
 
-    def claim(self, fault: Fault, index: int, attempt: int, step: int | None = None,
-              **detail: Any) -> Firing | None:
+    def claim(self, fault: Fault, index: int, attempt: int, step: int | None = None, **detail: Any) -> Firing | None:
         """Record the next firing of `fault` before it acts; None when its count is spent."""
         for n in range(self.fired(index) + 1, fault.count + 1):
             firing = Firing(index, n, fault.type.value, int(fault.rank), attempt, time.time_ns(), step, detail)

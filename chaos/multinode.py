@@ -49,8 +49,16 @@ class Stopped(Exception):
     launch, the job goes on in its next one."""
 
 
-def run_node(job: Job, plan: Plan, run_dir: Path, *, reference_root: Path | None, png: bool = True,
-             timeout_s: float = 600.0, progress: Callable[[str], None] | None = None) -> Report | None:
+def run_node(
+    job: Job,
+    plan: Plan,
+    run_dir: Path,
+    *,
+    reference_root: Path | None,
+    png: bool = True,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> Report | None:
     """This node's part of the job, its part of the reference, and on node 0 the verdict
     (module docstring; None on the other nodes). `reference_root` None: no reference, no
     bitwise checks. Raises Stopped when SIGTERM stopped this node's harness."""
@@ -60,8 +68,10 @@ def run_node(job: Job, plan: Plan, run_dir: Path, *, reference_root: Path | None
     node = job.node_rank or 0
     outcome = run_job(job, plan, run_dir, timeout_s=timeout_s, progress=progress)
     if outcome.stopped:
-        raise Stopped(f"node {node} stopped by SIGTERM (a preemption or its notice): the job stopped after a "
-                      f"checkpoint and goes on in its next launch, in {run_dir}")
+        raise Stopped(
+            f"node {node} stopped by SIGTERM (a preemption or its notice): the job stopped after a "
+            f"checkpoint and goes on in its next launch, in {run_dir}"
+        )
     first = first_attempt(job, plan)
     reference = None
     if reference_root is not None:
@@ -69,8 +79,9 @@ def run_node(job: Job, plan: Plan, run_dir: Path, *, reference_root: Path | None
     if node != 0:
         return None
     merged = merged_outcome(job, run_dir, wait_for_nodes(job, run_dir, first))
-    report = verifier.verify(job, plan, merged, reference_root=reference_root, timeout_s=timeout_s,
-                             progress=progress, reference=reference)
+    report = verifier.verify(
+        job, plan, merged, reference_root=reference_root, timeout_s=timeout_s, progress=progress, reference=reference
+    )
     report.write(run_dir, png=png)
     return report
 
@@ -86,8 +97,12 @@ def _journals(job: Job, run_dir: Path) -> dict[int, list[dict[str, Any]]]:
 
 def _ends(job: Job, run_dir: Path, first: int) -> dict[int, dict[str, Any]]:
     """node -> its harness's end of the launch whose first attempt is `first`."""
-    return {node: end for node, events in _journals(job, run_dir).items()
-            for end in events if end.get("event") == "harness.end" and end.get("first_attempt") == first}
+    return {
+        node: end
+        for node, events in _journals(job, run_dir).items()
+        for end in events
+        if end.get("event") == "harness.end" and end.get("first_attempt") == first
+    }
 
 
 def wait_for_nodes(job: Job, run_dir: Path, first: int, timeout_s: float = PEER_WAIT_S) -> dict[int, dict[str, Any]]:
@@ -108,19 +123,42 @@ def merged_outcome(job: Job, run_dir: Path, ends: dict[int, dict[str, Any]]) -> 
     journals = _journals(job, run_dir)
     launches = [e for events in journals.values() for e in events if e.get("event") == "harness.launch"]
     start_ns = min((e["ts_ns"] for e in launches), default=time.time_ns())
-    codes: list[int | None] = [(ends[n].get("exit_codes") or [None])[0] if n in ends else None
-                               for n in range(job.nnodes)]
-    firsts = [e["first_step_ns"] for events in journals.values() for e in events
-              if e.get("event") == "harness.end" and isinstance(e.get("first_step_ns"), int)]
-    attempts = {e.get("attempt") for path in sorted((run_dir / "logs").glob("rank*.jsonl*"))
-                for e in read_events(path) if isinstance(e.get("attempt"), int)}
-    return JobOutcome(run_dir, start_ns, time.time_ns(), codes,
-                      timed_out=any(e.get("timed_out") for e in ends.values()),
-                      first_step_ns=min(firsts, default=None), restarts=max(len(attempts) - 1, 0))
+    codes: list[int | None] = [
+        (ends[n].get("exit_codes") or [None])[0] if n in ends else None for n in range(job.nnodes)
+    ]
+    firsts = [
+        e["first_step_ns"]
+        for events in journals.values()
+        for e in events
+        if e.get("event") == "harness.end" and isinstance(e.get("first_step_ns"), int)
+    ]
+    attempts = {
+        e.get("attempt")
+        for path in sorted((run_dir / "logs").glob("rank*.jsonl*"))
+        for e in read_events(path)
+        if isinstance(e.get("attempt"), int)
+    }
+    return JobOutcome(
+        run_dir,
+        start_ns,
+        time.time_ns(),
+        codes,
+        timed_out=any(e.get("timed_out") for e in ends.values()),
+        first_step_ns=min(firsts, default=None),
+        restarts=max(len(attempts) - 1, 0),
+    )
 
 
-def _reference(job: Job, root: Path, run_dir: Path, first: int, node: int, timeout_s: float,
-               progress: Callable[[str], None] | None, ok: bool) -> Path | None:
+def _reference(
+    job: Job,
+    root: Path,
+    run_dir: Path,
+    first: int,
+    node: int,
+    timeout_s: float,
+    progress: Callable[[str], None] | None,
+    ok: bool,
+) -> Path | None:
     """This node's part of the fault-free reference of the same shape, unless the cache has it
     (module docstring). Node 0 decides, and gets the cached reference's directory (None where
     there is none: the verdict says why); `ok`: its own job completed (a failed job is verified
@@ -138,8 +176,12 @@ def _reference(job: Job, root: Path, run_dir: Path, first: int, node: int, timeo
     # Held while the nodes run it, as `chaos.verify.ensure_reference` does: another run that
     # needs the same reference waits for this one instead of computing it again.
     with locked(root / f"{key}.lock"):
-        decision = {"first_attempt": first, "key": key, "run": ok and not (final / RESULTS).is_file(),
-                    "work": str(work)}
+        decision = {
+            "first_attempt": first,
+            "key": key,
+            "run": ok and not (final / RESULTS).is_file(),
+            "work": str(work),
+        }
         partial = run_dir / f".{DECISION}.{os.getpid()}"
         partial.write_text(json.dumps(decision) + "\n")
         os.replace(partial, run_dir / DECISION)

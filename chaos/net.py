@@ -105,8 +105,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     except FileNotFoundError as exc:
         raise NetworkUnavailable("chaos.net: expected the `ip` command (iproute2); found none on PATH") from exc
     if check and done.returncode != 0:
-        raise NetworkUnavailable(f"chaos.net: `ip {' '.join(args)}` exited {done.returncode} (network namespaces and "
-                                 f"TUN devices need root): {done.stderr.strip() or done.stdout.strip()}")
+        raise NetworkUnavailable(
+            f"chaos.net: `ip {' '.join(args)}` exited {done.returncode} (network namespaces and "
+            f"TUN devices need root): {done.stderr.strip() or done.stdout.strip()}"
+        )
     return done
 
 
@@ -178,8 +180,9 @@ class Network:
         try:
             fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH22x", temp.encode(), _IFF_TUN | _IFF_NO_PI))
         except OSError as exc:
-            raise NetworkUnavailable(f"chaos.net: expected TUNSETIFF to create {temp} (needs CAP_NET_ADMIN); "
-                                     f"{exc}") from exc
+            raise NetworkUnavailable(
+                f"chaos.net: expected TUNSETIFF to create {temp} (needs CAP_NET_ADMIN); {exc}"
+            ) from exc
         ns = ["-n", node.netns]
         _ip("link", "set", temp, "netns", node.netns)
         _ip(*ns, "link", "set", temp, "name", DEVICE)
@@ -217,8 +220,9 @@ class Network:
     def address(self, node: int) -> str:
         return self.nodes[node].address
 
-    def impair(self, node: int, *, delay_s: float | None = None, loss: float | None = None,
-               cut: bool | None = None) -> Impairment:
+    def impair(
+        self, node: int, *, delay_s: float | None = None, loss: float | None = None, cut: bool | None = None
+    ) -> Impairment:
         """Change `node`'s link (unset arguments keep their value); returns the new impairment."""
         n = self.nodes[node]
         changes = {k: v for k, v in (("delay_s", delay_s), ("loss", loss), ("cut", cut)) if v is not None}

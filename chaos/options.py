@@ -29,6 +29,7 @@ MOST_NODES = 10**4
 def option(rule: Callable[..., Any], name: str, **bounds: Any) -> Callable[[str], Any]:
     """An argparse type that checks an option's text with `rule` (one of `commlib.settings`'),
     so that argparse refuses it as ``argument NAME: expected NAME to be ...; found ...``."""
+
     def parse(text: str) -> Any:
         try:
             return rule(text, name, **bounds)

@@ -110,9 +110,27 @@ from commlib import settings
 from commlib.ops import OpName
 
 # What other modules import from here; the faults' types and the ledger live in their own modules.
-__all__ = ["DELAY_MARGIN_S", "MAX_LOSS_PCT", "RESTART_MARGIN", "Fault", "FaultType", "Firing", "Ledger",
-           "PartitionOutcome", "Plan", "PlanError", "Release", "Trigger", "TriggerKind", "check_network",
-           "check_run", "load_plan", "parse_fault", "parse_shorthand", "partition_outcome"]
+__all__ = [
+    "DELAY_MARGIN_S",
+    "MAX_LOSS_PCT",
+    "RESTART_MARGIN",
+    "Fault",
+    "FaultType",
+    "Firing",
+    "Ledger",
+    "PartitionOutcome",
+    "Plan",
+    "PlanError",
+    "Release",
+    "Trigger",
+    "TriggerKind",
+    "check_network",
+    "check_run",
+    "load_plan",
+    "parse_fault",
+    "parse_shorthand",
+    "partition_outcome",
+]
 
 RESTART_MARGIN = 2
 DEEPEST_PLAN = 16  # a value within mappings and lists within each other: a plan's are 4 deep
@@ -141,7 +159,6 @@ class PlanError(ValueError):
         self.field = field_name
 
 
-
 @dataclass(frozen=True)
 class Plan:
     faults: tuple[Fault, ...] = ()
@@ -149,12 +166,18 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.max_restarts is not None:
-            object.__setattr__(self, "max_restarts", _checked("max_restarts", settings.integer, self.max_restarts,
-                                                              low=0, high=MOST_FIRINGS))
+            object.__setattr__(
+                self,
+                "max_restarts",
+                _checked("max_restarts", settings.integer, self.max_restarts, low=0, high=MOST_FIRINGS),
+            )
         firings = sum(f.count for f in self.faults)
         if firings > MOST_FIRINGS:
-            raise PlanError("faults", f"expected at most {MOST_FIRINGS} firings in all (the counts' sum, and "
-                                      f"torchrun's restarts); found {firings}")
+            raise PlanError(
+                "faults",
+                f"expected at most {MOST_FIRINGS} firings in all (the counts' sum, and "
+                f"torchrun's restarts); found {firings}",
+            )
 
     @property
     def restarts(self) -> int:
@@ -174,8 +197,11 @@ class Plan:
             if rank == "random":
                 rank = random.Random(f"{f.seed}:{i}").randrange(world_size)
             if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-                raise PlanError(f"faults[{i}].rank", f"expected an int in [0, {world_size}) or 'random' for a world "
-                                                     f"of {world_size} ranks; found {f.rank!r} ({f.describe()})")
+                raise PlanError(
+                    f"faults[{i}].rank",
+                    f"expected an int in [0, {world_size}) or 'random' for a world "
+                    f"of {world_size} ranks; found {f.rank!r} ({f.describe()})",
+                )
             resolved.append(replace(f, rank=rank))
         return replace(self, faults=tuple(resolved))
 
@@ -230,35 +256,48 @@ def check_network(plan: Plan, *, nnodes: int, local: bool, backend: str, deadlin
             continue
         where = f"faults[{i}]"
         if not local:
-            raise PlanError(f"{where}.type", f"a {f.type} fault needs every node of the job on this machine (the "
-                                             f"harness puts each in a network namespace of its own); found one node "
-                                             f"of a multi-node job (--rdzv-endpoint)")
+            raise PlanError(
+                f"{where}.type",
+                f"a {f.type} fault needs every node of the job on this machine (the "
+                f"harness puts each in a network namespace of its own); found one node "
+                f"of a multi-node job (--rdzv-endpoint)",
+            )
         if nnodes < 2:
-            raise PlanError(f"{where}.type", f"a {f.type} fault acts between nodes; expected a job of --nnodes >= 2; "
-                                             f"found {nnodes}")
+            raise PlanError(
+                f"{where}.type", f"a {f.type} fault acts between nodes; expected a job of --nnodes >= 2; found {nnodes}"
+            )
         if backend != "gloo":
-            raise PlanError(f"{where}.type", f"a {f.type} fault needs the gloo backend, whose traffic crosses the "
-                                             f"network (NCCL between GPUs of one machine takes P2P or shared memory "
-                                             f"and would never see it); found {backend}")
+            raise PlanError(
+                f"{where}.type",
+                f"a {f.type} fault needs the gloo backend, whose traffic crosses the "
+                f"network (NCCL between GPUs of one machine takes P2P or shared memory "
+                f"and would never see it); found {backend}",
+            )
         if deadline_s is None:
             continue
         assert f.duration_s is not None  # parse_fault requires it
         if f.type is FaultType.PARTITION and partition_outcome(f.duration_s, deadline_s) is None:
             short = (deadline_s - TCP_FIRST_RTO_S - TCP_RESUME_SLACK_S) / 2
-            raise PlanError(f"{where}.duration_s", f"expected a partition either survived (at most {short:g} s: "
-                                                   f"TCP may resume only {f.duration_s:g} + {TCP_FIRST_RTO_S:g} s after the link is "
-                                                   f"back) or detected (at least "
-                                                   f"{deadline_s + PARTITION_PAST_DEADLINE_S:g} s) with the "
-                                                   f"collective deadline of {deadline_s:g} s; found "
-                                                   f"{f.duration_s:g} s, which may do either")
+            raise PlanError(
+                f"{where}.duration_s",
+                f"expected a partition either survived (at most {short:g} s: "
+                f"TCP may resume only {f.duration_s:g} + {TCP_FIRST_RTO_S:g} s after the link is "
+                f"back) or detected (at least "
+                f"{deadline_s + PARTITION_PAST_DEADLINE_S:g} s) with the "
+                f"collective deadline of {deadline_s:g} s; found "
+                f"{f.duration_s:g} s, which may do either",
+            )
         if f.type is FaultType.NET_DELAY:
             assert f.ms is not None
             most = deadline_s * 1000 / (2 * NET_DELAY_ROUND_TRIPS)
             if f.ms > most:
-                raise PlanError(f"{where}.ms", f"expected a delay a collective survives: {NET_DELAY_ROUND_TRIPS} "
-                                               f"round trips of 2 x ms within the deadline of {deadline_s:g} s, so at "
-                                               f"most {most:g} ms; found {f.ms:g} (a partition goes past the "
-                                               f"deadline)")
+                raise PlanError(
+                    f"{where}.ms",
+                    f"expected a delay a collective survives: {NET_DELAY_ROUND_TRIPS} "
+                    f"round trips of 2 x ms within the deadline of {deadline_s:g} s, so at "
+                    f"most {most:g} ms; found {f.ms:g} (a partition goes past the "
+                    f"deadline)",
+                )
 
 
 def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeout_s: float | None) -> None:
@@ -270,38 +309,52 @@ def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeou
     for i, f in enumerate(plan.faults):
         where, t = f"faults[{i}]", f.trigger
         if steps is not None and t.kind is TriggerKind.STEP and not 1 <= t.value <= steps:
-            raise PlanError(f"{where}.step", f"expected a step the run reaches (from 1, at most {steps}, its "
-                                             f"--steps); found {int(t.value)}, where the fault would never fire")
+            raise PlanError(
+                f"{where}.step",
+                f"expected a step the run reaches (from 1, at most {steps}, its "
+                f"--steps); found {int(t.value)}, where the fault would never fire",
+            )
         if timeout_s is not None and t.kind is TriggerKind.AFTER_S and t.value >= timeout_s:
-            raise PlanError(f"{where}.after_s", f"expected a time before the job's timeout of {timeout_s:g} s "
-                                                f"(--job-timeout); found {t.value:g}, where the fault would never fire")
+            raise PlanError(
+                f"{where}.after_s",
+                f"expected a time before the job's timeout of {timeout_s:g} s "
+                f"(--job-timeout); found {t.value:g}, where the fault would never fire",
+            )
         if timeout_s is not None and f.duration_s is not None and f.duration_s >= timeout_s:
-            raise PlanError(f"{where}.duration_s", f"expected a duration the job can hold: under the job's timeout "
-                                                   f"of {timeout_s:g} s (--job-timeout); found {f.duration_s:g} s, "
-                                                   f"whose end the job would never reach")
+            raise PlanError(
+                f"{where}.duration_s",
+                f"expected a duration the job can hold: under the job's timeout "
+                f"of {timeout_s:g} s (--job-timeout); found {f.duration_s:g} s, "
+                f"whose end the job would never reach",
+            )
         if f.type is not FaultType.STRAGGLER:
             continue
         assert f.ms is not None  # parse_fault requires it
         if deadline_s is not None and f.ms / 1000 >= deadline_s:
-            raise PlanError(f"{where}.ms", f"expected a straggler's ms under the collective deadline of "
-                                           f"{deadline_s:g} s, so that it slows the job without failing it; found "
-                                           f"{f.ms:g} (use delay to go past the deadline)")
+            raise PlanError(
+                f"{where}.ms",
+                f"expected a straggler's ms under the collective deadline of "
+                f"{deadline_s:g} s, so that it slows the job without failing it; found "
+                f"{f.ms:g} (use delay to go past the deadline)",
+            )
         # At least one collective per step: a lower bound on what the straggler adds.
         first = int(t.value) if t.kind is TriggerKind.STEP else 1
         slowed = 1 if steps is None else steps - first + 1
         if timeout_s is not None and slowed * f.ms / 1000 >= timeout_s:
-            raise PlanError(f"{where}.ms", f"expected a straggler the job can finish with: {f.ms:g} ms before each "
-                                           f"collective of {slowed} step(s) adds {slowed * f.ms / 1000:g} s at "
-                                           f"least; found that past the job's timeout of {timeout_s:g} s "
-                                           f"(--job-timeout)")
+            raise PlanError(
+                f"{where}.ms",
+                f"expected a straggler the job can finish with: {f.ms:g} ms before each "
+                f"collective of {slowed} step(s) adds {slowed * f.ms / 1000:g} s at "
+                f"least; found that past the job's timeout of {timeout_s:g} s "
+                f"(--job-timeout)",
+            )
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """A plan from a .yaml/.yml/.json file."""
     where = str(path)
     if not Path(path).is_file():
-        found = ("a directory" if Path(path).is_dir() else "a special file" if Path(path).exists()
-                 else "no such file")
+        found = "a directory" if Path(path).is_dir() else "a special file" if Path(path).exists() else "no such file"
         raise PlanError(where, f"expected a YAML or JSON plan file; found {found}")
     size = Path(path).stat().st_size
     if size > LARGEST_PLAN_BYTES:
@@ -332,8 +385,10 @@ def _check_shape(data: Any, where: str) -> None:
         item, depth = level.pop()
         seen += 1
         if seen > MOST_PLAN_VALUES:
-            raise PlanError(where, f"expected a plan of at most {MOST_PLAN_VALUES} values; found more (YAML "
-                                   f"aliases count once per use)")
+            raise PlanError(
+                where,
+                f"expected a plan of at most {MOST_PLAN_VALUES} values; found more (YAML aliases count once per use)",
+            )
         if depth > DEEPEST_PLAN:
             raise PlanError(where, f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper")
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
@@ -363,8 +418,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > DEEPEST_PLAN:
-                raise PlanError(self.name, f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper "
-                                           f"at line {self.get_mark().line + 1}")
+                raise PlanError(
+                    self.name,
+                    f"expected a plan nested at most {DEEPEST_PLAN} deep; found one deeper "
+                    f"at line {self.get_mark().line + 1}",
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -373,8 +431,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         own = [(k, v) for k, v in node.value if k.tag != "tag:yaml.org,2002:merge"]  # before flattening merges
         keys = [self.construct_object(k) for k, _ in own]
         if all(isinstance(k, collections.abc.Hashable) for k in keys) and len(set(keys)) < len(keys):
-            _unique([(key, self.construct_object(v, deep=True)) for key, (_, v) in zip(keys, own)],
-                    f"{self.name}:{node.start_mark.line + 1}")
+            _unique(
+                [(key, self.construct_object(v, deep=True)) for key, (_, v) in zip(keys, own)],
+                f"{self.name}:{node.start_mark.line + 1}",
+            )
         return super().construct_mapping(node, deep=True)  # refuses unhashable keys
 
 
@@ -449,13 +509,20 @@ def parse_fault(item: Any, where: str) -> Fault:
     """One fault from its flat mapping; every error names `where` and the field."""
     if not isinstance(item, dict):
         raise PlanError(where, f"expected a mapping with 'type', 'rank' and a trigger; found {item!r}")
-    ftype = FaultType(_checked(f"{where}.type", settings.choice, _required(item, "type", where, "a fault type"),
-                               choices=[t.value for t in FaultType]))
+    ftype = FaultType(
+        _checked(
+            f"{where}.type",
+            settings.choice,
+            _required(item, "type", where, "a fault type"),
+            choices=[t.value for t in FaultType],
+        )
+    )
     allowed = _fields_of(ftype)
     unknown = sorted(set(item) - allowed, key=str)
     if unknown:
-        raise PlanError(f"{where}.{unknown[0]}", f"unknown field for a {ftype} fault; expected some of "
-                                                 f"{sorted(allowed)}")
+        raise PlanError(
+            f"{where}.{unknown[0]}", f"unknown field for a {ftype} fault; expected some of {sorted(allowed)}"
+        )
     if "rank" not in item and ftype.default_rank is None:
         raise PlanError(f"{where}.rank", "missing; expected a rank (an int >= 0) or 'random'")
     rank = item.get("rank", ftype.default_rank)
@@ -467,25 +534,32 @@ def parse_fault(item: Any, where: str) -> Fault:
     duration = item.get("duration_s")
     if duration is not None:
         duration = _seconds(f"{where}.duration_s", duration)
-    release = Release(_checked(f"{where}.release", settings.choice, item.get("release", "kill"),
-                               choices=[r.value for r in Release]))
+    release = Release(
+        _checked(f"{where}.release", settings.choice, item.get("release", "kill"), choices=[r.value for r in Release])
+    )
     code = _checked(f"{where}.code", settings.integer, item.get("code", 1), low=0, high=255)
     ms = pct = None
     if ftype is FaultType.STRAGGLER:
-        ms = _milliseconds(f"{where}.ms", _required(item, "ms", where, "the milliseconds added before each "
-                                                                       "collective"))
+        ms = _milliseconds(f"{where}.ms", _required(item, "ms", where, "the milliseconds added before each collective"))
         if count != 1:
             raise PlanError(f"{where}.count", f"a straggler stays slow once it starts; expected count 1, found {count}")
     if ftype.network and duration is None:
         raise PlanError(f"{where}.duration_s", f"missing; expected how long the {ftype} lasts, in seconds")
     if ftype is FaultType.NET_DELAY:
-        ms = _milliseconds(f"{where}.ms", _required(item, "ms", where, "the milliseconds added to each packet to "
-                                                                       "or from the node"))
+        ms = _milliseconds(
+            f"{where}.ms", _required(item, "ms", where, "the milliseconds added to each packet to or from the node")
+        )
     if ftype is FaultType.NET_LOSS:
-        pct = _checked(f"{where}.pct", settings.number, _required(item, "pct", where, "the percentage of the "
-                                                                                      "node's packets dropped"),
-                       "more loss than TCP retransmits through within a deadline stalls a connection for "
-                       "seconds: that is a partition", high=MAX_LOSS_PCT, above=0.0, unit="percent")
+        pct = _checked(
+            f"{where}.pct",
+            settings.number,
+            _required(item, "pct", where, "the percentage of the node's packets dropped"),
+            "more loss than TCP retransmits through within a deadline stalls a connection for "
+            "seconds: that is a partition",
+            high=MAX_LOSS_PCT,
+            above=0.0,
+            unit="percent",
+        )
     partition = item.get("partition")
     if partition is not None:
         partition = _checked(f"{where}.partition", settings.text, partition)
@@ -499,8 +573,9 @@ def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
         given = [TriggerKind.AFTER_S]
     if len(given) != 1:
         found = f"found {[k.value for k in given]}" if given else "found none"
-        raise PlanError(f"{where}.trigger", f"expected exactly one trigger of "
-                                            f"{[k.value for k in TriggerKind]}; {found}")
+        raise PlanError(
+            f"{where}.trigger", f"expected exactly one trigger of {[k.value for k in TriggerKind]}; {found}"
+        )
     kind = given[0]
     name = f"{where}.{kind.value}"
     raw = item[kind.value]
@@ -512,8 +587,10 @@ def _trigger(ftype: FaultType, item: dict[str, Any], where: str) -> Trigger:
     else:
         value = _checked(name, settings.number, raw, high=1.0, above=0.0)
     if kind is TriggerKind.SEQ and not ftype.in_collective:
-        raise PlanError(name, f"a {ftype} fault cannot be triggered by a collective sequence number; "
-                              f"expected one of step, after_s, p")
+        raise PlanError(
+            name,
+            f"a {ftype} fault cannot be triggered by a collective sequence number; expected one of step, after_s, p",
+        )
     op, comm, phase = (item.get(f) for f in _FILTERS)
     if op is not None:
         op = _checked(f"{where}.op", settings.choice, op, choices=[o.value for o in OpName])

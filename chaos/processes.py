@@ -61,8 +61,14 @@ class JobProcesses:
     def launch(self, cmd: list[str], env: Mapping[str, str], output: Path) -> subprocess.Popen[bytes]:
         """Start one agent, its output appended to `output`, carrying the token, stopped when the harness dies."""
         with open(output, "ab") as out:
-            agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**env, JOB_ENV: self.token},
-                                     start_new_session=True, preexec_fn=_terminated_with(os.getpid()))
+            agent = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**env, JOB_ENV: self.token},
+                start_new_session=True,
+                preexec_fn=_terminated_with(os.getpid()),
+            )
         self.agents.append(agent)
         self.seen.add(agent.pid)
         return agent
@@ -171,6 +177,7 @@ def terminate(find: Callable[[], list[psutil.Process]]) -> set[int]:
 
 def _terminated_with(harness: int) -> Callable[[], None]:
     """An agent's step between fork and exec: SIGTERM to it when the harness dies."""
+
     def tie() -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != harness:  # it died before the line above: no signal will come

@@ -20,8 +20,15 @@ SCAN_S = 0.5  # how often the worker processes are listed (to count restarts)
 
 
 class Progress:
-    def __init__(self, plan: Plan, ledger: Ledger, processes: JobProcesses, start_ns: int,
-                 total_steps: int | None, show: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        ledger: Ledger,
+        processes: JobProcesses,
+        start_ns: int,
+        total_steps: int | None,
+        show: Callable[[str], None] | None,
+    ) -> None:
         self.plan = plan
         self.ledger = ledger
         self.processes = processes
@@ -52,8 +59,10 @@ class Progress:
             return
         total = f"/{self.total_steps}" if self.total_steps else ""
         faults = self.ledger.total() if self.plan.faults else 0
-        state = (f"step {self.steps_done}{total} | faults injected {faults}/"
-                 f"{sum(f.count for f in self.plan.faults)} | restarts {self.restarts}")
+        state = (
+            f"step {self.steps_done}{total} | faults injected {faults}/"
+            f"{sum(f.count for f in self.plan.faults)} | restarts {self.restarts}"
+        )
         if state != self._last_line:
             self._last_line = state
             self.show_line(f"{state} | {(time.time_ns() - self.start_ns) / 1e9:.1f} s")

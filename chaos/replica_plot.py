@@ -50,8 +50,15 @@ def plot(proof: "ReplicaProof", record: "Record", path: Path) -> None:
         at = f.get("at_s")
         if at is not None:
             bottom.axvline(at, color="red", linestyle="--", linewidth=1)
-            bottom.annotate(f"{f['fault']} r{f['replica']}", (at, bottom.get_ylim()[1]), rotation=90, fontsize=7,
-                            va="top", ha="right", color="red")
+            bottom.annotate(
+                f"{f['fault']} r{f['replica']}",
+                (at, bottom.get_ylim()[1]),
+                rotation=90,
+                fontsize=7,
+                va="top",
+                ha="right",
+                color="red",
+            )
     bottom.set_xlabel("seconds since the first commit")
     bottom.set_ylabel("committed step (rank 0)")
     bottom.legend(fontsize=7, loc="lower right")

@@ -107,19 +107,27 @@ class ReplicaProof:
         return next(c for c in self.checks if c.name == name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "run_dir": self.run_dir, "checks": [asdict(c) for c in self.checks],
-                "membership": {str(k): v for k, v in self.membership.items()}, "faults": self.faults,
-                "replay_dir": self.replay_dir, "doctor": self.doctor}
+        return {
+            "passed": self.passed,
+            "run_dir": self.run_dir,
+            "checks": [asdict(c) for c in self.checks],
+            "membership": {str(k): v for k, v in self.membership.items()},
+            "faults": self.faults,
+            "replay_dir": self.replay_dir,
+            "doctor": self.doctor,
+        }
 
     def summary(self) -> str:
         lines = [f"replica run {self.run_dir}: {'PASSED' if self.passed else 'FAILED'}"]
         lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.found}" for c in self.checks]
         for f in self.faults:
             held = f", then held {_s(f['held_for_it_s'])} for it at the last step" if f.get("held_for_it_s") else ""
-            lines.append(f"  fault {f['fault']} on replica {f['replica']} (rank {f['target_rank']}) at step "
-                         f"{f.get('fault_step')}: survivors' next commit after {_s(f.get('to_next_commit_s'))}, "
-                         f"time lost {_s(f.get('time_lost_s'))}{held}, discarded steps "
-                         f"{f.get('discarded_by_survivors')}")
+            lines.append(
+                f"  fault {f['fault']} on replica {f['replica']} (rank {f['target_rank']}) at step "
+                f"{f.get('fault_step')}: survivors' next commit after {_s(f.get('to_next_commit_s'))}, "
+                f"time lost {_s(f.get('time_lost_s'))}{held}, discarded steps "
+                f"{f.get('discarded_by_survivors')}"
+            )
         return "\n".join(lines + ["", self.doctor_text] if self.doctor_text else lines)
 
     def write(self, png: bool = True) -> None:
@@ -153,12 +161,28 @@ def read_record(run_dir: Path, logs: Path | None = None) -> Record:
 
 def _take(record: Record, replica: int, rank: int, e: dict[str, Any]) -> None:
     name = e.get("event")
-    where = {"replica": replica, "rank": rank, "pid": e.get("pid"), "attempt": e.get("attempt", 0),
-             "ts_ns": e.get("ts_ns")}
+    where = {
+        "replica": replica,
+        "rank": rank,
+        "pid": e.get("pid"),
+        "attempt": e.get("attempt", 0),
+        "ts_ns": e.get("ts_ns"),
+    }
     if name == "train.step" and "digest" in e:
-        record.commits.append(Commit(replica, rank, int(e["pid"]), int(e.get("attempt", 0)), int(e["step"]),
-                                     tuple(e["replicas"]), e.get("quorum_id"), e["loss_hex"], e["digest"],
-                                     int(e["ts_ns"])))
+        record.commits.append(
+            Commit(
+                replica,
+                rank,
+                int(e["pid"]),
+                int(e.get("attempt", 0)),
+                int(e["step"]),
+                tuple(e["replicas"]),
+                e.get("quorum_id"),
+                e["loss_hex"],
+                e["digest"],
+                int(e["ts_ns"]),
+            )
+        )
     elif name == "train.failed_in_step":
         record.discarded.append({**where, "step": e.get("step"), "error_type": e.get("error_type")})
     elif name == "replica.heal":
@@ -180,9 +204,15 @@ def prove(run_dir: str | Path, *, replay: bool = True, timeout_s: float = 300.0)
     targeted = {int(f["rank"]) // record.group_size for f in plan["faults"]}
     replicas = int(json.loads((run_dir / "job.json").read_text())["replicas"])
     survivors = [r for r in range(replicas) if r not in targeted]
-    checks = [finished(record, replicas), survivors_never_restarted(record, survivors),
-              survivors_every_step_once(record, survivors), no_step_committed_twice(record), in_step(record),
-              members_committed(record), every_commit_applied(record)]
+    checks = [
+        finished(record, replicas),
+        survivors_never_restarted(record, survivors),
+        survivors_every_step_once(record, survivors),
+        no_step_committed_twice(record),
+        in_step(record),
+        members_committed(record),
+        every_commit_applied(record),
+    ]
     membership = record.membership()
     replay_dir = None
     if replay:
@@ -192,8 +222,15 @@ def prove(run_dir: str | Path, *, replay: bool = True, timeout_s: float = 300.0)
         checks.append(matches_replay(record, read_replay(replay_dir)))
     faults = fault_costs(run_dir, record, survivors)
     findings = analyze_replicas(run_dir / "logs")
-    return ReplicaProof(str(run_dir), checks, membership, faults, str(replay_dir) if replay_dir else None,
-                        findings.to_dict(), findings.render())
+    return ReplicaProof(
+        str(run_dir),
+        checks,
+        membership,
+        faults,
+        str(replay_dir) if replay_dir else None,
+        findings.to_dict(),
+        findings.render(),
+    )
 
 
 def _verdict(name: str, problems: list[str], held: str) -> Check:
@@ -212,8 +249,12 @@ def _by_process(record: Record) -> dict[tuple[int, int], list[Commit]]:
 
 def finished(record: Record, replicas: int) -> Check:
     last = {key: max(c.step for c in commits) for key, commits in _by_process(record).items()}
-    problems = [f"replica {r} rank {k} committed up to step {last.get((r, k))}"
-                for r in range(replicas) for k in range(record.group_size) if last.get((r, k)) != record.steps]
+    problems = [
+        f"replica {r} rank {k} committed up to step {last.get((r, k))}"
+        for r in range(replicas)
+        for k in range(record.group_size)
+        if last.get((r, k)) != record.steps
+    ]
     return _verdict("finished", problems, f"every rank of {replicas} groups committed step {record.steps}")
 
 
@@ -229,8 +270,11 @@ def survivors_never_restarted(record: Record, survivors: list[int]) -> Check:
         heals = [h for h in record.heals if h["replica"] == r]
         if heals:
             problems.append(f"replica {r} healed (to step {heals[0]['to_step']})")
-    return _verdict("survivors_never_restarted", problems,
-                    f"replicas {survivors}: one process per rank from start to end, never healed")
+    return _verdict(
+        "survivors_never_restarted",
+        problems,
+        f"replicas {survivors}: one process per rank from start to end, never healed",
+    )
 
 
 def survivors_every_step_once(record: Record, survivors: list[int]) -> Check:
@@ -239,10 +283,15 @@ def survivors_every_step_once(record: Record, survivors: list[int]) -> Check:
         steps = [c.step for c in commits]
         if r in survivors and steps != list(range(1, record.steps + 1)):
             missing = sorted(set(range(1, record.steps + 1)) - set(steps))
-            problems.append(f"replica {r} rank {k} committed {len(steps)} steps for {record.steps}"
-                            f"{f', missing {missing[:5]}' if missing else ''}")
-    return _verdict("survivors_every_step_once", problems,
-                    f"replicas {survivors} committed steps 1..{record.steps}, each once, in order")
+            problems.append(
+                f"replica {r} rank {k} committed {len(steps)} steps for {record.steps}"
+                f"{f', missing {missing[:5]}' if missing else ''}"
+            )
+    return _verdict(
+        "survivors_every_step_once",
+        problems,
+        f"replicas {survivors} committed steps 1..{record.steps}, each once, in order",
+    )
 
 
 def no_step_committed_twice(record: Record) -> Check:
@@ -250,8 +299,10 @@ def no_step_committed_twice(record: Record) -> Check:
     for (r, k), commits in _by_process(record).items():
         for before, after in zip(commits, commits[1:]):
             if after.step <= before.step:
-                problems.append(f"replica {r} rank {k} committed step {after.step} (pid {after.pid}, attempt "
-                                f"{after.attempt}) after step {before.step} (pid {before.pid})")
+                problems.append(
+                    f"replica {r} rank {k} committed step {after.step} (pid {after.pid}, attempt "
+                    f"{after.attempt}) after step {before.step} (pid {before.pid})"
+                )
     return _verdict("no_step_committed_twice", problems, "every rank's committed steps strictly increase")
 
 
@@ -261,10 +312,14 @@ def in_step(record: Record) -> Check:
         by_step[(c.step, c.rank)].append(c)
     # A heal first: the state it took must be the one the groups committed at that step (said first, as it
     # explains the differences that follow).
-    problems = [f"replica {h['replica']} rank {h['rank']} healed to step {h['to_step']} with a state unlike the "
-                f"groups' at that step" for h in record.heals
-                if h.get("digest") and by_step.get((h["to_step"], h["rank"]))
-                and h["digest"] not in {c.digest for c in by_step[(h["to_step"], h["rank"])]}]
+    problems = [
+        f"replica {h['replica']} rank {h['rank']} healed to step {h['to_step']} with a state unlike the "
+        f"groups' at that step"
+        for h in record.heals
+        if h.get("digest")
+        and by_step.get((h["to_step"], h["rank"]))
+        and h["digest"] not in {c.digest for c in by_step[(h["to_step"], h["rank"])]}
+    ]
     for (step, k), commits in sorted(by_step.items()):
         if len({c.digest for c in commits}) > 1:
             groups = defaultdict(list)
@@ -272,15 +327,24 @@ def in_step(record: Record) -> Check:
                 groups[c.digest[:12]].append(c.replica)
             problems.append(f"step {step} rank {k}: replicas' states differ ({dict(groups)})")
         if len({(c.replicas, c.quorum_id) for c in commits}) > 1:
-            problems.append(f"step {step} rank {k}: members and quorums differ "
-                            f"({sorted({(c.replica, c.replicas, c.quorum_id) for c in commits})})")
-    return _verdict("in_step", problems, f"at each of {len({s for s, _ in by_step})} committed steps every group "
-                                         f"that committed it holds bitwise the same state")
+            problems.append(
+                f"step {step} rank {k}: members and quorums differ "
+                f"({sorted({(c.replica, c.replicas, c.quorum_id) for c in commits})})"
+            )
+    return _verdict(
+        "in_step",
+        problems,
+        f"at each of {len({s for s, _ in by_step})} committed steps every group "
+        f"that committed it holds bitwise the same state",
+    )
 
 
 def members_committed(record: Record) -> Check:
-    problems = [f"replica {c.replica} committed step {c.step} without being a member {list(c.replicas)}"
-                for c in record.commits if c.replica not in c.replicas]
+    problems = [
+        f"replica {c.replica} committed step {c.step} without being a member {list(c.replicas)}"
+        for c in record.commits
+        if c.replica not in c.replicas
+    ]
     return _verdict("members_committed", problems, "every group that committed a step was a member of it")
 
 
@@ -307,10 +371,16 @@ def matches_replay(record: Record, replayed: dict[tuple[int, int], dict[str, Any
             first.setdefault(("loss differs from the replay's", c.replica, c.rank), c.step)
         if r["digest"] != c.digest:
             first.setdefault(("state differs from the replay's", c.replica, c.rank), c.step)
-    problems = [f"replica {r} rank {k}: {what} from step {step} on"
-                for (what, r, k), step in sorted(first.items(), key=lambda item: (item[1], item[0][1:]))]
-    return _verdict("replay", problems, f"{len(record.commits)} committed (step, replica, rank) records bitwise "
-                                        f"equal to the replay of the membership ({len(replayed)} replayed)")
+    problems = [
+        f"replica {r} rank {k}: {what} from step {step} on"
+        for (what, r, k), step in sorted(first.items(), key=lambda item: (item[1], item[0][1:]))
+    ]
+    return _verdict(
+        "replay",
+        problems,
+        f"{len(record.commits)} committed (step, replica, rank) records bitwise "
+        f"equal to the replay of the membership ({len(replayed)} replayed)",
+    )
 
 
 def every_commit_applied(record: Record) -> Check:
@@ -318,14 +388,15 @@ def every_commit_applied(record: Record) -> Check:
     group that commits a step without applying it (a skipped step) is named at that step."""
     problems = []
     before: dict[tuple[int, int, int], str] = {}  # (replica, rank, pid) -> the digest of its state now
-    events = sorted([(c.ts_ns, 1, c) for c in record.commits] + [(h["ts_ns"], 0, h) for h in record.heals
-                                                                 if h.get("digest")], key=lambda x: x[:2])
+    events = sorted(
+        [(c.ts_ns, 1, c) for c in record.commits] + [(h["ts_ns"], 0, h) for h in record.heals if h.get("digest")],
+        key=lambda x: x[:2],
+    )
     for _, _, e in events:
         if isinstance(e, Commit):
             key = (e.replica, e.rank, e.pid)
             if before.get(key) == e.digest:
-                problems.append(f"replica {e.replica} rank {e.rank} committed step {e.step} without changing its "
-                                f"state")
+                problems.append(f"replica {e.replica} rank {e.rank} committed step {e.step} without changing its state")
             before[key] = e.digest
         else:
             before[(e["replica"], e["rank"], e["pid"])] = e["digest"]
@@ -349,25 +420,40 @@ def fault_costs(run_dir: Path, record: Record, survivors: list[int]) -> list[dic
         at = int(e.get("fired_ts_ns") or e["ts_ns"])
         before = [c.ts_ns for c in record.commits if c.replica in survivors and c.ts_ns <= at]
         after = [c.ts_ns for c in record.commits if c.replica in survivors and c.ts_ns > at]
-        noticed = sorted((d["ts_ns"], str(d.get("error_type"))) for d in record.discarded
-                         if d["replica"] in survivors and d["ts_ns"] > at)
+        noticed = sorted(
+            (d["ts_ns"], str(d.get("error_type")))
+            for d in record.discarded
+            if d["replica"] in survivors and d["ts_ns"] > at
+        )
         back = [c for c in record.commits if c.replica == replica and c.ts_ns > at]
-        discarded = len({(d["replica"], d["step"]) for d in record.discarded
-                         if d["replica"] in survivors and at < d["ts_ns"] <= (min(after) if after else at)})
+        discarded = len(
+            {
+                (d["replica"], d["step"])
+                for d in record.discarded
+                if d["replica"] in survivors and at < d["ts_ns"] <= (min(after) if after else at)
+            }
+        )
         gap = (min(after) - max(before)) / 1e9 if after and before else None
         # Survivors holding before the last step for the lost group (--finish-together-s) chose to wait:
         # that is said apart from what the fault cost them.
         held_s = _held(record, survivors, max(before), min(after)) if after and before else 0.0
-        out.append({"fault": e.get("fault"), "replica": replica, "target_rank": target, "fault_step": e.get("fault_step"),
-                    "at_s": (at - t0) / 1e9,
-                    "detected_after_s": (noticed[0][0] - at) / 1e9 if noticed else None,
-                    "detected_as": noticed[0][1] if noticed else None,
-                    "to_next_commit_s": (min(after) - at) / 1e9 if after else None,
-                    "time_lost_s": max(0.0, gap - normal - held_s) if gap is not None else None,
-                    "held_for_it_s": held_s,
-                    "discarded_by_survivors": discarded,
-                    "replica_back_after_s": (back[0].ts_ns - at) / 1e9 if back else None,
-                    "replica_back_at_step": back[0].step if back else None})
+        out.append(
+            {
+                "fault": e.get("fault"),
+                "replica": replica,
+                "target_rank": target,
+                "fault_step": e.get("fault_step"),
+                "at_s": (at - t0) / 1e9,
+                "detected_after_s": (noticed[0][0] - at) / 1e9 if noticed else None,
+                "detected_as": noticed[0][1] if noticed else None,
+                "to_next_commit_s": (min(after) - at) / 1e9 if after else None,
+                "time_lost_s": max(0.0, gap - normal - held_s) if gap is not None else None,
+                "held_for_it_s": held_s,
+                "discarded_by_survivors": discarded,
+                "replica_back_after_s": (back[0].ts_ns - at) / 1e9 if back else None,
+                "replica_back_at_step": back[0].step if back else None,
+            }
+        )
     return out
 
 
@@ -378,8 +464,9 @@ def _held(record: Record, survivors: list[int], start: int, end: int) -> float:
     for h in record.holds:
         if h["replica"] not in survivors:
             continue
-        resumed = min((c.ts_ns for c in record.commits if c.replica == h["replica"] and c.ts_ns > h["ts_ns"]),
-                      default=end)
+        resumed = min(
+            (c.ts_ns for c in record.commits if c.replica == h["replica"] and c.ts_ns > h["ts_ns"]), default=end
+        )
         held = max(held, (min(end, resumed) - max(start, h["ts_ns"])) / 1e9)
     return held
 

@@ -108,19 +108,48 @@ class ReplicaJob:
     def command(self, replica: int, run_dir: Path, max_restarts: int) -> list[str]:
         """Replica group `replica`'s torchrun."""
         return self._torchrun(max_restarts) + [
-            "--replica", str(replica), "--replicas", str(self.replicas), "--replica-pg", self.replica_pg,
-            "--log-dir", str(log_dir(run_dir, replica)), "--ready-dir", str(run_dir / "ready"), *self.trainer_args]
+            "--replica",
+            str(replica),
+            "--replicas",
+            str(self.replicas),
+            "--replica-pg",
+            self.replica_pg,
+            "--log-dir",
+            str(log_dir(run_dir, replica)),
+            "--ready-dir",
+            str(run_dir / "ready"),
+            *self.trainer_args,
+        ]
 
     def replay_command(self, membership: Path, logs: Path) -> list[str]:
         """The replay's torchrun: one group, no restarts (`chaos.workload.replica`'s ``--replay``)."""
-        return self._torchrun(0) + ["--replicas", str(self.replicas), "--replay", str(membership),
-                                    "--log-dir", str(logs), *self.trainer_args]
+        return self._torchrun(0) + [
+            "--replicas",
+            str(self.replicas),
+            "--replay",
+            str(membership),
+            "--log-dir",
+            str(logs),
+            *self.trainer_args,
+        ]
 
     def _torchrun(self, max_restarts: int) -> list[str]:
         trainer = [self.trainer] if self.trainer.endswith(".py") else ["-m", self.trainer]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-                "--nproc-per-node", str(self.group_size), "--max-restarts", str(max_restarts),
-                "--monitor-interval", "0.1", *trainer]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--local-addr",
+            "127.0.0.1",
+            "--nproc-per-node",
+            str(self.group_size),
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.1",
+            *trainer,
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "trainer_args": list(self.trainer_args), "world_size": self.world_size}
@@ -163,8 +192,10 @@ class ReplicaProcesses(JobProcesses):
         self.group_size = group_size
 
     def workers(self) -> list[Worker]:
-        return [w if w.rank is None else replace(w, rank=global_rank(w.node, w.rank, self.group_size))
-                for w in super().workers()]
+        return [
+            w if w.rank is None else replace(w, rank=global_rank(w.node, w.rank, self.group_size))
+            for w in super().workers()
+        ]
 
 
 @contextlib.contextmanager
@@ -179,11 +210,16 @@ def _lighthouse(job: ReplicaJob, network: Network | None, token: str, run_dir: P
     """
     binary = Path(sys.executable).with_name("torchft_lighthouse")
     if not binary.is_file():
-        raise FileNotFoundError(f"run_replicas: expected torchft's lighthouse at {binary} (torchft-nightly's); "
-                                f"found none")
+        raise FileNotFoundError(
+            f"run_replicas: expected torchft's lighthouse at {binary} (torchft-nightly's); found none"
+        )
     host, port = ("127.0.0.1", 0) if network is None else (network.address(job.replicas), LIGHTHOUSE_PORT)
-    settings = {"min_replicas": 1, "join_timeout_ms": job.join_timeout_ms, "quorum_tick_ms": job.quorum_tick_ms,
-                "heartbeat_timeout_ms": job.heartbeat_timeout_ms}
+    settings = {
+        "min_replicas": 1,
+        "join_timeout_ms": job.join_timeout_ms,
+        "quorum_tick_ms": job.quorum_tick_ms,
+        "heartbeat_timeout_ms": job.heartbeat_timeout_ms,
+    }
     cmd = [str(binary), "--bind", f"{host}:{port}", *(f"--{k}={v}" for k, v in settings.items())]
     log = run_dir / "lighthouse.log"
     own = JobProcesses(token)
@@ -204,8 +240,10 @@ def _listening_port(log: Path, lighthouse: JobProcesses) -> int:
         if not lighthouse.running():
             break
         time.sleep(POLL_S)
-    raise RuntimeError(f"run_replicas: expected torchft's lighthouse to listen within {LIGHTHOUSE_START_S:g} s; "
-                       f"found {'it exited' if not lighthouse.running() else 'no word of it'} (see {log})")
+    raise RuntimeError(
+        f"run_replicas: expected torchft's lighthouse to listen within {LIGHTHOUSE_START_S:g} s; "
+        f"found {'it exited' if not lighthouse.running() else 'no word of it'} (see {log})"
+    )
 
 
 @contextlib.contextmanager
@@ -230,12 +268,26 @@ def _in_node(network: Network | None, node: int, cmd: list[str]) -> list[str]:
     advertises, its stores' and its checkpoint server's, resolve from every other node)."""
     if network is None:
         return cmd
-    return [*network.exec_prefix(node), "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-            network.address(node), *cmd]
+    return [
+        *network.exec_prefix(node),
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        'hostname "$0" && exec "$@"',
+        network.address(node),
+        *cmd,
+    ]
 
 
-def run_replicas(job: ReplicaJob, plan: Plan, run_dir: str | os.PathLike[str], *, timeout_s: float = 600.0,
-                 progress: Callable[[str], None] | None = None) -> ReplicaOutcome:
+def run_replicas(
+    job: ReplicaJob,
+    plan: Plan,
+    run_dir: str | os.PathLike[str],
+    *,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> ReplicaOutcome:
     """Run `job` under `plan` (resolved here over the job's ranks) in a new `run_dir`; see the module docstring.
 
     Never returns while a process of the job is alive or the lighthouse runs.
@@ -246,16 +298,31 @@ def run_replicas(job: ReplicaJob, plan: Plan, run_dir: str | os.PathLike[str], *
     check_plan(job, plan, timeout_s)
     _prepare(job, plan, run_dir)
     start_ns = time.time_ns()
-    env = {**_environment(run_dir), STATE_ENV: str(run_dir / "chaos_state"), START_ENV: str(start_ns),
-           PLAN_ENV: str(run_dir / "plan.json")}
-    with (Guard(run_dir) as guard, _network(job, plan, guard) as network,
-          _lighthouse(job, network, guard.token, run_dir) as lighthouse):
+    env = {
+        **_environment(run_dir),
+        STATE_ENV: str(run_dir / "chaos_state"),
+        START_ENV: str(start_ns),
+        PLAN_ENV: str(run_dir / "plan.json"),
+    }
+    with (
+        Guard(run_dir) as guard,
+        _network(job, plan, guard) as network,
+        _lighthouse(job, network, guard.token, run_dir) as lighthouse,
+    ):
         notes = event_log(run_dir / JOURNAL, pid=os.getpid())
-        notes.info("replicas.lighthouse", address=lighthouse, heartbeat_timeout_ms=job.heartbeat_timeout_ms,
-                   join_timeout_ms=job.join_timeout_ms)
+        notes.info(
+            "replicas.lighthouse",
+            address=lighthouse,
+            heartbeat_timeout_ms=job.heartbeat_timeout_ms,
+            join_timeout_ms=job.join_timeout_ms,
+        )
         if network is not None:
-            notes.info("harness.network", namespaces=[n.netns for n in network.nodes],
-                       addresses=[n.address for n in network.nodes], device=DEVICE)
+            notes.info(
+                "harness.network",
+                namespaces=[n.netns for n in network.nodes],
+                addresses=[n.address for n in network.nodes],
+                device=DEVICE,
+            )
             env["GLOO_SOCKET_IFNAME"] = DEVICE  # else gloo binds what the host name resolves to
         processes = ReplicaProcesses(guard.token, job.group_size)
         ledger = Ledger(run_dir / "chaos_state")
@@ -300,22 +367,29 @@ def run_replay(run_dir: Path, membership: dict[int, list[int]], *, timeout_s: fl
     steps.write_text(json.dumps({str(step): members for step, members in sorted(membership.items())}) + "\n")
     with Guard(replay_dir) as guard:
         processes = JobProcesses(guard.token)
-        agent = processes.launch(job.replay_command(steps, replay_dir / "logs"), _environment(run_dir),
-                                 replay_dir / "torchrun.log")
+        agent = processes.launch(
+            job.replay_command(steps, replay_dir / "logs"), _environment(run_dir), replay_dir / "torchrun.log"
+        )
         deadline = time.monotonic() + timeout_s
         while processes.running() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         processes.stop()
     if agent.returncode != 0:
-        raise RuntimeError(f"run_replay: expected the replay of {run_dir} to finish within {timeout_s:g} s; found "
-                           f"exit code {agent.returncode} (see {replay_dir / 'torchrun.log'})")
+        raise RuntimeError(
+            f"run_replay: expected the replay of {run_dir} to finish within {timeout_s:g} s; found "
+            f"exit code {agent.returncode} (see {replay_dir / 'torchrun.log'})"
+        )
     return replay_dir
 
 
 def _environment(run_dir: Path) -> dict[str, str]:
-    env = {**os.environ, RUN_DIR_ENV: str(run_dir), "PYTHONUNBUFFERED": "1",
-           # Every process computes with the same intra-op thread count: CPU reductions split by it.
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        RUN_DIR_ENV: str(run_dir),
+        "PYTHONUNBUFFERED": "1",
+        # Every process computes with the same intra-op thread count: CPU reductions split by it.
+        "OMP_NUM_THREADS": "1",
+    }
     for name in (LOG_DIR_ENV, PLAN_ENV):
         env.pop(name, None)
     return env
@@ -332,8 +406,10 @@ def check_plan(job: ReplicaJob, plan: Plan, timeout_s: float) -> None:
 
 def _prepare(job: ReplicaJob, plan: Plan, run_dir: Path) -> None:
     if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ValueError(f"run_replicas: expected a new or empty run directory; found {run_dir} holding "
-                         f"{sorted(p.name for p in run_dir.iterdir())[:5]}")
+        raise ValueError(
+            f"run_replicas: expected a new or empty run directory; found {run_dir} holding "
+            f"{sorted(p.name for p in run_dir.iterdir())[:5]}"
+        )
     for r in range(job.replicas):
         log_dir(run_dir, r).mkdir(parents=True, exist_ok=True)
     (run_dir / "chaos_state").mkdir(parents=True, exist_ok=True)
@@ -365,27 +441,40 @@ DEFAULT_TRAINER_ARGS = ("--steps", "30", "--timeout", "5", "--min-step-s", "0.2"
 
 def add_command(sub: Any) -> None:
     """The ``replicas`` subcommand of ``python -m chaos``."""
-    p = sub.add_parser("replicas", help="replica groups under torchft: break one, restart it alone, prove it",
-                       description="Run replica groups under torchft (one torchrun each, commlib's group between "
-                                   "them, the lighthouse on loopback), break them as the plan says (ranks are "
-                                   "replica x group size + group rank), then prove the run bitwise against a replay "
-                                   "of its membership. Arguments after -- go to the trainer.")
+    p = sub.add_parser(
+        "replicas",
+        help="replica groups under torchft: break one, restart it alone, prove it",
+        description="Run replica groups under torchft (one torchrun each, commlib's group between "
+        "them, the lighthouse on loopback), break them as the plan says (ranks are "
+        "replica x group size + group rank), then prove the run bitwise against a replay "
+        "of its membership. Arguments after -- go to the trainer.",
+    )
     p.add_argument("--replicas", type=int, default=2, help="replica groups")
     p.add_argument("--group-size", type=int, default=1, help="ranks per group (more than one: HSDP)")
     p.add_argument("--plan", help="a YAML or JSON fault plan")
-    p.add_argument("--fault", action="append", default=[], metavar="TYPE:key=value,...",
-                   help=f"a fault (repeatable); default {' '.join(DEFAULT_FAULTS)}")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="TYPE:key=value,...",
+        help=f"a fault (repeatable); default {' '.join(DEFAULT_FAULTS)}",
+    )
     p.add_argument("--replica-pg", choices=PGS, default="commlib", help="the process group between the groups")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=ReplicaJob.heartbeat_timeout_ms,
-                   help="the lighthouse's: how long a silent group stays in the quorums")
+    p.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=ReplicaJob.heartbeat_timeout_ms,
+        help="the lighthouse's: how long a silent group stays in the quorums",
+    )
     p.add_argument("--join-timeout-ms", type=int, default=ReplicaJob.join_timeout_ms)
     p.add_argument("--trainer", default=REPLICA_TRAINER)
     p.add_argument("--run-dir", help="a new or empty directory (default: a new one under runs/)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="stop the job (and the replay) after this long")
     p.add_argument("--no-replay", action="store_true", help="skip the replay (and its check)")
     p.add_argument("--no-png", action="store_true", help="do not draw report.png")
-    p.add_argument("trainer_args", nargs="*", help=f"-- then the trainer's arguments; default "
-                                                   f"{' '.join(DEFAULT_TRAINER_ARGS)}")
+    p.add_argument(
+        "trainer_args", nargs="*", help=f"-- then the trainer's arguments; default {' '.join(DEFAULT_TRAINER_ARGS)}"
+    )
 
 
 def command(args: Any) -> int:
@@ -401,9 +490,15 @@ def command(args: Any) -> int:
         plan = load_plan(args.plan) if args.plan else Plan()
         shorthand = args.fault or ([] if args.plan else list(DEFAULT_FAULTS))
         plan = Plan(plan.faults + tuple(parse_shorthand(s) for s in shorthand), plan.max_restarts)
-        job = ReplicaJob(replicas=args.replicas, group_size=args.group_size, trainer=args.trainer,
-                         trainer_args=tuple(args.trainer_args or DEFAULT_TRAINER_ARGS), replica_pg=args.replica_pg,
-                         heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms)
+        job = ReplicaJob(
+            replicas=args.replicas,
+            group_size=args.group_size,
+            trainer=args.trainer,
+            trainer_args=tuple(args.trainer_args or DEFAULT_TRAINER_ARGS),
+            replica_pg=args.replica_pg,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            join_timeout_ms=args.join_timeout_ms,
+        )
         check_plan(job, plan.resolve(job.world_size), args.job_timeout)
     except (PlanError, ValueError, TypeError) as exc:
         print(f"chaos replicas: {exc}", file=sys.stderr)
@@ -417,6 +512,8 @@ def command(args: Any) -> int:
     proof.write(png=not args.no_png)
     print(proof.summary())
     if not outcome.ok:
-        print(f"chaos replicas: the job did not end cleanly (exit codes {outcome.exit_codes}, timed out "
-              f"{outcome.timed_out}); see {run_dir}/torchrun*.log")
+        print(
+            f"chaos replicas: the job did not end cleanly (exit codes {outcome.exit_codes}, timed out "
+            f"{outcome.timed_out}); see {run_dir}/torchrun*.log"
+        )
     return 0 if proof.passed and outcome.ok else 1

@@ -109,18 +109,22 @@ class Report:
         verdict = "PASSED" if self.passed else "FAILED"
         held = sum(self.checks.values())
         job = self.job
-        lines = [f"chaos run {self.run_dir}: {verdict} ({held}/{len(self.checks)} checks held)",
-                 f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({job.get('backend')}), "
-                 f"{self.steps_done} steps, {self.restarts} restarts, {self.duration_s:.1f} s"
-                 + (f", cold start to first step {self.cold_start_s:.1f} s" if self.cold_start_s else "")]
+        lines = [
+            f"chaos run {self.run_dir}: {verdict} ({held}/{len(self.checks)} checks held)",
+            f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({job.get('backend')}), "
+            f"{self.steps_done} steps, {self.restarts} restarts, {self.duration_s:.1f} s"
+            + (f", cold start to first step {self.cold_start_s:.1f} s" if self.cold_start_s else ""),
+        ]
         if self.timed_out:
             lines.append("  the harness's timeout expired: the job was stopped")
         lines.append(f"  faults ({len(self.faults)} fired):")
         for f in self.faults:
             lines.append(f"    {_describe(f)}")
             if f.diagnosis:
-                lines.append(f"      doctor, attempt {f.attempt}: {f.diagnosis.get('status')}, culprits "
-                             f"{f.diagnosis.get('culprits')}")
+                lines.append(
+                    f"      doctor, attempt {f.attempt}: {f.diagnosis.get('status')}, culprits "
+                    f"{f.diagnosis.get('culprits')}"
+                )
                 for p in f.diagnosis.get("problems", [])[:2]:
                     lines.append(f"        {p.get('kind')} {p.get('ranks')}: {p.get('message', '')[:140]}")
         if self.diagnosis_error:
@@ -133,10 +137,12 @@ class Report:
         for n in self.notes:
             lines.append(f"  note: {n}")
         if not self.bitwise_verified:
-            lines += ["  " + "!" * 78,
-                      f"  !! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}",
-                      "  !! `passed` covers only the checks above; recovery was NOT proven bitwise-exact.",
-                      "  " + "!" * 78]
+            lines += [
+                "  " + "!" * 78,
+                f"  !! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}",
+                "  !! `passed` covers only the checks above; recovery was NOT proven bitwise-exact.",
+                "  " + "!" * 78,
+            ]
         written = [Path(self.run_dir) / name for name in ("report.json", "report.png")]
         lines.append(f"  report: {', '.join(str(p) for p in written if p.is_file()) or 'not written yet'}")
         return "\n".join(lines)
@@ -163,9 +169,11 @@ def _describe(f: FaultResult) -> str:
         how = f"restart {s(f.restart_after_s)}, resumed from {f.resumed_from}"
         if f.fallback_reason:
             how += f" (in-job recovery failed: {f.fallback_reason})"
-    return (f"{f.type} rank {f.rank}{where} (attempt {f.attempt}, t={f.injected_at:.1f} s): detected {detected}, "
-            f"{how}, first step after {s(f.first_step_after_s)} (detection to step {s(f.detection_to_step_s)}), "
-            f"{f.steps_reexecuted} step(s) re-executed{extra}")
+    return (
+        f"{f.type} rank {f.rank}{where} (attempt {f.attempt}, t={f.injected_at:.1f} s): detected {detected}, "
+        f"{how}, first step after {s(f.first_step_after_s)} (detection to step {s(f.detection_to_step_s)}), "
+        f"{f.steps_reexecuted} step(s) re-executed{extra}"
+    )
 
 
 LABEL_GAP = 1 / 40  # of the time axis: faults injected closer than this share one label (a rotated label is ~1/80 wide)
@@ -195,14 +203,26 @@ def plot(report: Report, path: Path) -> None:
     attempts = sorted({t["attempt"] for t in report.timeline})
     colors = plt.get_cmap("tab10")
     if report.reference_losses:
-        ax_loss.plot(range(1, len(report.reference_losses) + 1), report.reference_losses, color="black",
-                     lw=1.5, label="reference (fault-free)")
+        ax_loss.plot(
+            range(1, len(report.reference_losses) + 1),
+            report.reference_losses,
+            color="black",
+            lw=1.5,
+            label="reference (fault-free)",
+        )
     for a in attempts:
         pts = [t for t in report.timeline if t["attempt"] == a and t["loss"] is not None]
-        ax_loss.scatter([t["step"] for t in pts], [t["loss"] for t in pts], s=22, color=colors(a % 10),
-                        label=f"faulted run, attempt {a}", zorder=3)
-        ax_time.plot([t["t"] for t in pts], [t["step"] for t in pts], "o-", ms=3, color=colors(a % 10),
-                     label=f"attempt {a}")
+        ax_loss.scatter(
+            [t["step"] for t in pts],
+            [t["loss"] for t in pts],
+            s=22,
+            color=colors(a % 10),
+            label=f"faulted run, attempt {a}",
+            zorder=3,
+        )
+        ax_time.plot(
+            [t["t"] for t in pts], [t["step"] for t in pts], "o-", ms=3, color=colors(a % 10), label=f"attempt {a}"
+        )
     for f in report.faults:
         if f.step is not None:
             ax_loss.axvline(f.step, color="red", ls=":", lw=1)
@@ -214,25 +234,35 @@ def plot(report: Report, path: Path) -> None:
     if ax_loss.get_legend_handles_labels()[0]:
         ax_loss.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: a soak's attempts are many
 
-    marks = (("fault", "injected", "red", "-"), ("detected", "detected_after_s", "orange", "--"),
-             ("restart", "restart_after_s", "blue", ":"), ("first step", "first_step_after_s", "green", "-."))
+    marks = (
+        ("fault", "injected", "red", "-"),
+        ("detected", "detected_after_s", "orange", "--"),
+        ("restart", "restart_after_s", "blue", ":"),
+        ("first step", "first_step_after_s", "green", "-."),
+    )
     labelled: set[str] = set()
     for f in report.faults:
         for label, attr, color, style in marks:
             offset = 0.0 if attr == "injected" else getattr(f, attr)
             if offset is None:
                 continue
-            ax_time.axvline(f.injected_at + offset, color=color, ls=style, lw=1.2,
-                            label=label if label not in labelled else None)
+            ax_time.axvline(
+                f.injected_at + offset, color=color, ls=style, lw=1.2, label=label if label not in labelled else None
+            )
             labelled.add(label)
         if f.resumed_from is not None and f.restart_after_s is not None:
-            ax_time.plot([f.injected_at + f.restart_after_s], [f.resumed_from], marker=">", color="green", ms=8,
-                         label="resumed from" if "resumed" not in labelled else None)
+            ax_time.plot(
+                [f.injected_at + f.restart_after_s],
+                [f.resumed_from],
+                marker=">",
+                color="green",
+                ms=8,
+                label="resumed from" if "resumed" not in labelled else None,
+            )
             labelled.add("resumed")
     x_min, x_max = ax_time.get_xlim()
     for x, text in fault_labels(report.faults, x_max - x_min):
-        ax_time.annotate(text, (x, ax_time.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8,
-                         color="red")
+        ax_time.annotate(text, (x, ax_time.get_ylim()[1]), rotation=90, va="top", ha="right", fontsize=8, color="red")
     ax_time.set_xlabel("seconds since launch")
     ax_time.set_ylabel("step completed")
     ax_time.set_title("faulted run over time")

@@ -76,8 +76,15 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return {"total": total.hexdigest(), "tensors": dict(sorted(tensors.items()))}
 
 
-def write_results(path: str | os.PathLike[str], *, losses: list[float], model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, steps: int, extra: dict[str, Any] | None = None) -> None:
+def write_results(
+    path: str | os.PathLike[str],
+    *,
+    losses: list[float],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write the results file; see the module docstring for its keys.
 
     Call it on every rank (the state digest is collective); only rank 0 writes. The file
@@ -86,12 +93,10 @@ def write_results(path: str | os.PathLike[str], *, losses: list[float], model: t
     rank = _rank()
     losses = [float(x) for x in losses]
     if len(losses) != steps:
-        raise ValueError(f"write_results on rank {rank}: expected one loss per step ({steps}); "
-                         f"found {len(losses)}")
+        raise ValueError(f"write_results on rank {rank}: expected one loss per step ({steps}); found {len(losses)}")
     clashing = sorted(set(extra or {}) & set(_RESERVED))
     if clashing:
-        raise ValueError(f"write_results on rank {rank}: expected extra keys other than {_RESERVED}; "
-                         f"found {clashing}")
+        raise ValueError(f"write_results on rank {rank}: expected extra keys other than {_RESERVED}; found {clashing}")
     digest = state_digest(model, optimizer)
     if digest is None:
         return

@@ -22,9 +22,19 @@ from chaos.fault import Fault, FaultType, Trigger, TriggerKind
 from chaos.plan import Plan
 from commlib import settings
 
-SOAK_KINDS = (FaultType.KILL, FaultType.SEGFAULT, FaultType.EXIT, FaultType.HANG, FaultType.DELAY, FaultType.RAISE,
-              FaultType.CORRUPT, FaultType.KILL_DURING_CHECKPOINT, FaultType.CORRUPT_CHECKPOINT, FaultType.SIGTERM,
-              FaultType.GIL)
+SOAK_KINDS = (
+    FaultType.KILL,
+    FaultType.SEGFAULT,
+    FaultType.EXIT,
+    FaultType.HANG,
+    FaultType.DELAY,
+    FaultType.RAISE,
+    FaultType.CORRUPT,
+    FaultType.KILL_DURING_CHECKPOINT,
+    FaultType.CORRUPT_CHECKPOINT,
+    FaultType.SIGTERM,
+    FaultType.GIL,
+)
 SOAK_CKPT_EVERY = 2
 SOAK_GAP = 2 * SOAK_CKPT_EVERY  # steps between faults
 SOAK_DEADLINE_S = 5.0
@@ -32,8 +42,20 @@ SOAK_DEADLINE_S = 5.0
 # soak outlasts any job timeout (`chaos.options.LONGEST_S`).
 MOST_SOAK_FAULTS = 10**4
 # A small model: the soak is about recovery, not about the kernels' speed.
-SOAK_MODEL_ARGS = ("--dim", "16", "--layers", "2", "--heads", "2", "--seq-len", "64", "--vocab", "64",
-                   "--batch-size", "1")
+SOAK_MODEL_ARGS = (
+    "--dim",
+    "16",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "64",
+    "--vocab",
+    "64",
+    "--batch-size",
+    "1",
+)
 
 
 def fault_steps(n: int) -> list[int]:
@@ -44,8 +66,9 @@ def fault_steps(n: int) -> list[int]:
 def soak_plan(n: int, seed: int, world_size: int) -> Plan:
     n = settings.integer(n, "the soak's number of faults", low=1, high=MOST_SOAK_FAULTS)
     if not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"soak: expected a world of at least 2 ranks (survivors detect the faults); "
-                         f"found {world_size!r}")
+        raise ValueError(
+            f"soak: expected a world of at least 2 ranks (survivors detect the faults); found {world_size!r}"
+        )
     draw = random.Random(f"soak:{seed}")
     faults = []
     for step in fault_steps(n):
@@ -57,5 +80,14 @@ def soak_plan(n: int, seed: int, world_size: int) -> Plan:
 
 def soak_trainer_args(n: int) -> tuple[str, ...]:
     steps = fault_steps(n)[-1] + SOAK_GAP
-    return ("--steps", str(steps), "--ckpt-every", str(SOAK_CKPT_EVERY), "--timeout", str(SOAK_DEADLINE_S),
-            "--max-in-job-recoveries", str(n), *SOAK_MODEL_ARGS)
+    return (
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        str(SOAK_CKPT_EVERY),
+        "--timeout",
+        str(SOAK_DEADLINE_S),
+        "--max-in-job-recoveries",
+        str(n),
+        *SOAK_MODEL_ARGS,
+    )

@@ -30,8 +30,10 @@ from commlib.observe.model import LogDirError, RunLogs, load
 
 
 # torchrun's agent logs (glog style, local time) the moment it acts on a failed worker.
-_AGENT_LINE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] "
-                         r"(?:failed \(exitcode: (-?\d+)\) local_rank: (\d+)|Sending process (\d+) closing signal)")
+_AGENT_LINE = re.compile(
+    r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] "
+    r"(?:failed \(exitcode: (-?\d+)\) local_rank: (\d+)|Sending process (\d+) closing signal)"
+)
 
 
 def agent_detections(run_dir: Path, year: int) -> list[tuple[int, int, str]]:
@@ -61,8 +63,9 @@ def read_logs(run_dir: str | os.PathLike[str]) -> RunLogs | None:
         return None
 
 
-def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
-            logs: RunLogs | None) -> tuple[list[FaultResult], list[dict[str, Any]]]:
+def analyze(
+    run_dir: str | os.PathLike[str], outcome: JobOutcome, logs: RunLogs | None
+) -> tuple[list[FaultResult], list[dict[str, Any]]]:
     """Every firing of the run with its recovery timings, and the step timeline of the run
     (one entry per completed step execution on the lowest rank: t, step, loss, attempt).
     `logs`: the run's `read_logs`."""
@@ -91,9 +94,18 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
         new = {p for p, first_ns in procs.items() if f.ts_ns < first_ns < until}
         old = {p for p, first_ns in procs.items() if first_ns < f.ts_ns}
         pid, host = f.detail.get("pid"), f.detail.get("host")
-        r = FaultResult(type=f.type, index=f.index, firing=f.n, rank=f.rank, step=f.step, attempt=f.attempt,
-                        pid=pid, node=f.detail.get("node"), injected_at=(f.ts_ns - start) / 1e9,
-                        injected_ts_ns=f.ts_ns)
+        r = FaultResult(
+            type=f.type,
+            index=f.index,
+            firing=f.n,
+            rank=f.rank,
+            step=f.step,
+            attempt=f.attempt,
+            pid=pid,
+            node=f.detail.get("node"),
+            injected_at=(f.ts_ns - start) / 1e9,
+            injected_ts_ns=f.ts_ns,
+        )
         if f.type in (FaultType.KILL_DURING_CHECKPOINT.value, FaultType.CORRUPT_CHECKPOINT.value):
             r.checkpoint_step = f.detail.get("checkpoint_step")
         if FaultType(f.type).slurm:
@@ -101,8 +113,13 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
             relaunch = min((ts for ts in launches if ts > f.ts_ns), default=None)
             r.requeued_after_s = None if relaunch is None else (relaunch - f.ts_ns) / 1e9
         if f.type == FaultType.NODE_LOSS.value:
-            r.lost_ranks = sorted({int(e["rank"]) for e in events if e.get("host") == host
-                                   and e.get("attempt") == f.attempt and isinstance(e.get("rank"), int)})
+            r.lost_ranks = sorted(
+                {
+                    int(e["rank"])
+                    for e in events
+                    if e.get("host") == host and e.get("attempt") == f.attempt and isinstance(e.get("rank"), int)
+                }
+            )
             r.last_checkpoint = max((int(e["step"]) for e in checkpoints if e["ts_ns"] < f.ts_ns), default=0)
         release = releases.get((f.index, pid))
         end_ns = f.ts_ns
@@ -111,18 +128,30 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
             end_ns = release["ts_ns"]
         # A detection is the latest earlier fault's: one nobody noticed (a survived partition, a
         # straggler) must not take a later fault's. Faults fired at one step of one attempt share it.
-        detect_until = next((g.ts_ns for g in firings[k + 1:]
-                             if g.step is None or (g.attempt, g.step) != (f.attempt, f.step)), float("inf"))
+        detect_until = next(
+            (g.ts_ns for g in firings[k + 1 :] if g.step is None or (g.attempt, g.step) != (f.attempt, f.step)),
+            float("inf"),
+        )
         survivors_only = f.type != FaultType.CORRUPT.value
-        detection = next((e for e in events if e.get("event") in TYPED_ERRORS and f.ts_ns <= e["ts_ns"] < detect_until
-                          and procs[_who(e)] < f.ts_ns
-                          and not (survivors_only and e["pid"] == pid and host in (None, e.get("host")))),
-                         None)
+        detection = next(
+            (
+                e
+                for e in events
+                if e.get("event") in TYPED_ERRORS
+                and f.ts_ns <= e["ts_ns"] < detect_until
+                and procs[_who(e)] < f.ts_ns
+                and not (survivors_only and e["pid"] == pid and host in (None, e.get("host")))
+            ),
+            None,
+        )
         agent = next((a for a in agents if f.ts_ns <= a[0] < detect_until), None)
         if detection is not None and (agent is None or detection["ts_ns"] <= agent[0]):
             r.detected_after_s = (detection["ts_ns"] - f.ts_ns) / 1e9
-            r.detected_by = {"rank": detection.get("rank"), "event": detection.get("event"),
-                             "error_type": detection.get("error_type")}
+            r.detected_by = {
+                "rank": detection.get("rank"),
+                "event": detection.get("event"),
+                "error_type": detection.get("error_type"),
+            }
         elif agent is not None:
             r.detected_after_s = (agent[0] - f.ts_ns) / 1e9
             r.detected_by = {"node": agent[1], "event": "torchrun.agent", "line": agent[2]}
@@ -140,10 +169,16 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
             after = [e for e in lead if e["ts_ns"] > end_ns]
             if recovered is not None:
                 r.recovery, r.epoch = "in_job", int(recovered["epoch"])
-                backs = [e for e in rollbacks if e.get("epoch") == r.epoch and _who(e) in old
-                         and f.ts_ns <= e["ts_ns"] < until]
-                starts = [e for e in recovery_starts if e.get("epoch") == r.epoch and _who(e) in old
-                          and f.ts_ns <= e["ts_ns"] < until]
+                backs = [
+                    e
+                    for e in rollbacks
+                    if e.get("epoch") == r.epoch and _who(e) in old and f.ts_ns <= e["ts_ns"] < until
+                ]
+                starts = [
+                    e
+                    for e in recovery_starts
+                    if e.get("epoch") == r.epoch and _who(e) in old and f.ts_ns <= e["ts_ns"] < until
+                ]
                 if backs:
                     # From the last rank entering recovery (once every rank knows) to the last one rolled back.
                     if starts:
@@ -159,8 +194,16 @@ def analyze(run_dir: str | os.PathLike[str], outcome: JobOutcome,
         r.steps_reexecuted = len(again & done)
         results.append(r)
 
-    timeline = [{"t": (e["ts_ns"] - start) / 1e9, "step": int(e["step"]), "loss": e.get("loss"),
-                 "attempt": int(e.get("attempt", 0)), "epoch": int(e.get("epoch", 0))} for e in lead]
+    timeline = [
+        {
+            "t": (e["ts_ns"] - start) / 1e9,
+            "step": int(e["step"]),
+            "loss": e.get("loss"),
+            "attempt": int(e.get("attempt", 0)),
+            "epoch": int(e.get("epoch", 0)),
+        }
+        for e in lead
+    ]
     return results, timeline
 
 
@@ -178,8 +221,7 @@ def _first_events(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], int]:
     return first
 
 
-def diagnose(run_dir: str | os.PathLike[str],
-             logs: RunLogs | None = None) -> tuple[list[dict[str, Any]], str | None]:
+def diagnose(run_dir: str | os.PathLike[str], logs: RunLogs | None = None) -> tuple[list[dict[str, Any]], str | None]:
     """The doctor's findings per attempt, as dicts (from `logs` when they were read already); or
     an empty list and why there are none."""
     try:

@@ -61,9 +61,15 @@ def reference_key(job: Job, package_roots: Sequence[Path] | None = None) -> str:
     `KEYED_PACKAGES` as imported here)."""
     roots = package_roots if package_roots is not None else package_dirs()
     args = [a for a in job.trainer_args if not (job.is_reference_trainer and a in RECOVERY_ONLY_FLAGS)]
-    data = {"trainer": job.trainer, "trainer_args": args, "world_size": job.world_size,
-            "backend": job.backend, "torch": torch.__version__, "sources": _trainer_digest(job),
-            "libraries": sources_digest(roots)}
+    data = {
+        "trainer": job.trainer,
+        "trainer_args": args,
+        "world_size": job.world_size,
+        "backend": job.backend,
+        "torch": torch.__version__,
+        "sources": _trainer_digest(job),
+        "libraries": sources_digest(roots),
+    }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -74,8 +80,10 @@ def package_dirs(names: Sequence[str] = KEYED_PACKAGES) -> list[Path]:
         spec = importlib.util.find_spec(name)
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
         if not locations:
-            raise ReferenceRunError(f"reference_key: expected {name!r} to be an importable package; "
-                                    f"found {'a module' if spec is not None else 'nothing'}")
+            raise ReferenceRunError(
+                f"reference_key: expected {name!r} to be an importable package; "
+                f"found {'a module' if spec is not None else 'nothing'}"
+            )
         dirs.extend(Path(loc) for loc in locations)
     return dirs
 
@@ -122,8 +130,9 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float = 600.0,
-                     progress: Callable[[str], None] | None = None) -> Path:
+def ensure_reference(
+    job: Job, root: str | os.PathLike[str], *, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
+) -> Path:
     """The directory of the cached fault-free run of `job` (with its results file), run if missing."""
     root = Path(root).absolute()
     key = reference_key(job)
@@ -134,15 +143,19 @@ def ensure_reference(job: Job, root: str | os.PathLike[str], *, timeout_s: float
         work = root / f"{key}.tmp-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         if job.rdzv_endpoint is not None:  # its nodes run it together (chaos.multinode), or it failed
-            raise ReferenceRunError(f"the fault-free reference of this multi-node job is not in {final}: its "
-                                    f"nodes' run of it failed (see {root}/{key}.tmp-*)")
+            raise ReferenceRunError(
+                f"the fault-free reference of this multi-node job is not in {final}: its "
+                f"nodes' run of it failed (see {root}/{key}.tmp-*)"
+            )
         shown = None if progress is None else (lambda line: progress(f"fault-free reference: {line}"))
         outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
         if not outcome.ok or not (work / RESULTS).is_file():
             why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
             results = "with" if (work / RESULTS).is_file() else "without"
-            raise ReferenceRunError(f"the fault-free reference run {why} {results} a results file; "
-                                 f"see {work}/torchrun0.log and {work}/logs{_why_failed(work)}")
+            raise ReferenceRunError(
+                f"the fault-free reference run {why} {results} a results file; "
+                f"see {work}/torchrun0.log and {work}/logs{_why_failed(work)}"
+            )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(work, final)
     return final
@@ -169,13 +182,15 @@ def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:
     if not finding:
         return False
     return rank in (finding.get("culprits") or []) or any(
-        p.get("kind") in ("timeout", "hang") and rank in (p.get("ranks") or []) for p in finding.get("problems", []))
+        p.get("kind") in ("timeout", "hang") and rank in (p.get("ranks") or []) for p in finding.get("problems", [])
+    )
 
 
 def names_straggler(finding: dict[str, Any] | None, rank: int) -> bool:
     """Whether a doctor finding has a straggler problem that names `rank`."""
-    return bool(finding) and any(p.get("kind") == "straggler" and rank in (p.get("ranks") or [])
-                                 for p in finding.get("problems", []))
+    return bool(finding) and any(
+        p.get("kind") == "straggler" and rank in (p.get("ranks") or []) for p in finding.get("problems", [])
+    )
 
 
 def load_results(directory: Path) -> dict[str, Any] | None:
@@ -223,8 +238,12 @@ def _short_partition_survived(f: FaultResult) -> bool:
         return True
     lifted = f.released_after_s
     deadline = _timeout_deadline(f)
-    return (f.detected_after_s is not None and (lifted is None or f.detected_after_s <= lifted)
-            and deadline is not None and (lifted is None or lifted >= deadline))
+    return (
+        f.detected_after_s is not None
+        and (lifted is None or f.detected_after_s <= lifted)
+        and deadline is not None
+        and (lifted is None or lifted >= deadline)
+    )
 
 
 def _long_partition_named(f: FaultResult) -> bool:
@@ -240,8 +259,10 @@ def _partition_found(f: FaultResult) -> str:
     if f.detected_after_s is None:
         return f"partition of rank {f.rank}'s node at step {f.step} ({lifted}): recovered ({f.recovery}) undetected"
     by = f.detected_by or {}
-    return (f"partition of rank {f.rank}'s node at step {f.step} ({lifted}): detected after {f.detected_after_s:.2f} s "
-            f"({by.get('event')} on rank {by.get('rank')}), deadline {_timeout_deadline(f)}, recovery {f.recovery}")
+    return (
+        f"partition of rank {f.rank}'s node at step {f.step} ({lifted}): detected after {f.detected_after_s:.2f} s "
+        f"({by.get('event')} on rank {by.get('rank')}), deadline {_timeout_deadline(f)}, recovery {f.recovery}"
+    )
 
 
 def _resumed_before_checkpoint(f: FaultResult) -> bool:
@@ -249,69 +270,126 @@ def _resumed_before_checkpoint(f: FaultResult) -> bool:
 
 
 _FAULT_CHECKS = (
-    _FaultCheck("torn_checkpoint_not_loaded", frozenset({FaultType.KILL_DURING_CHECKPOINT.value}),
-                _resumed_before_checkpoint, "each restart to resume from a checkpoint before the torn one",
-                lambda f: f"torn {f.checkpoint_step}, resumed {f.resumed_from}"),
-    _FaultCheck("corrupt_checkpoint_not_loaded", frozenset({FaultType.CORRUPT_CHECKPOINT.value}),
-                _resumed_before_checkpoint, "each restart to resume from a checkpoint before the corrupted one",
-                lambda f: f"corrupted {f.checkpoint_step}, resumed {f.resumed_from}"),
+    _FaultCheck(
+        "torn_checkpoint_not_loaded",
+        frozenset({FaultType.KILL_DURING_CHECKPOINT.value}),
+        _resumed_before_checkpoint,
+        "each restart to resume from a checkpoint before the torn one",
+        lambda f: f"torn {f.checkpoint_step}, resumed {f.resumed_from}",
+    ),
+    _FaultCheck(
+        "corrupt_checkpoint_not_loaded",
+        frozenset({FaultType.CORRUPT_CHECKPOINT.value}),
+        _resumed_before_checkpoint,
+        "each restart to resume from a checkpoint before the corrupted one",
+        lambda f: f"corrupted {f.checkpoint_step}, resumed {f.resumed_from}",
+    ),
     # Stopped after a checkpoint of its last step, resumed from it: no step lost or run twice.
-    _FaultCheck("preempted_cleanly",
-                frozenset({FaultType.SIGTERM.value, FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value}),
-                lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from >= f.step
-                and f.steps_reexecuted == 0,
-                "each job stopped by SIGTERM (itself, a preemption, a time-limit notice) to resume from the step "
-                "it stopped after, re-executing none",
-                lambda f: f"{f.type} at step {f.step}: resumed from {f.resumed_from}, "
-                          f"{f.steps_reexecuted} step(s) re-executed"),
-    _FaultCheck("requeued", frozenset({FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value, FaultType.NODE_LOSS.value}),
-                lambda f: f.requeued_after_s is not None,
-                "Slurm to run the job again after each preempt, time_limit and node_loss",
-                lambda f: f"{f.type} at step {f.step}: no launch of the job after it"),
+    _FaultCheck(
+        "preempted_cleanly",
+        frozenset({FaultType.SIGTERM.value, FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value}),
+        lambda f: (
+            f.resumed_from is not None and f.step is not None and f.resumed_from >= f.step and f.steps_reexecuted == 0
+        ),
+        "each job stopped by SIGTERM (itself, a preemption, a time-limit notice) to resume from the step "
+        "it stopped after, re-executing none",
+        lambda f: f"{f.type} at step {f.step}: resumed from {f.resumed_from}, {f.steps_reexecuted} step(s) re-executed",
+    ),
+    _FaultCheck(
+        "requeued",
+        frozenset({FaultType.PREEMPT.value, FaultType.TIME_LIMIT.value, FaultType.NODE_LOSS.value}),
+        lambda f: f.requeued_after_s is not None,
+        "Slurm to run the job again after each preempt, time_limit and node_loss",
+        lambda f: f"{f.type} at step {f.step}: no launch of the job after it",
+    ),
     # Whatever the node held since its last checkpoint is gone: that checkpoint, no older one.
-    _FaultCheck("lost_node_resumed", frozenset({FaultType.NODE_LOSS.value}),
-                lambda f: f.resumed_from is not None and f.resumed_from == f.last_checkpoint,
-                "the job to resume from the last checkpoint committed before each lost node",
-                lambda f: f"node {f.host} lost at step {f.step}: resumed from {f.resumed_from}, last checkpoint "
-                          f"{f.last_checkpoint}"),
-    _FaultCheck("lost_node_named", frozenset({FaultType.NODE_LOSS.value}),
-                lambda f: bool(f.lost_ranks) and all(names_rank(f.diagnosis, r) for r in f.lost_ranks or []),
-                "the doctor to name every rank of each lost node",
-                lambda f: f"node {f.host} (ranks {f.lost_ranks}) lost at step {f.step}: the doctor's findings of "
-                          f"attempt {f.attempt} name {(f.diagnosis or {}).get('culprits')}", doctor=True),
+    _FaultCheck(
+        "lost_node_resumed",
+        frozenset({FaultType.NODE_LOSS.value}),
+        lambda f: f.resumed_from is not None and f.resumed_from == f.last_checkpoint,
+        "the job to resume from the last checkpoint committed before each lost node",
+        lambda f: (
+            f"node {f.host} lost at step {f.step}: resumed from {f.resumed_from}, last checkpoint {f.last_checkpoint}"
+        ),
+    ),
+    _FaultCheck(
+        "lost_node_named",
+        frozenset({FaultType.NODE_LOSS.value}),
+        lambda f: bool(f.lost_ranks) and all(names_rank(f.diagnosis, r) for r in f.lost_ranks or []),
+        "the doctor to name every rank of each lost node",
+        lambda f: (
+            f"node {f.host} (ranks {f.lost_ranks}) lost at step {f.step}: the doctor's findings of "
+            f"attempt {f.attempt} name {(f.diagnosis or {}).get('culprits')}"
+        ),
+        doctor=True,
+    ),
     # The failed save left the older state the one to go on from (snapshot or checkpoint).
-    _FaultCheck("disk_full_rolled_back", frozenset({FaultType.DISK_FULL.value}),
-                lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from < f.step,
-                "the job to go on from the state before the failed save",
-                lambda f: f"disk full at step {f.step}: resumed from {f.resumed_from}"),
-    _FaultCheck("straggler_named", frozenset({FaultType.STRAGGLER.value}),
-                lambda f: names_straggler(f.diagnosis, f.rank), "the doctor to name the straggler rank",
-                lambda f: f"straggler rank {f.rank} (attempt {f.attempt}) unnamed", doctor=True),
-    _FaultCheck("diagnosis_names_faulted_rank",
-                frozenset({FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value}),
-                lambda f: names_rank(f.diagnosis, f.rank), "the doctor to name the faulted rank",
-                lambda f: f"{f.type} rank {f.rank} (attempt {f.attempt}) unnamed", doctor=True),
+    _FaultCheck(
+        "disk_full_rolled_back",
+        frozenset({FaultType.DISK_FULL.value}),
+        lambda f: f.resumed_from is not None and f.step is not None and f.resumed_from < f.step,
+        "the job to go on from the state before the failed save",
+        lambda f: f"disk full at step {f.step}: resumed from {f.resumed_from}",
+    ),
+    _FaultCheck(
+        "straggler_named",
+        frozenset({FaultType.STRAGGLER.value}),
+        lambda f: names_straggler(f.diagnosis, f.rank),
+        "the doctor to name the straggler rank",
+        lambda f: f"straggler rank {f.rank} (attempt {f.attempt}) unnamed",
+        doctor=True,
+    ),
+    _FaultCheck(
+        "diagnosis_names_faulted_rank",
+        frozenset({FaultType.HANG.value, FaultType.DELAY.value, FaultType.GIL.value}),
+        lambda f: names_rank(f.diagnosis, f.rank),
+        "the doctor to name the faulted rank",
+        lambda f: f"{f.type} rank {f.rank} (attempt {f.attempt}) unnamed",
+        doctor=True,
+    ),
     # Latency and loss under the deadline: TCP retransmits, every collective completes in time.
-    _FaultCheck("net_fault_survived", frozenset({FaultType.NET_DELAY.value, FaultType.NET_LOSS.value}),
-                _survived, "the job to ride out each net_delay and net_loss with no error, recovery or restart",
-                lambda f: f"{f.type} of rank {f.rank}'s node at step {f.step}: detected after {f.detected_after_s} s "
-                          f"by {f.detected_by}, recovery {f.recovery}"),
-    _FaultCheck("short_partition_survived", frozenset({FaultType.PARTITION.value}),
-                _short_partition_survived,
-                "each partition shorter than the deadline survived with no error, recovery or restart (a failure "
-                "only while the node was cut off, past the deadline)", _partition_found, doctor=True),
+    _FaultCheck(
+        "net_fault_survived",
+        frozenset({FaultType.NET_DELAY.value, FaultType.NET_LOSS.value}),
+        _survived,
+        "the job to ride out each net_delay and net_loss with no error, recovery or restart",
+        lambda f: (
+            f"{f.type} of rank {f.rank}'s node at step {f.step}: detected after {f.detected_after_s} s "
+            f"by {f.detected_by}, recovery {f.recovery}"
+        ),
+    ),
+    _FaultCheck(
+        "short_partition_survived",
+        frozenset({FaultType.PARTITION.value}),
+        _short_partition_survived,
+        "each partition shorter than the deadline survived with no error, recovery or restart (a failure "
+        "only while the node was cut off, past the deadline)",
+        _partition_found,
+        doctor=True,
+    ),
     # Past the deadline: the side that timed out names the cut-off rank.
-    _FaultCheck("long_partition_named", frozenset({FaultType.PARTITION.value}),
-                _long_partition_named,
-                "each partition past the deadline detected, and the doctor to name the cut-off rank of each "
-                "partition the job detected", _partition_found,
-                doctor=True),
+    _FaultCheck(
+        "long_partition_named",
+        frozenset({FaultType.PARTITION.value}),
+        _long_partition_named,
+        "each partition past the deadline detected, and the doctor to name the cut-off rank of each "
+        "partition the job detected",
+        _partition_found,
+        doctor=True,
+    ),
 )
 
 
-def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | os.PathLike[str] | None,
-           timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
-           reference: Path | None = None) -> Report:
+def verify(
+    job: Job,
+    plan: Plan,
+    outcome: JobOutcome,
+    *,
+    reference_root: str | os.PathLike[str] | None,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+    reference: Path | None = None,
+) -> Report:
     """Every check of a finished run, as a `Report` (not yet written to disk).
 
     `reference_root` None skips the reference (and so the bitwise checks). `reference`: the
@@ -332,13 +410,22 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
     checks: dict[str, bool] = {"job_completed": outcome.ok}
     problems: list[str] = []
     if not outcome.ok:
-        why = "timed out" if outcome.timed_out else "was interrupted" if outcome.interrupted else \
-            f"agents exited with {outcome.exit_codes}"
-        problems.append(f"job_completed: expected every torchrun agent to exit 0; the job {why} "
-                        f"(see {run_dir}/torchrun0.log)")
+        why = (
+            "timed out"
+            if outcome.timed_out
+            else "was interrupted"
+            if outcome.interrupted
+            else f"agents exited with {outcome.exit_codes}"
+        )
+        problems.append(
+            f"job_completed: expected every torchrun agent to exit 0; the job {why} (see {run_dir}/torchrun0.log)"
+        )
     fired = {f.index for f in faults}
-    unfired = [f"faults[{i}] {flt.describe()}" for i, flt in enumerate(plan.faults)
-               if i not in fired and flt.trigger.kind is not TriggerKind.P]
+    unfired = [
+        f"faults[{i}] {flt.describe()}"
+        for i, flt in enumerate(plan.faults)
+        if i not in fired and flt.trigger.kind is not TriggerKind.P
+    ]
     if plan.faults:
         checks["faults_injected"] = not unfired
         if unfired:
@@ -347,8 +434,10 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
         stuck = [f for f in faults if f.first_step_after_s is None]
         checks["recovered"] = not stuck
         if stuck:
-            problems.append("recovered: expected a completed step after every fault; none after "
-                            + ", ".join(f"{f.type} rank {f.rank} at t={f.injected_at:.1f} s" for f in stuck))
+            problems.append(
+                "recovered: expected a completed step after every fault; none after "
+                + ", ".join(f"{f.type} rank {f.rank} at t={f.injected_at:.1f} s" for f in stuck)
+            )
     doctor_note = f"; {diagnosis_error}" if diagnosis_error else ""
     for check in _FAULT_CHECKS:
         chosen = [f for f in faults if f.type in check.kinds]
@@ -357,23 +446,28 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
         failing = [f for f in chosen if not check.holds(f)]
         checks[check.name] = not failing
         if failing:
-            problems.append(f"{check.name}: expected {check.expected}; found "
-                            + ", ".join(check.found(f) for f in failing) + (doctor_note if check.doctor else ""))
+            problems.append(
+                f"{check.name}: expected {check.expected}; found "
+                + ", ".join(check.found(f) for f in failing)
+                + (doctor_note if check.doctor else "")
+            )
 
     mine = load_results(run_dir)
     reference_dir: Path | None = None
     reference_losses: list[float] = []
     reason = None
     if mine is None:
-        reason = (f"the job did not finish, so it wrote no results file ({run_dir / RESULTS})" if not outcome.ok else
-                  f"the trainer wrote no results file ({run_dir / RESULTS}); write one with "
-                  f"chaos.results.write_results (pass --results {{run_dir}}/{RESULTS})")
+        reason = (
+            f"the job did not finish, so it wrote no results file ({run_dir / RESULTS})"
+            if not outcome.ok
+            else f"the trainer wrote no results file ({run_dir / RESULTS}); write one with "
+            f"chaos.results.write_results (pass --results {{run_dir}}/{RESULTS})"
+        )
     elif reference_root is None:
         reason = "no reference run was asked for"
     else:
         try:
-            reference_dir = reference or ensure_reference(job, reference_root, timeout_s=timeout_s,
-                                                          progress=progress)
+            reference_dir = reference or ensure_reference(job, reference_root, timeout_s=timeout_s, progress=progress)
         except ReferenceRunError as exc:
             reason = str(exc)
             checks["reference_run"] = False
@@ -388,13 +482,30 @@ def verify(job: Job, plan: Plan, outcome: JobOutcome, *, reference_root: str | o
 
     notes = []
     if outcome.restarts > len(faults):
-        notes.append(f"{outcome.restarts - len(faults)} restart(s) beyond the {len(faults)} injected fault(s): "
-                     f"attempts that failed on their own (see {run_dir}/torchrun*.log)")
-    return Report(passed=all(checks.values()), checks=checks, bitwise_verified=reason is None, run_dir=str(run_dir),
-                  faults=faults, bitwise_reason=reason, problems=problems, notes=notes, attempts=attempts,
-                  diagnosis_error=diagnosis_error, reference_dir=str(reference_dir) if reference_dir else None,
-                  job=job.to_dict(), plan=plan.to_dict(), exit_codes=outcome.exit_codes, timed_out=outcome.timed_out,
-                  duration_s=(outcome.end_ns - outcome.start_ns) / 1e9, cold_start_s=outcome.cold_start_s,
-                  steps_done=max((t["step"] for t in timeline), default=0), restarts=outcome.restarts,
-                  timeline=timeline,
-                  reference_losses=reference_losses)
+        notes.append(
+            f"{outcome.restarts - len(faults)} restart(s) beyond the {len(faults)} injected fault(s): "
+            f"attempts that failed on their own (see {run_dir}/torchrun*.log)"
+        )
+    return Report(
+        passed=all(checks.values()),
+        checks=checks,
+        bitwise_verified=reason is None,
+        run_dir=str(run_dir),
+        faults=faults,
+        bitwise_reason=reason,
+        problems=problems,
+        notes=notes,
+        attempts=attempts,
+        diagnosis_error=diagnosis_error,
+        reference_dir=str(reference_dir) if reference_dir else None,
+        job=job.to_dict(),
+        plan=plan.to_dict(),
+        exit_codes=outcome.exit_codes,
+        timed_out=outcome.timed_out,
+        duration_s=(outcome.end_ns - outcome.start_ns) / 1e9,
+        cold_start_s=outcome.cold_start_s,
+        steps_done=max((t["step"] for t in timeline), default=0),
+        restarts=outcome.restarts,
+        timeline=timeline,
+        reference_losses=reference_losses,
+    )

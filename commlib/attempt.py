@@ -64,8 +64,12 @@ _scope: str | None = None
 
 
 def _counts(environ: Mapping[str, str]) -> tuple[int, int, int, int]:
-    return (env_integer(RESTART_ENV, 0, environ=environ), env_integer(MAX_RESTARTS_ENV, 0, environ=environ),
-            env_integer(REQUEUE_ENV, 0, environ=environ), env_integer(NODES_ENV, 1, environ=environ))
+    return (
+        env_integer(RESTART_ENV, 0, environ=environ),
+        env_integer(MAX_RESTARTS_ENV, 0, environ=environ),
+        env_integer(REQUEUE_ENV, 0, environ=environ),
+        env_integer(NODES_ENV, 1, environ=environ),
+    )
 
 
 def launch_base(environ: Mapping[str, str]) -> int:
@@ -125,8 +129,11 @@ def _lead(store: Any, size: int, timeout_s: float) -> int:
             answered.add(nonce)
         if time.monotonic() > deadline:
             missing = [r for r, key in enumerate(confirmed, start=1) if not store.check([key])]
-            raise CommError(f"commlib.init: rank 0: expected every rank to settle this attempt within {timeout_s:g} s; "
-                            f"found ranks {missing} did not", rank=0)
+            raise CommError(
+                f"commlib.init: rank 0: expected every rank to settle this attempt within {timeout_s:g} s; "
+                f"found ranks {missing} did not",
+                rank=0,
+            )
         time.sleep(poll_s)
         poll_s = min(2 * poll_s, _POLL_MAX_S)
     return generation
@@ -140,8 +147,11 @@ def _follow(store: Any, rank: int, timeout_s: float) -> int:
     try:
         store.wait([answer], timedelta(seconds=timeout_s))
     except RuntimeError:  # torch's DistStoreError: no answer in time
-        raise CommError(f"commlib.init: rank {rank}: expected rank 0 to settle this attempt within {timeout_s:g} s; "
-                        f"found no answer", rank=rank) from None
+        raise CommError(
+            f"commlib.init: rank {rank}: expected rank 0 to settle this attempt within {timeout_s:g} s; "
+            f"found no answer",
+            rank=rank,
+        ) from None
     generation = int(store.get(answer))
     store.set(f"{KEY}/{generation}/confirmed/{rank}", "1")
     return generation

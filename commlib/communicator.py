@@ -67,8 +67,14 @@ class Work:
 
     __slots__ = ("_comm", "call", "_backend_work", "_entry", "done", "_device_op")
 
-    def __init__(self, comm: "Communicator", call: Collective, backend_work: BackendWork,
-                 entry: FlightEntry, device_op: DeviceOp | None = None) -> None:
+    def __init__(
+        self,
+        comm: "Communicator",
+        call: Collective,
+        backend_work: BackendWork,
+        entry: FlightEntry,
+        device_op: DeviceOp | None = None,
+    ) -> None:
         self._comm = comm
         self.call = call
         self._backend_work = backend_work
@@ -107,8 +113,15 @@ class Communicator:
 
     abort_poll_s = ABORT_POLL_S  # the watchdog reads peers' announcements at this pace too
 
-    def __init__(self, backend: Backend, store: dist.Store, name: str, timeout: float,
-                 check_consistency: bool = False, global_ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        store: dist.Store,
+        name: str,
+        timeout: float,
+        check_consistency: bool = False,
+        global_ranks: Sequence[int] | None = None,
+    ) -> None:
         """`global_ranks`: the global rank of each member, by this communicator's rank (None: the
         same numbers, a world); errors and logs name global ranks (`commlib.members`)."""
         self._backend = backend
@@ -134,8 +147,7 @@ class Communicator:
         # Before the board, whose publisher would outlive a failed creation.
         agree_on_settings(store, name, self.rank, self.size, timeout, check_consistency)
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
-        self.board = ProgressBoard(store, self.rank, self.size, os.getpid(),
-                                   stream_ordered=self._runtime is not None)
+        self.board = ProgressBoard(store, self.rank, self.size, os.getpid(), stream_ordered=self._runtime is not None)
         bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
         self._log = _log.get_logger().bind(**bound)
         self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
@@ -181,56 +193,122 @@ class Communicator:
         return f"Communicator(name={self.name!r}, backend={self.backend!r}, rank={self.rank}, size={self.size})"
 
     # -- collectives (canonical torchcomms names) -------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: Reduction = ReduceOp.SUM, *, async_op: bool = False,
-                   timeout: float | timedelta | None = None) -> Work | None:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: Reduction = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
         return self._issue(self._call(OpName.ALL_REDUCE, async_op, timeout, tensor=tensor, reduce_op=op))
 
-    def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False,
-                  timeout: float | timedelta | None = None) -> Work | None:
+    def broadcast(
+        self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Work | None:
         return self._issue(self._call(OpName.BROADCAST, async_op, timeout, tensor=tensor, root=root))
 
-    def reduce(self, tensor: torch.Tensor, root: int, op: Reduction = ReduceOp.SUM, *, async_op: bool = False,
-               timeout: float | timedelta | None = None) -> Work | None:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        root: int,
+        op: Reduction = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
         return self._issue(self._call(OpName.REDUCE, async_op, timeout, tensor=tensor, root=root, reduce_op=op))
 
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, *, async_op: bool = False,
-                   timeout: float | timedelta | None = None) -> Work | None:
+    def all_gather(
+        self,
+        tensor_list: list[torch.Tensor],
+        tensor: torch.Tensor,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
         return self._issue(self._call(OpName.ALL_GATHER, async_op, timeout, output_list=tensor_list, input=tensor))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                          timeout: float | timedelta | None = None) -> Work | None:
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
         return self._issue(self._call(OpName.ALL_GATHER_SINGLE, async_op, timeout, output=output, input=input))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Reduction = ReduceOp.SUM, *,
-                       async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
-        return self._issue(self._call(OpName.REDUCE_SCATTER, async_op, timeout, output=output,
-                                      input_list=input_list, reduce_op=op))
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: Reduction = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        return self._issue(
+            self._call(OpName.REDUCE_SCATTER, async_op, timeout, output=output, input_list=input_list, reduce_op=op)
+        )
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: Reduction = ReduceOp.SUM, *,
-                              async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
-        return self._issue(self._call(OpName.REDUCE_SCATTER_SINGLE, async_op, timeout, output=output,
-                                      input=input, reduce_op=op))
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Reduction = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        return self._issue(
+            self._call(OpName.REDUCE_SCATTER_SINGLE, async_op, timeout, output=output, input=input, reduce_op=op)
+        )
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False,
-                          timeout: float | timedelta | None = None) -> Work | None:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
         return self._issue(self._call(OpName.ALL_TO_ALL_SINGLE, async_op, timeout, output=output, input=input))
 
-    def gather(self, output_list: list[torch.Tensor] | None, input: torch.Tensor, root: int, *,
-               async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
-        return self._issue(self._call(OpName.GATHER, async_op, timeout, output_list=output_list,
-                                      input=input, root=root))
+    def gather(
+        self,
+        output_list: list[torch.Tensor] | None,
+        input: torch.Tensor,
+        root: int,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        return self._issue(
+            self._call(OpName.GATHER, async_op, timeout, output_list=output_list, input=input, root=root)
+        )
 
-    def scatter(self, output: torch.Tensor, input_list: list[torch.Tensor] | None, root: int, *,
-                async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
-        return self._issue(self._call(OpName.SCATTER, async_op, timeout, output=output,
-                                      input_list=input_list, root=root))
+    def scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor] | None,
+        root: int,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        return self._issue(
+            self._call(OpName.SCATTER, async_op, timeout, output=output, input_list=input_list, root=root)
+        )
 
-    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False,
-             timeout: float | timedelta | None = None) -> Work | None:
+    def send(
+        self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Work | None:
         return self._issue(self._call(OpName.SEND, async_op, timeout, tensor=tensor, peer=dst))
 
-    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False,
-             timeout: float | timedelta | None = None) -> Work | None:
+    def recv(
+        self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Work | None:
         return self._issue(self._call(OpName.RECV, async_op, timeout, tensor=tensor, peer=src))
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
@@ -266,8 +344,9 @@ class Communicator:
         ranks = list(ranks)
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.size]
         if bad or len(set(ranks)) != len(ranks):
-            raise ValueError(f"split on {self.name!r} rank {self.rank}: expected distinct ranks in [0, {self.size}); "
-                             f"found {ranks}")
+            raise ValueError(
+                f"split on {self.name!r} rank {self.rank}: expected distinct ranks in [0, {self.size}); found {ranks}"
+            )
         deadline = seconds(timeout) or self.timeout
         self._splits += 1
         store = dist.PrefixStore(f"{name}.{self._splits}/", self._store)
@@ -275,13 +354,16 @@ class Communicator:
             backend = self._backend.split(ranks, name, timedelta(seconds=deadline)) if ranks else None
         except Exception as exc:
             self._log.error("comm.split_failed", new_comm=name, ranks=ranks, error=f"{type(exc).__name__}: {exc}")
-            raise CommError(f"split of {self.name!r} into {name!r} failed on rank {self.rank}: "
-                            f"{type(exc).__name__}: {exc}", op="split", comm=self.name, rank=self.rank) from exc
+            raise CommError(
+                f"split of {self.name!r} into {name!r} failed on rank {self.rank}: {type(exc).__name__}: {exc}",
+                op="split",
+                comm=self.name,
+                rank=self.rank,
+            ) from exc
         self._log.info("comm.split", new_comm=name, ranks=ranks, member=backend is not None)
         if backend is None:
             return None
-        return Communicator(backend, store, name, self.timeout, self.check_consistency,
-                            self.members.global_of(ranks))
+        return Communicator(backend, store, name, self.timeout, self.check_consistency, self.members.global_of(ranks))
 
     def abort(self, reason: str = "aborted") -> None:
         """Tear down at once, without waiting for peers; later calls raise CommAborted.
@@ -332,19 +414,47 @@ class Communicator:
             self.abort()
 
     # -- the one path ------------------------------------------------------------------
-    def _call(self, op: OpName, async_op: bool, timeout: float | timedelta | None, *,
-              tensor: torch.Tensor | None = None, input: torch.Tensor | None = None,
-              output: torch.Tensor | None = None, input_list: list[torch.Tensor] | None = None,
-              output_list: list[torch.Tensor] | None = None, root: int | None = None, peer: int | None = None,
-              reduce_op: Reduction | None = None) -> Collective:
+    def _call(
+        self,
+        op: OpName,
+        async_op: bool,
+        timeout: float | timedelta | None,
+        *,
+        tensor: torch.Tensor | None = None,
+        input: torch.Tensor | None = None,
+        output: torch.Tensor | None = None,
+        input_list: list[torch.Tensor] | None = None,
+        output_list: list[torch.Tensor] | None = None,
+        root: int | None = None,
+        peer: int | None = None,
+        reduce_op: Reduction | None = None,
+    ) -> Collective:
         # Named parameters and the Collective's fields in their order, not **fields: packing
         # and unpacking a dict per call cost more than the rest of this function (cold, ~1 us).
         if not isinstance(async_op, bool):
-            raise TypeError(f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "
-                            f"found {type(async_op).__name__}")
+            raise TypeError(
+                f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "
+                f"found {type(async_op).__name__}"
+            )
         deadline = self.timeout if timeout is None else seconds(timeout)
-        return Collective(op, self.name, self.rank, self.size, async_op, deadline, -1, tensor, input, output,
-                          input_list, output_list, root, peer, reduce_op, _log.current_context())
+        return Collective(
+            op,
+            self.name,
+            self.rank,
+            self.size,
+            async_op,
+            deadline,
+            -1,
+            tensor,
+            input,
+            output,
+            input_list,
+            output_list,
+            root,
+            peer,
+            reduce_op,
+            _log.current_context(),
+        )
 
     def _issue(self, call: Collective) -> Work | None:
         # The hot path: every collective runs it, so what is fixed per communicator is
@@ -377,10 +487,21 @@ class Communicator:
             self.board.started(call.seq, entry.op, call.context)
         if _log.STATE.enabled:
             reduce_op = call.reduce_op
-            self._events.info("collective.start", {
-                "op": entry.op, "seq": call.seq, "shapes": entry.shapes, "dtype": entry.dtype, "bytes": entry.nbytes,
-                "root": entry.root, "peer": call.peer, "deadline_s": call.deadline_s, "async_op": call.async_op,
-                "reduce_op": None if reduce_op is None else str(reduce_op)})
+            self._events.info(
+                "collective.start",
+                {
+                    "op": entry.op,
+                    "seq": call.seq,
+                    "shapes": entry.shapes,
+                    "dtype": entry.dtype,
+                    "bytes": entry.nbytes,
+                    "root": entry.root,
+                    "peer": call.peer,
+                    "deadline_s": call.deadline_s,
+                    "async_op": call.async_op,
+                    "reduce_op": None if reduce_op is None else str(reduce_op),
+                },
+            )
         if start is not None:
             op = self._device.launch(call, entry, start)
             return Work(self, call, op.work, entry, op) if call.async_op else None
@@ -393,27 +514,39 @@ class Communicator:
         self._complete(call, entry, backend_work, None, None)  # a sync call needs no Work
         return None
 
-    def _complete(self, call: Collective, entry: FlightEntry, backend_work: BackendWork,
-                  timeout: float | None, work: Work | None) -> None:
+    def _complete(
+        self, call: Collective, entry: FlightEntry, backend_work: BackendWork, timeout: float | None, work: Work | None
+    ) -> None:
         # An op still in flight when the communicator broke: its failure was recorded once
         # already, by whichever call broke it.
         if self._dead is not None:
             self._ensure_usable(call.op.value)
         wait_from_ns = done_before_wait = None
-        if call.async_op and _log.STATE.enabled:  # how long the caller's wait blocked, and whether the op was already done
+        if (
+            call.async_op and _log.STATE.enabled
+        ):  # how long the caller's wait blocked, and whether the op was already done
             wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
         left = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         # A caller's bound shorter than the deadline's rest is the caller's, not the op's (module docstring).
         callers = timeout is not None and timeout < left
         budget = max(timeout if callers else left, 1e-3)
         try:  # in slices where the backend allows (module docstring)
-            finished = (self._wait_in_slices(backend_work.wait, budget, entry.start_mono_ns)
-                        if self._backend.resumable_wait else backend_work.wait(timedelta(seconds=budget)))
+            finished = (
+                self._wait_in_slices(backend_work.wait, budget, entry.start_mono_ns)
+                if self._backend.resumable_wait
+                else backend_work.wait(timedelta(seconds=budget))
+            )
         except Exception as exc:
             raise self._fail(call, entry, exc) from exc
         if finished is False and callers and (time.monotonic_ns() - entry.start_mono_ns) / 1e9 < call.deadline_s:
-            self._log.debug("collective.wait_timeout", op=call.op.value, seq=call.seq, peer=call.peer,
-                            waited_s=budget, deadline_s=call.deadline_s)
+            self._log.debug(
+                "collective.wait_timeout",
+                op=call.op.value,
+                seq=call.seq,
+                peer=call.peer,
+                waited_s=budget,
+                deadline_s=call.deadline_s,
+            )
             raise self._judge.wait_timeout(call, entry, budget)
         if finished is not True:
             keep_until_done(backend_work, self._backend, backend_work.is_completed)
@@ -426,23 +559,35 @@ class Communicator:
         if _PROCESS_HOOKS.post or self.hooks.post:
             run_hooks(self.hooks, "post", call, entry.duration_s)
 
-    def _record_end(self, call: Collective, entry: FlightEntry, wait_from_ns: int | None = None,
-                    done_before_wait: bool | None = None) -> None:
+    def _record_end(
+        self,
+        call: Collective,
+        entry: FlightEntry,
+        wait_from_ns: int | None = None,
+        done_before_wait: bool | None = None,
+    ) -> None:
         """Record an op that completed: flight recorder, board and `collective.end`, with how long
         an async caller's wait blocked (`wait_from_ns`: when it began; None where none did)."""
         FlightRecorder.end(entry, "completed")
         if call.peer is None:
             self.board.finished(call.seq, entry.op)
         if _log.STATE.enabled:
-            fields = {"op": entry.op, "seq": call.seq, "bytes": entry.nbytes, "peer": call.peer,
-                      "duration_s": entry.duration_s, "status": "ok"}
+            fields = {
+                "op": entry.op,
+                "seq": call.seq,
+                "bytes": entry.nbytes,
+                "peer": call.peer,
+                "duration_s": entry.duration_s,
+                "status": "ok",
+            }
             if wait_from_ns is not None:
                 fields["wait_s"] = (entry.end_mono_ns - wait_from_ns) / 1e9
                 fields["done_before_wait"] = done_before_wait
             self._events.info("collective.end", fields)
 
-    def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
-                        since_mono_ns: int) -> bool | dict[str, Any]:
+    def _wait_in_slices(
+        self, wait: Callable[[timedelta], bool], budget_s: float, since_mono_ns: int
+    ) -> bool | dict[str, Any]:
         """Call `wait(slice)` until it returns True (done), `budget_s` passes (False), or a
         peer's abort announcement is read between two slices (`Judge.announced`)."""
         until = time.monotonic() + budget_s
@@ -464,18 +609,27 @@ class Communicator:
         """Break the communicator for an op whose engine raised `exc`; the error to raise."""
         return self._die(call, entry, self._judge.engine_failure(call, entry, exc), deferred=deferred)
 
-    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
-                   deferred: bool = False, running_s: float | None = None) -> CommError:
+    def _timed_out(
+        self,
+        call: Collective,
+        entry: FlightEntry,
+        cause: BaseException | None,
+        *,
+        deferred: bool = False,
+        running_s: float | None = None,
+    ) -> CommError:
         """Break the communicator for an op whose deadline expired; the error to raise."""
         return self._die(call, entry, self._judge.timeout(call, entry, cause, running_s=running_s), deferred=deferred)
 
-    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
-                   deferred: bool = False) -> CommError:
+    def _peer_left(
+        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
+    ) -> CommError:
         """Break the communicator for an op ended by a peer's abort announcement; the error to raise."""
         return self._die(call, entry, self._judge.peer_left(call, entry, announced), deferred=deferred)
 
-    def _die(self, call: Collective, entry: FlightEntry, error: BaseException, *,
-             hooks: bool = True, deferred: bool = False) -> Any:
+    def _die(
+        self, call: Collective, entry: FlightEntry, error: BaseException, *, hooks: bool = True, deferred: bool = False
+    ) -> Any:
         """Record a failure everywhere, mark the communicator dead, and hand back the error to raise.
 
         `deferred`: on the watchdog's thread; the error and the failure hooks wait for the
@@ -491,8 +645,17 @@ class Communicator:
         self._judge.announce(self._dead, error, call)
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
-            self._log.error(event, op=call.op.value, seq=call.seq, peer=call.peer, duration_s=entry.duration_s,
-                            status=state, error=str(error), error_type=type(error).__name__, **fields)
+            self._log.error(
+                event,
+                op=call.op.value,
+                seq=call.seq,
+                peer=call.peer,
+                duration_s=entry.duration_s,
+                status=state,
+                error=str(error),
+                error_type=type(error).__name__,
+                **fields,
+            )
             self._dump(event.replace(".", "_"))
         except Exception as exc:  # a full disk, a closed log file: the error still has to reach the caller
             report_side_failure(self._log, "dump", exc)
@@ -527,7 +690,12 @@ class Communicator:
                 self._device.deliver_undelivered()
             raise CommAborted(
                 f"{what} on {self.name!r} {self.members.name(self.rank)}: expected a live communicator; found it "
-                f"{self._dead}", op=what, seq=self._seq, comm=self.name, rank=self.world_rank)
+                f"{self._dead}",
+                op=what,
+                seq=self._seq,
+                comm=self.name,
+                rank=self.world_rank,
+            )
 
     def _run_hooks_quietly(self, kind: str, *args: Any) -> None:
         """Hooks where one that raises must not replace the error being raised, nor stop the

@@ -100,10 +100,16 @@ METHOD_RENAMES: dict[str, Rename] = {
         Rename("all_gather_single", ("all_gather_single", "_allgather_base"), new_since="2.13"),
         Rename("reduce_scatter_single", ("reduce_scatter_single", "_reduce_scatter_base"), new_since="2.13"),
         Rename("all_to_all_single", ("all_to_all_single", "alltoall_base"), new_since="2.13"),
-        Rename("all_gather_single_coalesced", ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
-               new_since="2.13"),
-        Rename("reduce_scatter_single_coalesced",
-               ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"), new_since="2.13"),
+        Rename(
+            "all_gather_single_coalesced",
+            ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+            new_since="2.13",
+        ),
+        Rename(
+            "reduce_scatter_single_coalesced",
+            ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+            new_since="2.13",
+        ),
     )
 }
 
@@ -162,8 +168,7 @@ def backfill() -> dict[str, str]:
         owner = _public_module(row.functional)
         if hasattr(owner, newest):
             continue
-        older = next(((name, fn) for name in row.old_names if (fn := _lookup(name, row.functional)) is not None),
-                     None)
+        older = next(((name, fn) for name in row.old_names if (fn := _lookup(name, row.functional)) is not None), None)
         if older is None:
             unavailable.append(newest)
             continue

@@ -58,14 +58,21 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as exc:
         absent = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise CommError(f"creating {name!r} on rank {rank}: expected every rank to create it within "
-                        f"{timeout_s:g} s; found ranks {absent} did not", op="init", comm=name, rank=rank) from exc
+        raise CommError(
+            f"creating {name!r} on rank {rank}: expected every rank to create it within "
+            f"{timeout_s:g} s; found ranks {absent} did not",
+            op="init",
+            comm=name,
+            rank=rank,
+        ) from exc
     settings = [value.decode() for value in store.multi_get(keys)]
     if len(set(settings)) > 1:
         by_setting = {s: [r for r, v in enumerate(settings) if v == s] for s in ("on", "off")}
-        raise ValueError(f"creating {name!r} on rank {rank}: expected every rank to create it with the "
-                         f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
-                         f"{by_setting['on']} and off for ranks {by_setting['off']}")
+        raise ValueError(
+            f"creating {name!r} on rank {rank}: expected every rank to create it with the "
+            f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
+            f"{by_setting['on']} and off for ranks {by_setting['off']}"
+        )
 
 
 class CheckedComm(Protocol):
@@ -85,17 +92,27 @@ class CheckedComm(Protocol):
     _judge: Judge
     _log: Any
 
-    def _wait_in_slices(self, wait: Callable[[timedelta], bool], budget_s: float,
-                        since_mono_ns: int) -> bool | dict[str, Any]: ...
+    def _wait_in_slices(
+        self, wait: Callable[[timedelta], bool], budget_s: float, since_mono_ns: int
+    ) -> bool | dict[str, Any]: ...
 
-    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *,
-              deferred: bool = False) -> CommError: ...
+    def _fail(
+        self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False
+    ) -> CommError: ...
 
-    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
-                   deferred: bool = False, running_s: float | None = None) -> CommError: ...
+    def _timed_out(
+        self,
+        call: Collective,
+        entry: FlightEntry,
+        cause: BaseException | None,
+        *,
+        deferred: bool = False,
+        running_s: float | None = None,
+    ) -> CommError: ...
 
-    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
-                   deferred: bool = False) -> CommError: ...
+    def _peer_left(
+        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
+    ) -> CommError: ...
 
 
 class ConsistencyCheck:
@@ -129,9 +146,13 @@ class ConsistencyCheck:
         detail = "; ".join(f"{members.names(rs, 'ranks')}: {v}" for v, rs in groups.items())
         error = CollectiveMismatch(
             f"{call.op} #{call.seq} on {comm.name!r} {members.name(comm.rank)}: expected every rank to issue the "
-            f"same collective; found {detail}", differing_ranks=differing, **comm._judge.where(call))
-        comm._log.error("collective.mismatch", op=call.op.value, seq=call.seq, error=str(error),
-                       differing_ranks=differing)
+            f"same collective; found {detail}",
+            differing_ranks=differing,
+            **comm._judge.where(call),
+        )
+        comm._log.error(
+            "collective.mismatch", op=call.op.value, seq=call.seq, error=str(error), differing_ranks=differing
+        )
         run_hooks(comm.hooks, "failure", call, error)
         raise error
 
@@ -144,14 +165,25 @@ class ConsistencyCheck:
         digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest(), "little") >> 2
         both = self._digest_pair
         both[0], both[1] = digest, -digest  # after MAX: the largest digest, and minus the smallest
-        exchange = Collective(op=OpName.ALL_REDUCE, comm=comm.name, rank=comm.rank, size=comm.size, async_op=False,
-                              deadline_s=call.deadline_s, seq=call.seq, tensor=self._digest_tensor,
-                              reduce_op=ReduceOp.MAX)
+        exchange = Collective(
+            op=OpName.ALL_REDUCE,
+            comm=comm.name,
+            rank=comm.rank,
+            size=comm.size,
+            async_op=False,
+            deadline_s=call.deadline_s,
+            seq=call.seq,
+            tensor=self._digest_tensor,
+            reduce_op=ReduceOp.MAX,
+        )
         backend = comm._backend
         try:
             work = backend.launch(exchange, deadline_timedelta(call.deadline_s))
-            outcome = (comm._wait_in_slices(work.wait, call.deadline_s, started[1]) if backend.resumable_wait
-                       else work.wait(deadline_timedelta(call.deadline_s)))
+            outcome = (
+                comm._wait_in_slices(work.wait, call.deadline_s, started[1])
+                if backend.resumable_wait
+                else work.wait(deadline_timedelta(call.deadline_s))
+            )
         except Exception as exc:
             raise comm._fail(call, self._entry(call, started), exc) from exc
         if outcome is not True:
@@ -206,7 +238,7 @@ class ConsistencyCheck:
             raise comm._timed_out(call, self._entry(call, started), exc) from exc
         if outcome is not True:
             self._failed(call, started, outcome)
-        return [v[len(tag):].decode() for v in values]
+        return [v[len(tag) :].decode() for v in values]
 
     def _entry(self, call: Collective, started: tuple[int, int]) -> FlightEntry:
         """The flight entry of a call whose check failed: the check's wait is what failed, so

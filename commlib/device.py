@@ -147,9 +147,12 @@ def _thread_local_capture_mode() -> None:
     if cudart is None:
         from commlib.observe import log as _log
 
-        _log.get_logger().warning("device.capture_mode_unset", cuda=torch.version.cuda,
-                                  consequence="a CUDA graph captured on another thread in global mode may be "
-                                              "invalidated by the watchdog's event queries")
+        _log.get_logger().warning(
+            "device.capture_mode_unset",
+            cuda=torch.version.cuda,
+            consequence="a CUDA graph captured on another thread in global mode may be "
+            "invalidated by the watchdog's event queries",
+        )
         return
     mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)
     cudart.cudaThreadExchangeStreamCaptureMode(ctypes.byref(mode))

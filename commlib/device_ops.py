@@ -80,14 +80,23 @@ class DeviceComm(Protocol):
 
     def _run_post_hooks_quietly(self, call: Collective, entry: FlightEntry) -> None: ...
 
-    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *,
-              deferred: bool = False) -> CommError: ...
+    def _fail(
+        self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False
+    ) -> CommError: ...
 
-    def _timed_out(self, call: Collective, entry: FlightEntry, cause: BaseException | None, *,
-                   deferred: bool = False, running_s: float | None = None) -> CommError: ...
+    def _timed_out(
+        self,
+        call: Collective,
+        entry: FlightEntry,
+        cause: BaseException | None,
+        *,
+        deferred: bool = False,
+        running_s: float | None = None,
+    ) -> CommError: ...
 
-    def _peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *,
-                   deferred: bool = False) -> CommError: ...
+    def _peer_left(
+        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
+    ) -> CommError: ...
 
 
 class DeviceOps:
@@ -159,16 +168,29 @@ class DeviceOps:
         """What a barrier is launched as on the engine (module docstring)."""
         if self._barrier_tensor is None:
             self._barrier_tensor = torch.zeros(1, device=self.runtime.device)
-        return Collective(OpName.ALL_REDUCE, call.comm, call.rank, call.size, call.async_op, call.deadline_s,
-                          call.seq, tensor=self._barrier_tensor, reduce_op=ReduceOp.SUM, context=call.context)
+        return Collective(
+            OpName.ALL_REDUCE,
+            call.comm,
+            call.rank,
+            call.size,
+            call.async_op,
+            call.deadline_s,
+            call.seq,
+            tensor=self._barrier_tensor,
+            reduce_op=ReduceOp.SUM,
+            context=call.context,
+        )
 
     def _captured(self, call: Collective, entry: FlightEntry) -> None:
         """An op recorded into a CUDA graph (module docstring): ended here, never watched."""
         if not self._told_captured:
             self._told_captured = True
-            self.comm._log.warning("comm.captured_ops_not_watched", op=call.op.value, seq=call.seq,
-                                   consequence="ops recorded into a CUDA graph run at its replays, which commlib "
-                                               "neither times nor names")
+            self.comm._log.warning(
+                "comm.captured_ops_not_watched",
+                op=call.op.value,
+                seq=call.seq,
+                consequence="ops recorded into a CUDA graph run at its replays, which commlib neither times nor names",
+            )
         self.comm._record_end(call, entry)
         self.comm._run_post_hooks_quietly(call, entry)
 
@@ -254,5 +276,8 @@ class DeviceOps:
             return
         thread.join(ENGINE_ABORT_BOUND_S)
         if thread.is_alive():
-            self.comm._log.error("comm.engine_abort_stuck", waited_s=ENGINE_ABORT_BOUND_S,
-                                 action="going on without it; the engine and its device streams are left as they are")
+            self.comm._log.error(
+                "comm.engine_abort_stuck",
+                waited_s=ENGINE_ABORT_BOUND_S,
+                action="going on without it; the engine and its device streams are left as they are",
+            )

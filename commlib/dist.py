@@ -27,6 +27,7 @@ from commlib.ops import ReduceOp, to_reduction
 
 _DEFAULT: list[Communicator] = []  # the one registry this module owns
 
+
 def use(comm: Communicator) -> None:
     """Make `comm` the communicator that calls without `group=` go to."""
     if not isinstance(comm, Communicator):
@@ -52,8 +53,10 @@ def _comm(group: Communicator | None) -> Communicator:
 
     world = _tdist.group.WORLD if _tdist.is_initialized() else None
     if not isinstance(world, CommlibProcessGroup):
-        raise RuntimeError("commlib.dist: expected a default communicator; found none "
-                           "(call commlib.init, or commlib.dist.use(comm), or pass group=)")
+        raise RuntimeError(
+            "commlib.dist: expected a default communicator; found none "
+            "(call commlib.init, or commlib.dist.use(comm), or pass group=)"
+        )
     return world.communicator()
 
 
@@ -74,53 +77,90 @@ def get_world_size(group: Communicator | None = None) -> int:
     return _comm(group).size
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
-               async_op: bool = False) -> Work | None:
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None, async_op: bool = False
+) -> Work | None:
     return _comm(group).all_reduce(tensor, to_reduction(op), async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int | None = None, group: Communicator | None = None,
-              async_op: bool = False, **kwargs: Any) -> Work | None:
+def broadcast(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: Communicator | None = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Work | None:
     return _comm(group).broadcast(tensor, _root("broadcast", {"src": src, **kwargs}), async_op=async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int | None = None, op: Any = ReduceOp.SUM, group: Communicator | None = None,
-           async_op: bool = False, **kwargs: Any) -> Work | None:
+def reduce(
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    op: Any = ReduceOp.SUM,
+    group: Communicator | None = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Work | None:
     return _comm(group).reduce(tensor, _root("reduce", {"dst": dst, **kwargs}), to_reduction(op), async_op=async_op)
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Communicator | None = None,
-               async_op: bool = False) -> Work | None:
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Communicator | None = None, async_op: bool = False
+) -> Work | None:
     return _comm(group).all_gather(tensor_list, tensor, async_op=async_op)
 
 
-def all_gather_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Communicator | None = None,
-                      async_op: bool = False) -> Work | None:
+def all_gather_single(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Communicator | None = None, async_op: bool = False
+) -> Work | None:
     return _comm(group).all_gather_single(output_tensor, input_tensor, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM,
-                   group: Communicator | None = None, async_op: bool = False) -> Work | None:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Communicator | None = None,
+    async_op: bool = False,
+) -> Work | None:
     return _comm(group).reduce_scatter(output, input_list, to_reduction(op), async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Communicator | None = None, async_op: bool = False) -> Work | None:
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Communicator | None = None,
+    async_op: bool = False,
+) -> Work | None:
     return _comm(group).reduce_scatter_single(output, input, to_reduction(op), async_op=async_op)
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Communicator | None = None,
-                      async_op: bool = False) -> Work | None:
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: Communicator | None = None, async_op: bool = False
+) -> Work | None:
     return _comm(group).all_to_all_single(output, input, async_op=async_op)
 
 
-def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
-           group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int | None = None,
+    group: Communicator | None = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Work | None:
     return _comm(group).gather(gather_list, tensor, _root("gather", {"dst": dst, **kwargs}), async_op=async_op)
 
 
-def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
-            group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int | None = None,
+    group: Communicator | None = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Work | None:
     return _comm(group).scatter(tensor, scatter_list, _root("scatter", {"src": src, **kwargs}), async_op=async_op)
 
 
@@ -136,8 +176,14 @@ def barrier(group: Communicator | None = None, async_op: bool = False) -> Work |
     return _comm(group).barrier(async_op=async_op)
 
 
-def gather_single(output: torch.Tensor | None, input: torch.Tensor, dst: int | None = None,
-                  group: Communicator | None = None, async_op: bool = False, **kwargs: Any) -> Work | None:
+def gather_single(
+    output: torch.Tensor | None,
+    input: torch.Tensor,
+    dst: int | None = None,
+    group: Communicator | None = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Work | None:
     """Gather every rank's `input` into `output` (size x input, on the root only) as one gather."""
     comm = _comm(group)
     root = _root("gather", {"dst": dst, **kwargs})
@@ -145,8 +191,10 @@ def gather_single(output: torch.Tensor | None, input: torch.Tensor, dst: int | N
         return comm.gather(None, input, root, async_op=async_op)
     if not isinstance(output, torch.Tensor) or output.numel() != comm.size * input.numel():
         found = f"{tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"commlib.dist.gather_single on {comm.name!r} rank {comm.rank}: expected an output of "
-                         f"{comm.size} x {input.numel()} elements on the root; found {found}")
+        raise ValueError(
+            f"commlib.dist.gather_single on {comm.name!r} rank {comm.rank}: expected an output of "
+            f"{comm.size} x {input.numel()} elements on the root; found {found}"
+        )
     return comm.gather(list(output.view(comm.size, *input.shape).unbind(0)), input, root, async_op=async_op)
 
 

@@ -79,16 +79,24 @@ def _attempt_lines(a: AttemptFinding, final: bool) -> list[str]:
     for p in a.problems:
         lines.append(_wrap(f"[{p.kind.value}] {ranks_text(p.ranks) if p.ranks else 'no culprit'}: {p.message}", "  "))
     if a.status != "ok" and not a.problems:
-        lines.append(_wrap("The logs end without a failure or an unfinished collective, and torchrun started "
-                           "another attempt: a process died between collectives (see where each log ends).", "  "))
+        lines.append(
+            _wrap(
+                "The logs end without a failure or an unfinished collective, and torchrun started "
+                "another attempt: a process died between collectives (see where each log ends).",
+                "  ",
+            )
+        )
     if a.positions:
         lines.append("  Where each rank's log ends:")
         places: dict[str, list[RankPosition]] = {}
         for pos in a.positions:
             places.setdefault(pos.describe(), []).append(pos)
         for text, same in places.items():
-            who = (f"rank {same[0].rank} ({same[0].host}, pid {same[0].pid})" if len(same) == 1 else
-                   f"{ranks_text(p.rank for p in same)} ({_hosts_text({p.host or '?' for p in same})})")
+            who = (
+                f"rank {same[0].rank} ({same[0].host}, pid {same[0].pid})"
+                if len(same) == 1
+                else f"{ranks_text(p.rank for p in same)} ({_hosts_text({p.host or '?' for p in same})})"
+            )
             lines.append(_wrap(f"{who}: {text}", "    "))
     return lines
 
@@ -102,9 +110,11 @@ def _hosts_text(hosts: set[str]) -> str:
 def render(d: Diagnosis) -> str:
     """The human-readable report."""
     n_ranks = len({r for a in d.attempts for r in a.ranks})
-    lines = [f"commlib doctor: {d.logdir}" + (f" (job {d.job})" if d.job is not None else ""),
-             f"{n_ranks} rank(s) (world size {d.world_size}) on {_hosts_text(set(d.hosts)) or 'no named host'}; "
-             f"{len(d.attempts)} attempt(s)"]
+    lines = [
+        f"commlib doctor: {d.logdir}" + (f" (job {d.job})" if d.job is not None else ""),
+        f"{n_ranks} rank(s) (world size {d.world_size}) on {_hosts_text(set(d.hosts)) or 'no named host'}; "
+        f"{len(d.attempts)} attempt(s)",
+    ]
     for f in d.unreadable:
         what = " What follows says nothing of that rank's log there." if RANK_FILE.match(Path(f["path"]).name) else ""
         lines.append(_wrap(f"Not read: {f['path']}: {f['why']}.{what}", ""))
@@ -117,47 +127,67 @@ def render(d: Diagnosis) -> str:
         lines += _attempt_lines(a, final=i == len(d.attempts) - 1)
         lines.append("")
     if d.stragglers:
-        lines.append("Stragglers: how long the others waited for each rank (last start - first start of each "
-                     "collective, counted for the rank that arrived last).")
+        lines.append(
+            "Stragglers: how long the others waited for each rank (last start - first start of each "
+            "collective, counted for the rank that arrived last)."
+        )
         lines.append("  Wall clocks (ts_ns) of different processes: across hosts these include the clocks' offset.")
         lines.append(f"  {'rank':>4} {'collectives':>11} {'last':>6} {'waited total':>13} {'p50':>10} {'p99':>10}")
         for s in sorted(d.stragglers, key=lambda s: -s.waited_total_s):
-            lines.append(f"  {s.rank:>4} {s.collectives:>11} {s.last_count:>6} {_secs(s.waited_total_s):>13} "
-                         f"{_secs(s.waited_p50_s):>10} {_secs(s.waited_p99_s):>10}")
+            lines.append(
+                f"  {s.rank:>4} {s.collectives:>11} {s.last_count:>6} {_secs(s.waited_total_s):>13} "
+                f"{_secs(s.waited_p50_s):>10} {_secs(s.waited_p99_s):>10}"
+            )
         lines.append("")
     if d.ops:
-        lines.append("Collectives by op and size (bytes = each rank's input; latency over every rank's completed "
-                     "calls; bandwidth at p50, GB/s):")
-        lines.append(f"  {'op':<22} {'ranks':>5} {'bytes':>11} {'samples':>8} {'p50':>10} {'p99':>10} "
-                     f"{'algbw':>8} {'busbw':>8}")
+        lines.append(
+            "Collectives by op and size (bytes = each rank's input; latency over every rank's completed "
+            "calls; bandwidth at p50, GB/s):"
+        )
+        lines.append(
+            f"  {'op':<22} {'ranks':>5} {'bytes':>11} {'samples':>8} {'p50':>10} {'p99':>10} {'algbw':>8} {'busbw':>8}"
+        )
         for o in d.ops:
             bw = [f"{x:.3g}" if x is not None else "-" for x in (o.algbw_gbps, o.busbw_gbps)]
-            lines.append(f"  {o.op:<22} {o.comm_size:>5} {_size(o.bytes):>11} {o.samples:>8} {_secs(o.p50_s):>10} "
-                         f"{_secs(o.p99_s):>10} {bw[0]:>8} {bw[1]:>8}")
+            lines.append(
+                f"  {o.op:<22} {o.comm_size:>5} {_size(o.bytes):>11} {o.samples:>8} {_secs(o.p50_s):>10} "
+                f"{_secs(o.p99_s):>10} {bw[0]:>8} {bw[1]:>8}"
+            )
         lines.append("")
     telling = [x for x in d.dumps if x.unfinished]  # the others only repeat the logs
     for dump in telling:
-        unfinished = ", ".join(f"{u['op']} #{u['seq']}" + (f" (peer {u['peer']})" if "peer" in u else "")
-                               for u in dump.unfinished)
-        lines.append(f"Flight dump ({dump.reason}) of rank {dump.rank}, comm {dump.comm!r}, attempt {dump.attempt}: "
-                     f"still in {unfinished} [{dump.path}]")
+        unfinished = ", ".join(
+            f"{u['op']} #{u['seq']}" + (f" (peer {u['peer']})" if "peer" in u else "") for u in dump.unfinished
+        )
+        lines.append(
+            f"Flight dump ({dump.reason}) of rank {dump.rank}, comm {dump.comm!r}, attempt {dump.attempt}: "
+            f"still in {unfinished} [{dump.path}]"
+        )
     if d.dumps:
         lines.append(f"{len(d.dumps)} flight-recorder dump(s), {len(telling)} with an unfinished collective.")
         lines.append("")
     if d.exit_code == 0:
-        lines.append("No problem found." if not d.unreadable else
-                     f"No problem found in the logs read ({len(d.unreadable)} file(s) could not be read: see above).")
+        lines.append(
+            "No problem found."
+            if not d.unreadable
+            else f"No problem found in the logs read ({len(d.unreadable)} file(s) could not be read: see above)."
+        )
     elif d.exit_code == 3:
         failed = [a.attempt for a in d.attempts if a.status != "ok"]
         final = d.final
         if final is not None and final.status == "recovered":
-            lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt recovered in-job from its own.")
+            lines.append(
+                f"Recovered: attempt(s) {failed} had problems; the final attempt recovered in-job from its own."
+            )
         else:
             lines.append(f"Recovered: attempt(s) {failed} had problems; the final attempt is clean.")
     else:
         final = d.final
-        lines.append(f"PROBLEM: final attempt {final.attempt if final else '?'} {final.status if final else 'missing'}"
-                     + (f"; culprit {ranks_text(final.culprits)}" if final and final.culprits else "") + ".")
+        lines.append(
+            f"PROBLEM: final attempt {final.attempt if final else '?'} {final.status if final else 'missing'}"
+            + (f"; culprit {ranks_text(final.culprits)}" if final and final.culprits else "")
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -166,8 +196,10 @@ def _read_text(read: ReadInfo) -> str:
     if read.full_read_because is not None:
         return f"Verdict: read in full ({read.bytes_total / 1e6:.1f} MB): {read.full_read_because}."
     whole = f"; ranks read whole: {rank_ranges(read.ranks_whole)}" if read.ranks_whole else ""
-    return (f"Verdict read from the end of each rank's log: {read.bytes_read / 1e6:.1f} MB of "
-            f"{read.bytes_total / 1e6:.1f} MB{whole}. No statistics (run without --verdict for them).")
+    return (
+        f"Verdict read from the end of each rank's log: {read.bytes_read / 1e6:.1f} MB of "
+        f"{read.bytes_total / 1e6:.1f} MB{whole}. No statistics (run without --verdict for them)."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,13 +208,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--trace", metavar="OUT.json", help="also write a Chrome/Perfetto trace there")
     parser.add_argument("--job", metavar="ID", help="read only this job's logs (a directory holding several jobs')")
-    parser.add_argument("--verdict", action="store_true",
-                        help="only the verdict (who is stuck where, who is dead, who waits for whom), read from the "
-                             "end of each rank's logs: seconds at any size; no statistics")
+    parser.add_argument(
+        "--verdict",
+        action="store_true",
+        help="only the verdict (who is stuck where, who is dead, who waits for whom), read from the "
+        "end of each rank's logs: seconds at any size; no statistics",
+    )
     args = parser.parse_args(argv)
     if args.verdict and args.trace is not None:
-        print("commlib-doctor: --trace draws every call: it needs the whole logs, not --verdict's end of them",
-              file=sys.stderr)
+        print(
+            "commlib-doctor: --trace draws every call: it needs the whole logs, not --verdict's end of them",
+            file=sys.stderr,
+        )
         return 2
     if group_dirs(args.logdir):  # one log dir per replica group (commlib.replicas): the replicas rule
         return replicas_main([args.logdir, *(["--json"] if args.json else [])])

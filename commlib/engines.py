@@ -65,8 +65,13 @@ def check_consistency(explicit: bool | None, comm_name: str) -> bool:
     """
     if explicit is not None:
         return explicit
-    because = (f"{CHECK_CONSISTENCY_ENV}=1" if settings.env_flag(CHECK_CONSISTENCY_ENV) else
-               f"{TORCH_DEBUG_ENV}=DETAIL" if os.environ.get(TORCH_DEBUG_ENV, "").upper() == "DETAIL" else None)
+    because = (
+        f"{CHECK_CONSISTENCY_ENV}=1"
+        if settings.env_flag(CHECK_CONSISTENCY_ENV)
+        else f"{TORCH_DEBUG_ENV}=DETAIL"
+        if os.environ.get(TORCH_DEBUG_ENV, "").upper() == "DETAIL"
+        else None
+    )
     if because is not None:
         _log.get_logger().info("comm.consistency_check", comm=comm_name, enabled=True, because=because)
     return because is not None
@@ -87,9 +92,19 @@ class Recipe:
     def build(self, store: dist.Store, timeouts: dict[str, float] | None = None) -> dict[str, Communicator]:
         """The group's communicators; `timeouts`: each device's deadline, where not the recipe's."""
         timeouts = timeouts or {}
-        return {device.type: build_communicator(self.options, device, comm_name, store, self.rank, self.size,
-                                           timeouts.get(device.type, self.timeout_s), self.global_ranks)
-                for device, comm_name in self.devices}
+        return {
+            device.type: build_communicator(
+                self.options,
+                device,
+                comm_name,
+                store,
+                self.rank,
+                self.size,
+                timeouts.get(device.type, self.timeout_s),
+                self.global_ranks,
+            )
+            for device, comm_name in self.devices
+        }
 
 
 def engine_named(options: EngineOptions) -> str:
@@ -111,8 +126,9 @@ def devices_for(options: EngineOptions, name: str) -> list[tuple[torch.device, s
     return [(main, name)] + ([(torch.device("cpu"), f"{name}.cpu")] if engine == "auto" else [])
 
 
-def main_cuda_device(asked: torch.device | str | None, local_rank: int, device_count: int,
-                     current: Callable[[], int]) -> torch.device:
+def main_cuda_device(
+    asked: torch.device | str | None, local_rank: int, device_count: int, current: Callable[[], int]
+) -> torch.device:
     """The CUDA device a group's engine runs on, fixed when the group is made: the one asked for
     (`EngineOptions.device`, which `commlib.init(device=)` sets), else the one torchrun's
     LOCAL_RANK gives this rank of its node, else the current device. Never only the current
@@ -129,8 +145,16 @@ def main_cuda_device(asked: torch.device | str | None, local_rank: int, device_c
     return torch.device("cuda", current())
 
 
-def build_communicator(options: EngineOptions, device: torch.device, name: str, store: dist.Store, rank: int,
-                  size: int, timeout_s: float, global_ranks: tuple[int, ...]) -> Communicator:
+def build_communicator(
+    options: EngineOptions,
+    device: torch.device,
+    name: str,
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    global_ranks: tuple[int, ...],
+) -> Communicator:
     engine = engine_named(options)
     store = dist.PrefixStore(f"{device.type}/", store)
     timeout = timedelta(seconds=timeout_s)
@@ -139,12 +163,25 @@ def build_communicator(options: EngineOptions, device: torch.device, name: str, 
     elif engine == "torchcomms":
         from commlib.backends.torchcomms import TorchcommsBackend
 
-        impl = TorchcommsBackend.create(rank=rank, size=size, store=store, name=name, device=device,
-                                             timeout=timeout, engine=options.torchcomms_backend)
+        impl = TorchcommsBackend.create(
+            rank=rank,
+            size=size,
+            store=store,
+            name=name,
+            device=device,
+            timeout=timeout,
+            engine=options.torchcomms_backend,
+        )
     else:
         from commlib.backends.c10d import C10dBackend
 
         kind = "nccl" if device.type == "cuda" else "gloo"
         impl = C10dBackend.create(kind, store=store, rank=rank, size=size, device=device, timeout=timeout)
-    return Communicator(impl, dist.PrefixStore("commlib/", store), name, timeout_s, bool(options.check_consistency),
-                        global_ranks=global_ranks)
+    return Communicator(
+        impl,
+        dist.PrefixStore("commlib/", store),
+        name,
+        timeout_s,
+        bool(options.check_consistency),
+        global_ranks=global_ranks,
+    )

@@ -25,8 +25,15 @@ class Failure(enum.Enum):
 # ... for recv", "Connection closed by peer", "Connection reset by peer"; nccl: watchdog
 # timeouts, "NCCL communicator was aborted", remote errors; torchcomms' gloo: "pair closure".
 _TIMEOUT_TEXTS = ("timed out", "timeout")
-_PEER_TEXTS = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
-               "remote process exited", "socket closed", "ncclremoteerror")
+_PEER_TEXTS = (
+    "closed by peer",
+    "reset by peer",
+    "broken pipe",
+    "connection refused",
+    "remote process exited",
+    "socket closed",
+    "ncclremoteerror",
+)
 _ABORT_TEXTS = ("aborted", "not initialized", "has been destroyed", "pair closure")
 
 NETWORK_ERROR = "DistNetworkError"

@@ -106,8 +106,9 @@ def reduction_of(opts: Any) -> Reduction:
     return reduction
 
 
-def handed_back(async_op: bool, works: list[Work | None], result: list[torch.Tensor],
-                 finish: Any = None) -> CommlibWork | None:
+def handed_back(
+    async_op: bool, works: list[Work | None], result: list[torch.Tensor], finish: Any = None
+) -> CommlibWork | None:
     """What a collective method returns to c10d: a Work when the caller asked for one.
 
     c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
@@ -126,6 +127,7 @@ def handed_back(async_op: bool, works: list[Work | None], result: list[torch.Ten
 
 def one_tensor(tensors: list[Any], what: str) -> Any:
     if len(tensors) != 1:
-        raise ValueError(f"commlib process group {what}: expected one tensor (one device per process); "
-                         f"found {len(tensors)}")
+        raise ValueError(
+            f"commlib process group {what}: expected one tensor (one device per process); found {len(tensors)}"
+        )
     return tensors[0]

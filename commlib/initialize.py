@@ -60,16 +60,19 @@ def init(
     assert timeout_s is not None
     dev = _device(device)
     if store is None:
-        store, rank, world_size = next(dist.rendezvous("env://", rank if rank is not None else -1,
-                                                       world_size if world_size is not None else -1))
+        store, rank, world_size = next(
+            dist.rendezvous("env://", rank if rank is not None else -1, world_size if world_size is not None else -1)
+        )
         # torchrun hands every restart of the job the same agent store, with the dead
         # attempt's keys still in it: a rank that starts before its peers would read a peer's
         # stale gloo address ("Connection refused") and stale progress-board entries. The
         # attempt is agreed by every rank of every node (a node's restart count is its own).
         store = dist.PrefixStore(f"attempt{_attempt.agree(store, rank, world_size, timeout_s)}/", store)
     if rank is None or world_size is None:
-        raise ValueError(f"commlib.init: expected rank and world_size with an explicit store; "
-                         f"found rank={rank}, world_size={world_size}")
+        raise ValueError(
+            f"commlib.init: expected rank and world_size with an explicit store; "
+            f"found rank={rank}, world_size={world_size}"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"commlib.init: expected 0 <= rank < world_size; found rank={rank}, world_size={world_size}")
     _log.configure(rank, world_size, log_dir, store=store)
@@ -79,8 +82,9 @@ def init(
         # torch then hands every backend name, "commlib" included, to torchcomms.new_comm:
         # make the group torch's way and take commlib's path for commlib's own calls only.
         engine = backend if backend in ("gloo", "nccl") else ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(engine, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            engine, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
     if dist.is_initialized():
         comm = _over_existing_group(store, rank, world_size, timeout_s, name, dev, check_consistency)
     else:
@@ -91,13 +95,21 @@ def init(
         if backend == "auto":
             backend = "torchcomms" if _torchcomms_usable() else ("gloo" if dev.type == "cpu" else "auto")
         register()
-        dist.init_process_group("commlib", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s),
-                                pg_options=EngineOptions(engine=backend, name=name,
-                                                         check_consistency=check_consistency,
-                                                         torchcomms_backend=torchcomms_backend,
-                                                         device=dev if dev.type == "cuda" else None,
-                                                         configure_process=False))
+        dist.init_process_group(
+            "commlib",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            pg_options=EngineOptions(
+                engine=backend,
+                name=name,
+                check_consistency=check_consistency,
+                torchcomms_backend=torchcomms_backend,
+                device=dev if dev.type == "cuda" else None,
+                configure_process=False,
+            ),
+        )
         comm = current()
     from commlib import dist as commlib_dist
     from commlib.process_group import CommlibProcessGroup
@@ -126,12 +138,22 @@ def _torch_routes_to_torchcomms() -> bool:
     return bool(getattr(dist.distributed_c10d, "_use_torchcomms_enabled", lambda: False)())
 
 
-def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: float, name: str, device: torch.device,
-                         check_consistency: bool | None) -> Communicator:
+def _over_existing_group(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    name: str,
+    device: torch.device,
+    check_consistency: bool | None,
+) -> Communicator:
     """The communicator over a default group the caller made before calling commlib.init."""
     if (dist.get_rank(), dist.get_world_size()) != (rank, size):
-        raise CommError(f"commlib.init: expected the existing default process group to have rank {rank} of "
-                        f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}", rank=rank)
+        raise CommError(
+            f"commlib.init: expected the existing default process group to have rank {rank} of "
+            f"{size}; found rank {dist.get_rank()} of {dist.get_world_size()}",
+            rank=rank,
+        )
     from commlib.engines import check_consistency as consistency_setting
     from commlib.process_group import CommlibProcessGroup, current
 
@@ -140,5 +162,6 @@ def _over_existing_group(store: dist.Store, rank: int, size: int, timeout_s: flo
     # Another backend's group: commlib's own calls take the one path; torch.distributed's own
     # calls on that group do not (use backend="commlib" for those).
     impl = C10dBackend(dist.group.WORLD, device, dist.PrefixStore("commlib-splits/", store), owned=False)
-    return Communicator(impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s,
-                        consistency_setting(check_consistency, name))
+    return Communicator(
+        impl, dist.PrefixStore(f"commlib/{name}/", store), name, timeout_s, consistency_setting(check_consistency, name)
+    )

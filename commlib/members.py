@@ -23,8 +23,9 @@ class Members:
         """`global_ranks` None: the communicator's ranks are the global ones (a world)."""
         ranks = tuple(range(size)) if global_ranks is None else tuple(global_ranks)
         if len(ranks) != size:
-            raise ValueError(f"communicator {comm!r}: expected the global ranks of its {size} members; found "
-                             f"{list(ranks)}")
+            raise ValueError(
+                f"communicator {comm!r}: expected the global ranks of its {size} members; found {list(ranks)}"
+            )
         return cls(comm, ranks)
 
     @property

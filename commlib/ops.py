@@ -103,9 +103,11 @@ def to_reduction(op: Any) -> Reduction:
         if factor is None:
             # Before torch 2.13, `_make_nccl_premul_sum(f)` (FSDP2's gradient divide factor on
             # nccl) builds a ReduceOp whose factor Python cannot read back.
-            raise TypeError(f"commlib: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
-                            f"found one without `.factor` on torch {torch.__version__}: pass "
-                            f"commlib.premul_sum(factor) instead")
+            raise TypeError(
+                f"commlib: expected a PREMUL_SUM ReduceOp whose factor can be read (torch >= 2.13); "
+                f"found one without `.factor` on torch {torch.__version__}: pass "
+                f"commlib.premul_sum(factor) instead"
+            )
         return premul_sum(float(factor.item() if isinstance(factor, torch.Tensor) else factor))
     try:
         return _FROM_TORCH[kind]

@@ -71,8 +71,11 @@ from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
 # The backend types a rebuilt group registers its new engines under, in turn (`_register_engines`).
-_REGISTRY_TYPES = tuple(getattr(dist.ProcessGroup.BackendType, name) for name in ("CUSTOM", "UCC", "MPI", "XCCL")
-                        if hasattr(dist.ProcessGroup.BackendType, name))
+_REGISTRY_TYPES = tuple(
+    getattr(dist.ProcessGroup.BackendType, name)
+    for name in ("CUSTOM", "UCC", "MPI", "XCCL")
+    if hasattr(dist.ProcessGroup.BackendType, name)
+)
 
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
@@ -87,20 +90,26 @@ def current(group: dist.ProcessGroup | None = None, device: torch.device | str |
     """
     if group is None:
         if not dist.is_initialized():
-            raise RuntimeError("commlib.current: expected torch.distributed's default group (commlib.init or "
-                               "init_process_group(backend='commlib')); found none")
+            raise RuntimeError(
+                "commlib.current: expected torch.distributed's default group (commlib.init or "
+                "init_process_group(backend='commlib')); found none"
+            )
         group = dist.group.WORLD
     if not isinstance(group, CommlibProcessGroup):
-        raise TypeError(f"commlib.current: expected a group made by the commlib backend; found "
-                        f"{type(group).__name__} of backend {dist.get_backend(group)!r}")
+        raise TypeError(
+            f"commlib.current: expected a group made by the commlib backend; found "
+            f"{type(group).__name__} of backend {dist.get_backend(group)!r}"
+        )
     return group.communicator(device)
 
 
 def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGroup":
     """c10d's creator for `backend="commlib"` (extended API: `_DistributedBackendOptions`)."""
     if engine_options is not None and not isinstance(engine_options, EngineOptions):
-        raise TypeError(f"commlib process group: expected pg_options to be commlib.EngineOptions; found "
-                        f"{type(engine_options).__name__}")
+        raise TypeError(
+            f"commlib process group: expected pg_options to be commlib.EngineOptions; found "
+            f"{type(engine_options).__name__}"
+        )
     is_default = len(opts.global_ranks_in_group) == 0
     options = engine_options or (_DEFAULTS[0] if _DEFAULTS else EngineOptions())
     # Under torchrun's shared store, keyed under the attempt every rank agreed (not stale keys).
@@ -116,17 +125,30 @@ def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGr
     # The members' global ranks, by group rank (torch lists them for every group but the default one).
     global_ranks = tuple(range(opts.group_size)) if is_default else tuple(opts.global_ranks_in_group)
     options = dataclasses.replace(options, check_consistency=check_consistency(options.check_consistency, name))
-    recipe = Recipe(options, tuple(devices_for(options, name)), store, opts.group_rank, opts.group_size,
-                     _deadline_of_new_group(opts.timeout, is_default), global_ranks)
+    recipe = Recipe(
+        options,
+        tuple(devices_for(options, name)),
+        store,
+        opts.group_rank,
+        opts.group_size,
+        _deadline_of_new_group(opts.timeout, is_default),
+        global_ranks,
+    )
     _follow_engine_timeouts()
     group = CommlibProcessGroup(recipe.build(store), opts.group_rank, opts.group_size)
     group._recipe = recipe
     return group
 
 
-def group_over_store(store: dist.Store, rank: int, size: int, timeout_s: float, name: str,
-                     options: EngineOptions | None = None,
-                     global_ranks: Sequence[int] | None = None) -> "CommlibProcessGroup":
+def group_over_store(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    name: str,
+    options: EngineOptions | None = None,
+    global_ranks: Sequence[int] | None = None,
+) -> "CommlibProcessGroup":
     """A commlib process group over `store` that no `init_process_group` makes, for a library
     that makes and replaces its groups itself (torchft at each quorum: `commlib.replicas`).
     `global_ranks`: each member's global rank, by group rank, which errors and logs name (None:
@@ -225,15 +247,18 @@ class CommlibProcessGroup(dist.ProcessGroup):
         kind = torch.device(device).type
         comm = self._comms.get(kind)
         if comm is None:
-            raise ValueError(f"commlib process group rank {self.rank()}: expected a tensor on "
-                             f"{' or '.join(self._comms)}; found one on {kind}")
+            raise ValueError(
+                f"commlib process group rank {self.rank()}: expected a tensor on "
+                f"{' or '.join(self._comms)}; found one on {kind}"
+            )
         return comm
 
     def replace_communicators(self, comms: dict[str, Communicator]) -> None:
         """Put new communicators under this group (in-job recovery); the group object stays."""
         if comms.keys() != self._comms.keys():
-            raise ValueError(f"commlib process group: expected communicators for {list(self._comms)}; "
-                             f"found {list(comms)}")
+            raise ValueError(
+                f"commlib process group: expected communicators for {list(self._comms)}; found {list(comms)}"
+            )
         self._set_communicators(dict(comms))
 
     def rebuild_communicators(self, epoch: int) -> None:
@@ -245,8 +270,10 @@ class CommlibProcessGroup(dist.ProcessGroup):
         """
         recipe: Recipe | None = getattr(self, "_recipe", None)
         if recipe is None:
-            raise RuntimeError(f"commlib process group rank {self.rank()}: expected a group made by the commlib "
-                               f"backend's creator (it keeps how to rebuild it); found none to rebuild from")
+            raise RuntimeError(
+                f"commlib process group rank {self.rank()}: expected a group made by the commlib "
+                f"backend's creator (it keeps how to rebuild it); found none to rebuild from"
+            )
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"commlib process group rank {self.rank()}: expected epoch >= 1; found {epoch!r}")
         self.abort_quietly()
@@ -309,9 +336,13 @@ class CommlibProcessGroup(dist.ProcessGroup):
             native = dist.ProcessGroup.BackendType.NCCL if kind == "cuda" else dist.ProcessGroup.BackendType.GLOO
             free = [t for t in (native, *_REGISTRY_TYPES) if t not in self._used_types]
             if not free:
-                _log.get_logger().warning("comm.engine_not_registered", comm=comm.name, device=kind,
-                                          consequence="torch's group._get_backend() returns a retired engine; "
-                                                      "commlib's own calls are not affected")
+                _log.get_logger().warning(
+                    "comm.engine_not_registered",
+                    comm=comm.name,
+                    device=kind,
+                    consequence="torch's group._get_backend() returns a retired engine; "
+                    "commlib's own calls are not affected",
+                )
                 continue
             self._used_types.add(free[0])
             self._register_backend(torch.device(kind), free[0], engine)
@@ -383,8 +414,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
         work = self._on(t).reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], tensors)
 
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts: Any = None) -> CommlibWork | None:
+    def allgather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         t, outputs = one_tensor(inputs, "allgather"), one_tensor(output_lists, "allgather")
@@ -393,15 +425,18 @@ class CommlibProcessGroup(dist.ProcessGroup):
         work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs)
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts: Any = None) -> CommlibWork | None:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if strided([*inputs, *(o for outs in output_lists for o in outs)]):
             return self._restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
         timeout = deadline_of(opts)
-        works = [self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
-                 for outs, t in zip(output_lists, inputs, strict=True)]
+        works = [
+            self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
+            for outs, t in zip(output_lists, inputs, strict=True)
+        ]
         return handed_back(async_op, works, [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
@@ -412,19 +447,23 @@ class CommlibProcessGroup(dist.ProcessGroup):
         work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], [output])
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None) -> CommlibWork | None:
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
             return self._restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
         timeout = deadline_of(opts)
-        works = [self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
-                 for o, i in zip(outputs, inputs, strict=True)]
+        works = [
+            self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
         return handed_back(async_op, works, outputs)
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                       opts: Any = None) -> CommlibWork | None:
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
@@ -433,29 +472,38 @@ class CommlibProcessGroup(dist.ProcessGroup):
         work = self._on(t).reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: Any = None) -> CommlibWork | None:
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
             return self._restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
-        work = self._on(input).reduce_scatter_single(output, input, reduction_of(opts), async_op=async_op,
-                                                     timeout=deadline_of(opts))
+        work = self._on(input).reduce_scatter_single(
+            output, input, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts)
+        )
         return handed_back(async_op, [work], [output])
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> CommlibWork | None:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
             return self._restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
         op, timeout = reduction_of(opts), deadline_of(opts)
-        works = [self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
-                 for o, i in zip(outputs, inputs, strict=True)]
+        works = [
+            self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
         return handed_back(async_op, works, outputs)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                          input_split_sizes: list[int], opts: Any = None) -> CommlibWork | None:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
         async_op = opts.asyncOp
         n = self.size()
@@ -464,27 +512,30 @@ class CommlibProcessGroup(dist.ProcessGroup):
             if splits and list(splits) != [even] * n:
                 raise NotImplementedError(
                     f"commlib process group all_to_all_single on rank {self.rank()}: expected even "
-                    f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)")
+                    f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)"
+                )
         if not (output.is_contiguous() and input.is_contiguous()):
-            return self._restaged(self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes,
-                                                           opts), writes=(0,))
+            return self._restaged(
+                self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes, opts), writes=(0,)
+            )
         work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], [output])
 
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                 opts: Any = None) -> CommlibWork | None:
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
         async_op = opts.asyncOp
         shapes = {tuple(t.shape) for t in [*outputs, *inputs]}
         if len(shapes) > 1:
             raise NotImplementedError(
                 f"commlib process group alltoall on rank {self.rank()}: expected tensors of one shape; found "
-                f"{sorted(shapes)} (it runs as one all_to_all_single)")
+                f"{sorted(shapes)} (it runs as one all_to_all_single)"
+            )
         # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
-        work = self._on(staged_in).all_to_all_single(staged_out, staged_in, async_op=async_op,
-                                                     timeout=deadline_of(opts))
+        work = self._on(staged_in).all_to_all_single(
+            staged_out, staged_in, async_op=async_op, timeout=deadline_of(opts)
+        )
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
@@ -492,8 +543,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
         return handed_back(async_op, [work], outputs, copy_out)
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-               opts: Any = None) -> CommlibWork | None:
+    def gather(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.GatherOptions()
         async_op = opts.asyncOp
         t = one_tensor(inputs, "gather")
@@ -503,8 +555,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
         work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs or [])
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-                opts: Any = None) -> CommlibWork | None:
+    def scatter(
+        self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
+    ) -> CommlibWork | None:
         opts = opts or c10d_opts.ScatterOptions()
         async_op = opts.asyncOp
         t = one_tensor(outputs, "scatter")
@@ -529,8 +582,10 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
-        raise NotImplementedError(f"commlib process group rank {self.rank()}: expected recv from a named source; "
-                                  f"found recv_anysource (commlib numbers each peer's messages)")
+        raise NotImplementedError(
+            f"commlib process group rank {self.rank()}: expected recv from a named source; "
+            f"found recv_anysource (commlib numbers each peer's messages)"
+        )
 
     def barrier(self, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BarrierOptions()
@@ -547,8 +602,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
     # -- helpers -----------------------------------------------------------------------
-    def _restaged(self, method: Callable[..., CommlibWork | None], args: tuple[Any, ...],
-                  writes: tuple[int, ...]) -> CommlibWork | None:
+    def _restaged(
+        self, method: Callable[..., CommlibWork | None], args: tuple[Any, ...], writes: tuple[int, ...]
+    ) -> CommlibWork | None:
         """`method(*args)` with a contiguous copy in place of every tensor that is not contiguous.
 
         The copies in the arguments at `writes` (the op's outputs) are copied back into the
@@ -578,8 +634,10 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def _untagged(self, what: str, tag: int) -> None:
         if tag:
-            raise NotImplementedError(f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "
-                                      f"tag {tag} (commlib orders each peer's messages by sequence, not tag)")
+            raise NotImplementedError(
+                f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "
+                f"tag {tag} (commlib orders each peer's messages by sequence, not tag)"
+            )
 
 
 def _alias_old_method_names() -> None:

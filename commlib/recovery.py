@@ -94,8 +94,9 @@ class RecoveryPolicy:
         if not self.join_timeout_s > 0:
             raise ValueError(f"RecoveryPolicy: expected join_timeout_s > 0; found {self.join_timeout_s!r}")
         if not isinstance(self.max_recoveries, int) or self.max_recoveries < 0:
-            raise ValueError(f"RecoveryPolicy: expected max_recoveries to be an int >= 0; "
-                             f"found {self.max_recoveries!r}")
+            raise ValueError(
+                f"RecoveryPolicy: expected max_recoveries to be an int >= 0; found {self.max_recoveries!r}"
+            )
 
 
 class RecoveryFailed(CommError):
@@ -110,8 +111,16 @@ class RecoveryFailed(CommError):
     None where the recovery failed before an epoch was chosen.
     """
 
-    def __init__(self, message: str, *, reason: str, epoch: int | None, missing_ranks: list[int] | None = None,
-                 failed_ranks: list[int] | None = None, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        epoch: int | None,
+        missing_ranks: list[int] | None = None,
+        failed_ranks: list[int] | None = None,
+        rank: int | None = None,
+    ) -> None:
         super().__init__(message, op="recover", rank=rank)
         self.reason = reason
         self.epoch = epoch
@@ -170,15 +179,27 @@ class Recovery:
         from commlib.process_group import commlib_groups
 
         world = _world_group()
-        attempt = _Attempt(dist.PrefixStore(STORE_PREFIX, _world_store(world)), world.rank(), world.size(),
-                           _describe(error))
+        attempt = _Attempt(
+            dist.PrefixStore(STORE_PREFIX, _world_store(world)), world.rank(), world.size(), _describe(error)
+        )
         if self.recoveries >= self.policy.max_recoveries:
-            raise self._failed(attempt, f"expected at most {self.policy.max_recoveries} in-job recoveries per "
-                                        f"Recovery object; this failure would be number {self.recoveries + 1} "
-                                        f"({attempt.trigger})", "limit", None)
+            raise self._failed(
+                attempt,
+                f"expected at most {self.policy.max_recoveries} in-job recoveries per "
+                f"Recovery object; this failure would be number {self.recoveries + 1} "
+                f"({attempt.trigger})",
+                "limit",
+                None,
+            )
         epoch = self._open_epoch(attempt)
-        _log.get_logger().warning("recovery.start", epoch=epoch, trigger=attempt.trigger, trigger_type=_type(error),
-                                  recoveries=self.recoveries, max_recoveries=self.policy.max_recoveries)
+        _log.get_logger().warning(
+            "recovery.start",
+            epoch=epoch,
+            trigger=attempt.trigger,
+            trigger_type=_type(error),
+            recoveries=self.recoveries,
+            max_recoveries=self.policy.max_recoveries,
+        )
         t0 = time.monotonic()
         groups = commlib_groups()
         self._abort(attempt, epoch, groups)
@@ -191,12 +212,28 @@ class Recovery:
         t4 = time.monotonic()
 
         self.epoch = epoch
-        done = Recovered(epoch=epoch, trigger=attempt.trigger, abort_s=t1 - t0, join_s=t2 - t1, rebuild_s=t3 - t2,
-                         barrier_s=t4 - t3, groups=len(groups))
+        done = Recovered(
+            epoch=epoch,
+            trigger=attempt.trigger,
+            abort_s=t1 - t0,
+            join_s=t2 - t1,
+            rebuild_s=t3 - t2,
+            barrier_s=t4 - t3,
+            groups=len(groups),
+        )
         self.history.append(done)
-        _log.get_logger().warning("recovery.in_job", epoch=epoch, trigger=attempt.trigger, trigger_type=_type(error),
-                                  groups=len(groups), abort_s=done.abort_s, join_s=done.join_s,
-                                  rebuild_s=done.rebuild_s, barrier_s=done.barrier_s, recovery_s=done.total_s)
+        _log.get_logger().warning(
+            "recovery.in_job",
+            epoch=epoch,
+            trigger=attempt.trigger,
+            trigger_type=_type(error),
+            groups=len(groups),
+            abort_s=done.abort_s,
+            join_s=done.join_s,
+            rebuild_s=done.rebuild_s,
+            barrier_s=done.barrier_s,
+            recovery_s=done.total_s,
+        )
         return done
 
     # -- the phases ----------------------------------------------------------------------
@@ -221,8 +258,12 @@ class Recovery:
         except RecoveryFailed:
             raise
         except Exception as exc:
-            raise self._failed(attempt, f"expected to reach the job's store to choose an epoch; found "
-                                        f"{type(exc).__name__}: {exc}", "store", None) from exc
+            raise self._failed(
+                attempt,
+                f"expected to reach the job's store to choose an epoch; found {type(exc).__name__}: {exc}",
+                "store",
+                None,
+            ) from exc
 
     def _abort(self, attempt: _Attempt, epoch: int, groups: list[CommlibProcessGroup]) -> None:
         for group in groups:
@@ -234,29 +275,52 @@ class Recovery:
         try:
             store.set(keys[attempt.rank], json.dumps({"pid": os.getpid(), "trigger": attempt.trigger}))
         except Exception as exc:
-            raise self._failed(attempt, f"expected to reach the job's store to join epoch {epoch}; found "
-                                        f"{type(exc).__name__}: {exc}", "store", epoch) from exc
+            raise self._failed(
+                attempt,
+                f"expected to reach the job's store to join epoch {epoch}; found {type(exc).__name__}: {exc}",
+                "store",
+                epoch,
+            ) from exc
         try:
             store.wait(keys, timedelta(seconds=self.policy.join_timeout_s))
             missing: list[int] | None = []
         except Exception:
             missing = _absent(store, keys)
         # The join's verdict is whichever rank's comes first, so every rank acts on the same one.
-        proposal = JOINED if missing == [] else json.dumps(
-            {"rank": attempt.rank, "reason": "join_timeout", "missing": missing,
-             "waited_s": self.policy.join_timeout_s})
+        proposal = (
+            JOINED
+            if missing == []
+            else json.dumps(
+                {
+                    "rank": attempt.rank,
+                    "reason": "join_timeout",
+                    "missing": missing,
+                    "waited_s": self.policy.join_timeout_s,
+                }
+            )
+        )
         try:
             verdict = store.compare_set("join", "", proposal).decode()
         except Exception as exc:
-            raise self._failed(attempt, f"expected to reach the job's store to decide epoch {epoch}'s join; found "
-                                        f"{type(exc).__name__}: {exc}", "store", epoch, missing) from exc
+            raise self._failed(
+                attempt,
+                f"expected to reach the job's store to decide epoch {epoch}'s join; found {type(exc).__name__}: {exc}",
+                "store",
+                epoch,
+                missing,
+            ) from exc
         if verdict == JOINED:
             return
         if verdict != proposal:
             raise self._refused(attempt, epoch, verdict)
-        raise self._failed(attempt, f"expected all {attempt.size} ranks to join epoch {epoch} within "
-                                    f"{self.policy.join_timeout_s:g} s; ranks {missing} did not",
-                           "join_timeout", epoch, missing)
+        raise self._failed(
+            attempt,
+            f"expected all {attempt.size} ranks to join epoch {epoch} within "
+            f"{self.policy.join_timeout_s:g} s; ranks {missing} did not",
+            "join_timeout",
+            epoch,
+            missing,
+        )
 
     def _rebuild(self, attempt: _Attempt, epoch: int, groups: list[CommlibProcessGroup]) -> None:
         store = attempt.epoch_store(epoch)
@@ -268,12 +332,23 @@ class Recovery:
             waited_for_peers = _waited_for_peers(exc)
             _try_set(store, f"rebuilt/{attempt.rank}", json.dumps({"error": found, "own": not waited_for_peers}))
             if not waited_for_peers:
-                raise self._failed(attempt, f"expected to build epoch {epoch}'s communicators; found {found}",
-                                   "rebuild", epoch, failed=[attempt.rank]) from exc
+                raise self._failed(
+                    attempt,
+                    f"expected to build epoch {epoch}'s communicators; found {found}",
+                    "rebuild",
+                    epoch,
+                    failed=[attempt.rank],
+                ) from exc
             raised, missing = _rebuild_culprits(store, attempt.size)
-            raise self._failed(attempt, f"expected every rank to build epoch {epoch}'s communicators; "
-                                        f"{_describe_culprits(raised, missing)} (this rank: {found})",
-                               "rebuild", epoch, missing, sorted(raised)) from exc
+            raise self._failed(
+                attempt,
+                f"expected every rank to build epoch {epoch}'s communicators; "
+                f"{_describe_culprits(raised, missing)} (this rank: {found})",
+                "rebuild",
+                epoch,
+                missing,
+                sorted(raised),
+            ) from exc
         _try_set(store, f"rebuilt/{attempt.rank}", json.dumps({"error": None}))
 
     def _meet(self, attempt: _Attempt, epoch: int, world: CommlibProcessGroup) -> None:
@@ -281,26 +356,45 @@ class Recovery:
             with _log.context(phase="recovery"):
                 world.communicator().barrier(timeout=self.policy.join_timeout_s)
         except Exception as exc:
-            raise self._failed(attempt, f"expected every rank at epoch {epoch}'s first barrier within "
-                                        f"{self.policy.join_timeout_s:g} s; found {type(exc).__name__}: {exc}",
-                               "barrier", epoch) from exc
+            raise self._failed(
+                attempt,
+                f"expected every rank at epoch {epoch}'s first barrier within "
+                f"{self.policy.join_timeout_s:g} s; found {type(exc).__name__}: {exc}",
+                "barrier",
+                epoch,
+            ) from exc
 
     # -- failures ------------------------------------------------------------------------
     def _refused(self, attempt: _Attempt, epoch: int, verdict: str) -> RecoveryFailed:
         gave_up = json.loads(verdict)
-        return self._failed(attempt, f"expected to join epoch {epoch} with every rank; found rank {gave_up['rank']} "
-                                     f"had given up on it ({gave_up['reason']}: ranks {gave_up['missing']} did not "
-                                     f"join within {gave_up['waited_s']:g} s), so this rank came too late and the "
-                                     f"job falls back to a restart", "refused", epoch, gave_up["missing"],
-                            [gave_up["rank"]])
+        return self._failed(
+            attempt,
+            f"expected to join epoch {epoch} with every rank; found rank {gave_up['rank']} "
+            f"had given up on it ({gave_up['reason']}: ranks {gave_up['missing']} did not "
+            f"join within {gave_up['waited_s']:g} s), so this rank came too late and the "
+            f"job falls back to a restart",
+            "refused",
+            epoch,
+            gave_up["missing"],
+            [gave_up["rank"]],
+        )
 
-    def _failed(self, attempt: _Attempt, found: str, reason: str, epoch: int | None,
-                missing: list[int] | None = None, failed: list[int] | None = None) -> RecoveryFailed:
+    def _failed(
+        self,
+        attempt: _Attempt,
+        found: str,
+        reason: str,
+        epoch: int | None,
+        missing: list[int] | None = None,
+        failed: list[int] | None = None,
+    ) -> RecoveryFailed:
         message = f"in-job recovery on rank {attempt.rank}: {found}"
-        _log.get_logger().error("recovery.failed", epoch=epoch, reason=reason, missing_ranks=missing,
-                                failed_ranks=failed, error=message)
-        return RecoveryFailed(message, reason=reason, epoch=epoch, missing_ranks=missing, failed_ranks=failed,
-                              rank=attempt.rank)
+        _log.get_logger().error(
+            "recovery.failed", epoch=epoch, reason=reason, missing_ranks=missing, failed_ranks=failed, error=message
+        )
+        return RecoveryFailed(
+            message, reason=reason, epoch=epoch, missing_ranks=missing, failed_ranks=failed, rank=attempt.rank
+        )
 
 
 def _world_group() -> CommlibProcessGroup:
@@ -309,9 +403,11 @@ def _world_group() -> CommlibProcessGroup:
 
     world = dist.group.WORLD if dist.is_initialized() else None
     if not isinstance(world, CommlibProcessGroup):
-        message = (f"in-job recovery on pid {os.getpid()}: expected torch.distributed's default group to be a "
-                   f"commlib group (init_process_group(backend='commlib') or commlib.init); found "
-                   f"{type(world).__name__ if world is not None else 'none'}")
+        message = (
+            f"in-job recovery on pid {os.getpid()}: expected torch.distributed's default group to be a "
+            f"commlib group (init_process_group(backend='commlib') or commlib.init); found "
+            f"{type(world).__name__ if world is not None else 'none'}"
+        )
         _log.get_logger().error("recovery.failed", epoch=None, reason="unsupported", error=message)
         raise RecoveryFailed(message, reason="unsupported", epoch=None)
     return world
@@ -374,8 +470,11 @@ def _rebuild_culprits(store: dist.Store, size: int) -> tuple[dict[int, str], lis
 def _describe_culprits(raised: dict[int, str], missing: list[int] | None) -> str:
     parts = []
     if raised:
-        parts.append(f"ranks {sorted(raised)} raised building theirs ("
-                     + "; ".join(f"rank {r}: {error}" for r, error in sorted(raised.items())) + ")")
+        parts.append(
+            f"ranks {sorted(raised)} raised building theirs ("
+            + "; ".join(f"rank {r}: {error}" for r, error in sorted(raised.items()))
+            + ")"
+        )
     if missing:
         parts.append(f"ranks {missing} never finished theirs (gone, or stuck)")
     if missing is None:

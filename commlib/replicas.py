@@ -104,7 +104,9 @@ def _group_class() -> type:
     try:
         from torchft.process_group import ProcessGroupWrapper
     except ImportError as exc:
-        raise TorchftMissing(f"commlib.replicas: expected torchft to be importable; found {exc}. {INSTALL_HINT}") from exc
+        raise TorchftMissing(
+            f"commlib.replicas: expected torchft to be importable; found {exc}. {INSTALL_HINT}"
+        ) from exc
     from commlib.process_group import group_over_store
 
     class ReplicaGroup(ProcessGroupWrapper):
@@ -118,11 +120,23 @@ def _group_class() -> type:
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             global_ranks = getattr(self, "_global_ranks", None)
-            quorum = Quorum(int(getattr(self, "_uuid", None) or 0), rank, world_size,
-                            tuple(global_ranks) if global_ranks else None, getattr(self, "_group_world_size", None) or 1)
+            quorum = Quorum(
+                int(getattr(self, "_uuid", None) or 0),
+                rank,
+                world_size,
+                tuple(global_ranks) if global_ranks else None,
+                getattr(self, "_group_world_size", None) or 1,
+            )
             _log.get_logger().info("replicas.quorum", **quorum.fields())
-            group = group_over_store(store, rank, world_size, self._timeout.total_seconds(), quorum.comm_name,
-                                     self._options, quorum.global_ranks)
+            group = group_over_store(
+                store,
+                rank,
+                world_size,
+                self._timeout.total_seconds(),
+                quorum.comm_name,
+                self._options,
+                quorum.global_ranks,
+            )
             group.communicator().hooks.register_failure_hook(functools.partial(self._failed, quorum))
             self.quorum, self._error = quorum, None
             return group
@@ -133,9 +147,17 @@ def _group_class() -> type:
             if self._error is None:
                 self._error = error
             ranks = failed_ranks(error)
-            _log.get_logger().warning("replicas.failure", quorum_id=quorum.quorum_id, comm=quorum.comm_name,
-                                      error_type=type(error).__name__, op=call.op, seq=call.seq, failed_ranks=ranks,
-                                      failed_replicas=quorum.replicas_of(ranks), replicas=quorum.replicas)
+            _log.get_logger().warning(
+                "replicas.failure",
+                quorum_id=quorum.quorum_id,
+                comm=quorum.comm_name,
+                error_type=type(error).__name__,
+                op=call.op,
+                seq=call.seq,
+                failed_ranks=ranks,
+                failed_replicas=quorum.replicas_of(ranks),
+                replicas=quorum.replicas,
+            )
 
         def errored(self) -> Exception | None:
             return self._error
@@ -144,8 +166,9 @@ def _group_class() -> type:
             group = self._pg
             if group is not None:
                 why = "torchft aborted the quorum" if errored else "torchft reconfigures"
-                _log.get_logger().info("replicas.abort", quorum_id=self.quorum.quorum_id if self.quorum else None,
-                                       errored=errored)
+                _log.get_logger().info(
+                    "replicas.abort", quorum_id=self.quorum.quorum_id if self.quorum else None, errored=errored
+                )
                 group.abort_quietly(why)  # the quorum's store may be gone with its host
             self._pg = None
 

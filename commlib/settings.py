@@ -37,8 +37,15 @@ def _describe(low: float | None, high: float | None) -> str:
     return f">= {low:g}" if low is not None else f"<= {high:g}"
 
 
-def number(value: object, what: str, *, low: float | None = None, high: float | None = None,
-           above: float | None = None, unit: str = "") -> float:
+def number(
+    value: object,
+    what: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    above: float | None = None,
+    unit: str = "",
+) -> float:
     """`value` (a number, or its text) as a finite float within [`low`, `high`], and strictly
     greater than `above` where given (a duration that must be positive: `above=0`)."""
     bounds = [_describe(low, high)] if low is not None or high is not None else []
@@ -51,8 +58,12 @@ def number(value: object, what: str, *, low: float | None = None, high: float | 
         result = float(value)
     except (ValueError, OverflowError):  # an int too large for a float overflows
         raise ValueError(f"{expected}; found {value!r}") from None
-    fine = (math.isfinite(result) and (low is None or result >= low) and (high is None or result <= high)
-            and (above is None or result > above))
+    fine = (
+        math.isfinite(result)
+        and (low is None or result >= low)
+        and (high is None or result <= high)
+        and (above is None or result > above)
+    )
     if not fine:
         raise ValueError(f"{expected}; found {value!r}")
     return result
@@ -114,14 +125,28 @@ def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return raw if raw else None
 
 
-def env_number(name: str, default: float, *, environ: Mapping[str, str] | None = None, low: float | None = None,
-               high: float | None = None, above: float | None = None, unit: str = "") -> float:
+def env_number(
+    name: str,
+    default: float,
+    *,
+    environ: Mapping[str, str] | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    above: float | None = None,
+    unit: str = "",
+) -> float:
     raw = env(name, environ)
     return default if raw is None else number(raw, name, low=low, high=high, above=above, unit=unit)
 
 
-def env_integer(name: str, default: int, *, environ: Mapping[str, str] | None = None, low: int | None = None,
-                high: int | None = None) -> int:
+def env_integer(
+    name: str,
+    default: int,
+    *,
+    environ: Mapping[str, str] | None = None,
+    low: int | None = None,
+    high: int | None = None,
+) -> int:
     raw = env(name, environ)
     return default if raw is None else integer(raw, name, low=low, high=high)
 

@@ -102,12 +102,27 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("forkserver" if _import_time_env() == _SERVER_ENV else "spawn")
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str | None,
-           args: tuple[Any, ...], init_kwargs: dict[str, Any], env: dict[str, str], results: Any) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str | None,
+    args: tuple[Any, ...],
+    init_kwargs: dict[str, Any],
+    env: dict[str, str],
+    results: Any,
+) -> None:
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         if backend is None:
             value = fn(*args)
@@ -133,8 +148,15 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backen
     os._exit(0)
 
 
-def run(fn: Callable[..., Any], world_size: int = 2, backend: str | None = "gloo", timeout: float = 60.0,
-        args: tuple[Any, ...] = (), allow_dead_ranks: bool = False, **init_kwargs: Any) -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    backend: str | None = "gloo",
+    timeout: float = 60.0,
+    args: tuple[Any, ...] = (),
+    allow_dead_ranks: bool = False,
+    **init_kwargs: Any,
+) -> list[Any]:
     """Run `fn` on `world_size` ranks; see the module docstring. `init_kwargs` go to `commlib.init`.
 
     With `allow_dead_ranks`, a rank that exits without a result (killed on purpose by a
@@ -146,8 +168,12 @@ def run(fn: Callable[..., Any], world_size: int = 2, backend: str | None = "gloo
     ctx = _context()
     results = ctx.Queue()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, backend, args, init_kwargs, env, results),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, store.port, backend, args, init_kwargs, env, results), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -58,8 +58,9 @@ def _tensor(call: Collective, t: object, role: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise _fail(call, TypeError, f"expected {role} to be a torch.Tensor; found {type(t).__name__}")
     if not t.is_contiguous():
-        raise _fail(call, ValueError, f"expected {role} to be contiguous; found strides {t.stride()} "
-                                      f"for shape {tuple(t.shape)}")
+        raise _fail(
+            call, ValueError, f"expected {role} to be contiguous; found strides {t.stride()} for shape {tuple(t.shape)}"
+        )
     return t
 
 
@@ -88,8 +89,9 @@ def _like(call: Collective, ts: list[torch.Tensor], one: torch.Tensor, what: str
     for t in ts:
         _same_dtype(call, t, one, what)
         if t.shape != one.shape:
-            raise _fail(call, ValueError, f"expected {what} shapes to match; found {tuple(t.shape)} "
-                                          f"and {tuple(one.shape)}")
+            raise _fail(
+                call, ValueError, f"expected {what} shapes to match; found {tuple(t.shape)} and {tuple(one.shape)}"
+            )
 
 
 def _concatenated(call: Collective, big: torch.Tensor, small: torch.Tensor, big_role: str, small_role: str) -> None:
@@ -98,8 +100,12 @@ def _concatenated(call: Collective, big: torch.Tensor, small: torch.Tensor, big_
     n, shape = call.size, tuple(small.shape)
     expected = (n * shape[0], *shape[1:]) if shape else (n,)
     if tuple(big.shape) != expected:
-        raise _fail(call, ValueError, f"expected {big_role} of shape {expected} ({n} x {small_role} {shape}, "
-                                      f"along the first dimension); found {tuple(big.shape)}")
+        raise _fail(
+            call,
+            ValueError,
+            f"expected {big_role} of shape {expected} ({n} x {small_role} {shape}, "
+            f"along the first dimension); found {tuple(big.shape)}",
+        )
 
 
 def check_call(call: Collective, unsupported: "callable") -> None:  # type: ignore[valid-type]
@@ -149,28 +155,39 @@ def _check_shapes(call: Collective) -> None:
     elif op is OpName.ALL_TO_ALL_SINGLE:
         _same_dtype(call, call.output, call.input, "output and input")
         if call.input.dim() == 0 or call.input.shape[0] % n:
-            raise _fail(call, ValueError, f"expected input's first dimension divisible by size {n}; found shape "
-                                          f"{tuple(call.input.shape)}")
+            raise _fail(
+                call,
+                ValueError,
+                f"expected input's first dimension divisible by size {n}; found shape {tuple(call.input.shape)}",
+            )
         if call.output.shape != call.input.shape:
-            raise _fail(call, ValueError, f"expected output of input's shape {tuple(call.input.shape)}; found "
-                                          f"{tuple(call.output.shape)}")
+            raise _fail(
+                call,
+                ValueError,
+                f"expected output of input's shape {tuple(call.input.shape)}; found {tuple(call.output.shape)}",
+            )
     elif op is OpName.ALL_GATHER:
         _like(call, _tensor_list(call, call.output_list, "tensor_list"), call.input, "tensor_list and tensor")
     elif op is OpName.REDUCE_SCATTER:
         _like(call, _tensor_list(call, call.input_list, "input_list"), call.output, "input_list and output")
     elif op is OpName.GATHER and call.rank == call.root:
-        _like(call, _tensor_list(call, call.output_list, "output_tensor_list"), call.input,
-              "output_tensor_list and input")
+        _like(
+            call, _tensor_list(call, call.output_list, "output_tensor_list"), call.input, "output_tensor_list and input"
+        )
     elif op is OpName.SCATTER and call.rank == call.root:
-        _like(call, _tensor_list(call, call.input_list, "input_tensor_list"), call.output,
-              "input_tensor_list and output")
+        _like(
+            call, _tensor_list(call, call.input_list, "input_tensor_list"), call.output, "input_tensor_list and output"
+        )
 
 
 def _check_reduction(call: Collective, tensors: list[torch.Tensor]) -> None:
     op = call.reduce_op
     if not isinstance(op, (ReduceOp, PremulSum)):
-        raise _fail(call, TypeError, f"expected op to be a commlib.ReduceOp or commlib.premul_sum(f); "
-                                     f"found {type(op).__name__} {op!r}")
+        raise _fail(
+            call,
+            TypeError,
+            f"expected op to be a commlib.ReduceOp or commlib.premul_sum(f); found {type(op).__name__} {op!r}",
+        )
     kind = reduction_kind(op)
     if kind is ReduceOp.PREMUL_SUM and not isinstance(op, PremulSum):
         raise _fail(call, TypeError, "expected PREMUL_SUM with its factor: commlib.premul_sum(factor)")
@@ -237,8 +254,19 @@ def _signature(call: Collective) -> tuple[object, ...] | None:
     if t is not None:  # the common case, built in one go
         if not isinstance(t, torch.Tensor):
             return None
-        return (call.op, red_type, red, type(root), root, type(peer), peer, type(t), t.dtype, t.device,
-                t.is_contiguous())
+        return (
+            call.op,
+            red_type,
+            red,
+            type(root),
+            root,
+            type(peer),
+            peer,
+            type(t),
+            t.dtype,
+            t.device,
+            t.is_contiguous(),
+        )
     head = (call.op, red_type, red, type(root), root, type(peer), peer)
     sized = call.op in _SIZED
     tensors: list[object] = []

@@ -44,8 +44,17 @@ from commlib.backends.base import Backend
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure, WaitTimeout
 from commlib.failures import Failure
 from commlib.members import Members
-from commlib.observe.board import (HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, ask_for_stacks,
-                                   explain_timeout, find_gone, own_client, stale_after_s)
+from commlib.observe.board import (
+    HEARTBEAT_S,
+    STALE_AFTER_S,
+    BoardEntry,
+    ProgressBoard,
+    ask_for_stacks,
+    explain_timeout,
+    find_gone,
+    own_client,
+    stale_after_s,
+)
 from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective, OpName
 
@@ -56,8 +65,9 @@ GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as ex
 class Judge:
     """Says who failed, for one communicator (module docstring)."""
 
-    def __init__(self, members: Members, rank: int, store: dist.Store, board: ProgressBoard, log: Any,
-                 backend: Backend) -> None:
+    def __init__(
+        self, members: Members, rank: int, store: dist.Store, board: ProgressBoard, log: Any, backend: Backend
+    ) -> None:
         self.members = members
         self.comm = members.comm
         self.rank = rank
@@ -92,8 +102,12 @@ class Judge:
         # In the communicator's own ranks, as its board: the error's fields are global ranks.
         own = self.members.own_of
         announcement: dict[str, Any] = {"rank": self.rank, "reason": reason}
-        if isinstance(error, CollectiveTimeout) and call is not None and call.peer is None \
-                and error.missing_ranks is not None:
+        if (
+            isinstance(error, CollectiveTimeout)
+            and call is not None
+            and call.peer is None
+            and error.missing_ranks is not None
+        ):
             announcement.update(timed_out_in=[error.op, error.seq], missing=own(error.missing_ranks))
         elif isinstance(error, PeerFailure):
             failed = error.failed_ranks
@@ -129,15 +143,22 @@ class Judge:
             return self.peer_gone(call, entry, exc, announced)
         head = f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me}"
         if kind is Failure.ABORTED:
-            error: CommError = CommAborted(f"{head}: expected a live communicator; the backend says it is not "
-                                           f"({exc})", **self.where(call))
+            error: CommError = CommAborted(
+                f"{head}: expected a live communicator; the backend says it is not ({exc})", **self.where(call)
+            )
         else:
             error = CommError(f"{head}: {type(exc).__name__}: {exc}", **self.where(call))
         error.__cause__ = exc
         return error
 
-    def timeout(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
-                expired_first_on: int | None = None, running_s: float | None = None) -> CollectiveTimeout:
+    def timeout(
+        self,
+        call: Collective,
+        entry: FlightEntry,
+        cause: BaseException | None,
+        expired_first_on: int | None = None,
+        running_s: float | None = None,
+    ) -> CollectiveTimeout:
         """`expired_first_on`: the peer whose deadline for this same collective expired before
         this rank's, which ends this rank's wait early (`peer_left`). `running_s`: on a
         stream-ordered engine, how long the op has run since it started on the device (its
@@ -148,34 +169,47 @@ class Judge:
             if call.peer is not None:
                 message, missing, stale = _explain_p2p_timeout(call, self.members, elapsed, board)
             else:
-                diagnosis = explain_timeout(call.op.value, call.seq, self.members, self.rank, elapsed,
-                                            call.deadline_s, board, time.time_ns())
+                diagnosis = explain_timeout(
+                    call.op.value, call.seq, self.members, self.rank, elapsed, call.deadline_s, board, time.time_ns()
+                )
                 message, missing, stale = diagnosis.message, diagnosis.missing_ranks, diagnosis.stale_ranks
             # Where the ranks it waited for are stuck: their stacks, for the doctor.
             asked = ask_for_stacks(board, sorted(set(missing) | set(stale)))
             if asked:
                 self._log.info("comm.asked_for_stacks", op=call.op.value, seq=call.seq, ranks=asked)
         except Exception as exc:  # the store itself may be gone with a dead rank 0
-            message = (f"{call.op} #{call.seq} on {self.comm!r} timed out after {elapsed:.1f} s on {self.me}; "
-                       f"the progress board could not be read ({exc})")
+            message = (
+                f"{call.op} #{call.seq} on {self.comm!r} timed out after {elapsed:.1f} s on {self.me}; "
+                f"the progress board could not be read ({exc})"
+            )
             missing, stale = None, None
         if running_s is not None:
             issued_s = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
-            message += (f" (its deadline counts from its start on the device; it was issued {issued_s:.1f} s ago. "
-                        f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
-                        f"roll the step back)")
+            message += (
+                f" (its deadline counts from its start on the device; it was issued {issued_s:.1f} s ago. "
+                f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
+                f"roll the step back)"
+            )
         if expired_first_on is not None:
-            message += (f" ({self.members.name(expired_first_on)}'s deadline for it expired first: this rank "
-                        f"stopped waiting before its own {call.deadline_s:g} s)")
-        error = CollectiveTimeout(message, elapsed=elapsed, deadline=call.deadline_s,
-                                  missing_ranks=self._global(missing), stale_ranks=self._global(stale),
-                                  **self.where(call))
+            message += (
+                f" ({self.members.name(expired_first_on)}'s deadline for it expired first: this rank "
+                f"stopped waiting before its own {call.deadline_s:g} s)"
+            )
+        error = CollectiveTimeout(
+            message,
+            elapsed=elapsed,
+            deadline=call.deadline_s,
+            missing_ranks=self._global(missing),
+            stale_ranks=self._global(stale),
+            **self.where(call),
+        )
         if cause is not None:
             error.__cause__ = cause
         return error
 
-    def peer_left(self, call: Collective, entry: FlightEntry, announced: dict[str, Any],
-                  cause: BaseException | None = None) -> CommError:
+    def peer_left(
+        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], cause: BaseException | None = None
+    ) -> CommError:
         """The error for `call` once a peer's abort announcement was read.
 
         `cause`: the engine's own failure, when the peer's abort reached this rank as a
@@ -195,26 +229,34 @@ class Judge:
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         who = self.members.name(peer)
         if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
-            found = (f"found {who} had stopped waiting for it at its deadline and aborted the communicator, "
-                     f"naming {self.members.names(announced['missing'], 'ranks')} (this one among them) as never having "
-                     f"started it: this rank arrived late")
+            found = (
+                f"found {who} had stopped waiting for it at its deadline and aborted the communicator, "
+                f"naming {self.members.names(announced['missing'], 'ranks')} (this one among them) as never having "
+                f"started it: this rank arrived late"
+            )
         else:
             found = f"found {who} had aborted the communicator ({reason})"
-        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
-                            f"expected every peer to complete it; {found}", failed_ranks=self._global([peer]),
-                            **self.where(call))
+        error = PeerFailure(
+            f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
+            f"expected every peer to complete it; {found}",
+            failed_ranks=self._global([peer]),
+            **self.where(call),
+        )
         if cause is not None:
             error.__cause__ = cause
         return error
 
-    def peer_gone(self, call: Collective, entry: FlightEntry, cause: BaseException | None,
-                  announced: dict[str, Any] | None) -> PeerFailure:
+    def peer_gone(
+        self, call: Collective, entry: FlightEntry, cause: BaseException | None, announced: dict[str, Any] | None
+    ) -> PeerFailure:
         """A `PeerFailure` naming the peers that are gone, as far as anyone can tell (module docstring)."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         if announced is not None and announced.get("failed"):
             gone = list(announced["failed"])
-            how = (f"as {self.members.name(announced['rank'])}, which met the failure first and aborted the "
-                   f"communicator, found")
+            how = (
+                f"as {self.members.name(announced['rank'])}, which met the failure first and aborted the "
+                f"communicator, found"
+            )
         else:
             gone, how = self._find_gone_peers(None if announced is None else announced["rank"])
             if announced is not None:
@@ -222,9 +264,12 @@ class Judge:
         found = f"found {self.members.names(gone)} gone ({how})" if gone else f"found a peer gone ({how})"
         if cause is not None:
             found += f"; the backend said: {first_line(cause)}"
-        error = PeerFailure(f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
-                            f"expected every peer alive; {found}", failed_ranks=self._global(gone) or None,
-                            **self.where(call))
+        error = PeerFailure(
+            f"{call.op} #{call.seq} on {self.comm!r} failed on {self.me} after {elapsed:.1f} s: "
+            f"expected every peer alive; {found}",
+            failed_ranks=self._global(gone) or None,
+            **self.where(call),
+        )
         if cause is not None:
             error.__cause__ = cause
         return error
@@ -232,10 +277,14 @@ class Judge:
     def wait_timeout(self, call: Collective, entry: FlightEntry, waited_s: float) -> WaitTimeout:
         """A caller's shorter wait passed: the op and the communicator stay as they are."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
-        return WaitTimeout(f"{call.op} #{call.seq} on {self.comm!r} {self.me}: expected it to complete within "
-                           f"the wait's {waited_s:g} s; found it still running after {elapsed:.1f} s of its "
-                           f"{call.deadline_s:g} s deadline (the op goes on; wait again)",
-                           waited=waited_s, deadline=call.deadline_s, **self.where(call))
+        return WaitTimeout(
+            f"{call.op} #{call.seq} on {self.comm!r} {self.me}: expected it to complete within "
+            f"the wait's {waited_s:g} s; found it still running after {elapsed:.1f} s of its "
+            f"{call.deadline_s:g} s deadline (the op goes on; wait again)",
+            waited=waited_s,
+            deadline=call.deadline_s,
+            **self.where(call),
+        )
 
     def _global(self, ranks: list[int] | None) -> list[int] | None:
         return None if ranks is None else self.members.global_of(ranks)
@@ -260,8 +309,9 @@ class Judge:
             time.sleep(0.02)
 
 
-def _explain_p2p_timeout(call: Collective, members: Members, elapsed: float,
-                         board: dict[int, BoardEntry | None]) -> tuple[str, list[int], list[int]]:
+def _explain_p2p_timeout(
+    call: Collective, members: Members, elapsed: float, board: dict[int, BoardEntry | None]
+) -> tuple[str, list[int], list[int]]:
     """A send/recv waits on its one peer: name it, and say whether it is still beating."""
     peer = call.peer
     assert peer is not None
@@ -280,9 +330,11 @@ def _explain_p2p_timeout(call: Collective, members: Members, elapsed: float,
     if stale and age_s is not None:
         where += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
     who = members.name(peer)
-    message = (f"{call.op} #{call.seq} {direction} {who} on {members.comm!r} timed out after {elapsed:.1f} s on "
-               f"{members.name(call.rank)}: expected {who} to post the matching "
-               f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it ({who} {where})")
+    message = (
+        f"{call.op} #{call.seq} {direction} {who} on {members.comm!r} timed out after {elapsed:.1f} s on "
+        f"{members.name(call.rank)}: expected {who} to post the matching "
+        f"{'recv' if call.op is OpName.SEND else 'send'}; it did not complete it ({who} {where})"
+    )
     return message, [peer], stale
 
 

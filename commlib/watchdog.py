@@ -268,4 +268,3 @@ def check(wait: bool = False, timeout: float | None = None) -> None:
 def watched_count() -> int:
     """How many communicators the watchdog holds now (tests; what a leak would grow)."""
     return len(_WATCHDOG.watched())
-

@@ -38,5 +38,6 @@ def unshard_async_op_setter() -> Callable[[FSDPModule, bool], None]:
         raise FSDPInternalsChanged(
             f"fsdp_overlap: expected FSDPModule._set_unshard_async_op (present in torch 2.13) for "
             f"asynchronous prefetch; found none in torch {torch.__version__}. Pass async_prefetch=False, "
-            f"or update fsdp_overlap/_fsdp_internals.py for this torch")
+            f"or update fsdp_overlap/_fsdp_internals.py for this torch"
+        )
     return setter

@@ -54,15 +54,16 @@ class _CommlibComm:
     def __init__(self, comm: commlib.Communicator) -> None:
         self.comm = comm
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _check_group(self, group: dist.ProcessGroup) -> None:
         if group.size() != self.comm.size:
-            raise ValueError(f"fsdp_overlap {self.kind} on {self.comm.name!r} rank {self.comm.rank}: expected "
-                             f"FSDP's group to have the communicator's {self.comm.size} ranks; found "
-                             f"{group.size()}")
+            raise ValueError(
+                f"fsdp_overlap {self.kind} on {self.comm.name!r} rank {self.comm.rank}: expected "
+                f"FSDP's group to have the communicator's {self.comm.size} ranks; found "
+                f"{group.size()}"
+            )
 
     @staticmethod
     def _wrap(work: commlib.Work | None) -> FSDPWork | None:
@@ -77,8 +78,9 @@ class CommlibAllGather(_CommlibComm, AllGather):
 
     kind = "all-gather"
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> FSDPWork | None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> FSDPWork | None:
         self._check_group(group)
         return self._wrap(self.comm.all_gather_single(output_tensor, input_tensor, async_op=async_op))
 
@@ -88,8 +90,15 @@ class CommlibReduceScatter(_CommlibComm, ReduceScatter):
 
     kind = "reduce-scatter"
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> FSDPWork | None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> FSDPWork | None:
         self._check_group(group)
-        return self._wrap(self.comm.reduce_scatter_single(output_tensor, input_tensor, to_reduction(op),
-                                                          async_op=async_op))
+        return self._wrap(
+            self.comm.reduce_scatter_single(output_tensor, input_tensor, to_reduction(op), async_op=async_op)
+        )

@@ -101,12 +101,14 @@ def shard(
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"{where}: expected reshard_after_forward to be a bool; found {reshard_after_forward!r}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"{where}: expected mp_policy to be a MixedPrecisionPolicy or None; "
-                        f"found {type(mp_policy).__name__}")
+        raise TypeError(
+            f"{where}: expected mp_policy to be a MixedPrecisionPolicy or None; found {type(mp_policy).__name__}"
+        )
     block_list = _check_blocks(model, blocks, where)
     mesh = _world_mesh(comm, where)
-    set_unshard_async_op = (_fsdp_internals.unshard_async_op_setter()
-                            if prefetch and async_prefetch and mode is not Mode.PLAIN else None)
+    set_unshard_async_op = (
+        _fsdp_internals.unshard_async_op_setter() if prefetch and async_prefetch and mode is not Mode.PLAIN else None
+    )
 
     reduce_scatter_comm = comm
     created: list[commlib.Communicator] = []
@@ -144,19 +146,21 @@ def shard(
 
 def _check_mode(mode: Mode | str, comm: commlib.Communicator) -> Mode:
     if not isinstance(comm, commlib.Communicator):
-        raise TypeError(f"fsdp_overlap.shard: expected comm to be a commlib Communicator; "
-                        f"found {type(comm).__name__}")
+        raise TypeError(f"fsdp_overlap.shard: expected comm to be a commlib Communicator; found {type(comm).__name__}")
     try:
         mode = Mode(mode)
     except ValueError:
-        raise ValueError(f"fsdp_overlap.shard on rank {comm.world_rank}: expected mode in "
-                         f"{[m.value for m in Mode]}; found {mode!r}") from None
+        raise ValueError(
+            f"fsdp_overlap.shard on rank {comm.world_rank}: expected mode in {[m.value for m in Mode]}; found {mode!r}"
+        ) from None
     if mode is Mode.NATIVE and not hasattr(FSDPModule, "set_separate_reduce_scatter_group"):
         import torch
 
-        raise RuntimeError(f"fsdp_overlap.shard on rank {comm.world_rank}: mode 'native' needs "
-                           f"FSDPModule.set_separate_reduce_scatter_group (torch 2.13+); torch "
-                           f"{torch.__version__} lacks it")
+        raise RuntimeError(
+            f"fsdp_overlap.shard on rank {comm.world_rank}: mode 'native' needs "
+            f"FSDPModule.set_separate_reduce_scatter_group (torch 2.13+); torch "
+            f"{torch.__version__} lacks it"
+        )
     return mode
 
 
@@ -166,26 +170,33 @@ def _check_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None, where: s
     names = {id(m): name for name, m in model.named_modules()}
     already = [names[id(m)] or "<root>" for m in model.modules() if isinstance(m, FSDPModule)]
     if already:
-        raise ValueError(f"{where}: expected a model not yet sharded; found fully_shard already applied to "
-                         f"{already}")
+        raise ValueError(f"{where}: expected a model not yet sharded; found fully_shard already applied to {already}")
     if blocks is None:
         blocks = getattr(model, "layers", None)
         if blocks is None:
-            raise ValueError(f"{where}: expected blocks, or a model with a `layers` attribute; found "
-                             f"{type(model).__name__} without one")
+            raise ValueError(
+                f"{where}: expected blocks, or a model with a `layers` attribute; found "
+                f"{type(model).__name__} without one"
+            )
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"{where}: expected blocks to be an iterable of modules (e.g. an nn.ModuleList); "
-                        f"found a single {type(blocks).__name__}")
+        raise TypeError(
+            f"{where}: expected blocks to be an iterable of modules (e.g. an nn.ModuleList); "
+            f"found a single {type(blocks).__name__}"
+        )
     block_list = list(blocks)
     for i, block in enumerate(block_list):
         if not isinstance(block, nn.Module):
             raise TypeError(f"{where}: expected blocks[{i}] to be an nn.Module; found {type(block).__name__}")
         if block is model:
-            raise ValueError(f"{where}: expected blocks to be proper submodules of the model; found the model "
-                             f"itself at blocks[{i}] (the root is sharded anyway)")
+            raise ValueError(
+                f"{where}: expected blocks to be proper submodules of the model; found the model "
+                f"itself at blocks[{i}] (the root is sharded anyway)"
+            )
         if id(block) not in names:
-            raise ValueError(f"{where}: expected blocks to be submodules of the model; blocks[{i}] "
-                             f"({type(block).__name__}) is not one")
+            raise ValueError(
+                f"{where}: expected blocks to be submodules of the model; blocks[{i}] "
+                f"({type(block).__name__}) is not one"
+            )
     if len({id(b) for b in block_list}) != len(block_list):
         raise ValueError(f"{where}: expected distinct blocks; found {[names[id(b)] for b in block_list]}")
     return block_list
@@ -194,15 +205,18 @@ def _check_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None, where: s
 def _world_mesh(comm: commlib.Communicator, where: str) -> DeviceMesh:
     """The 1-D mesh over the default process group, checked against `comm`."""
     if not dist.is_initialized():
-        raise RuntimeError(f"{where}: expected torch.distributed's default process group (fully_shard's mesh "
-                           f"is built on it; commlib.init's c10d backend creates it); found none")
+        raise RuntimeError(
+            f"{where}: expected torch.distributed's default process group (fully_shard's mesh "
+            f"is built on it; commlib.init's c10d backend creates it); found none"
+        )
     size, rank = dist.get_world_size(), dist.get_rank()
     if comm.size != size:
-        raise ValueError(f"{where}: expected comm {comm.name!r} to span the mesh's {size} ranks; found "
-                         f"{comm.size}")
+        raise ValueError(f"{where}: expected comm {comm.name!r} to span the mesh's {size} ranks; found {comm.size}")
     if comm.rank != rank:
-        raise ValueError(f"{where}: expected comm {comm.name!r} rank to equal the mesh rank {rank} (FSDP places "
-                         f"each rank's shard by mesh rank); found {comm.rank}")
+        raise ValueError(
+            f"{where}: expected comm {comm.name!r} rank to equal the mesh rank {rank} (FSDP places "
+            f"each rank's shard by mesh rank); found {comm.rank}"
+        )
     return init_device_mesh(comm.device.type, (size,))
 
 
@@ -210,5 +224,5 @@ def _set_prefetch(root: FSDPModule, blocks: list[FSDPModule], k: int) -> None:
     root.set_modules_to_forward_prefetch(blocks[:k])
     root.set_modules_to_backward_prefetch(blocks[::-1][:k])
     for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + k])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - k):i][::-1])
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + k])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - k) : i][::-1])

@@ -151,11 +151,19 @@ def step_timeline(records: list[Record]) -> StepTimeline:
             blocked.append((r.start_ns, r.end_ns))
             upper_bound = True
     return StepTimeline(
-        rank=first.rank, attempt=first.attempt, step=first.step, label=first.label, collectives=len(records),
-        all_gather_s=length(ag) / 1e9, reduce_scatter_s=length(rs) / 1e9,
-        overlap_s=length(intersect(ag, rs)) / 1e9, overlap_min_s=length(intersect(ag_min, rs_min)) / 1e9,
+        rank=first.rank,
+        attempt=first.attempt,
+        step=first.step,
+        label=first.label,
+        collectives=len(records),
+        all_gather_s=length(ag) / 1e9,
+        reduce_scatter_s=length(rs) / 1e9,
+        overlap_s=length(intersect(ag, rs)) / 1e9,
+        overlap_min_s=length(intersect(ag_min, rs_min)) / 1e9,
         comm_s=length(union((r.start_ns, r.end_ns) for r in records)) / 1e9,
-        exposed_s=length(union(blocked)) / 1e9, exposed_upper_bound=upper_bound)
+        exposed_s=length(union(blocked)) / 1e9,
+        exposed_upper_bound=upper_bound,
+    )
 
 
 def timelines(records: Iterable[Record]) -> list[StepTimeline]:
@@ -197,10 +205,21 @@ def _counted(c: Call) -> bool:
 
 
 def _record(c: Call, attempt: int) -> Record:
-    return Record(rank=c.rank, pid=c.pid, attempt=attempt, step=c.step, label=c.label, comm=c.comm, op=c.op,
-                  seq=c.seq, start_ns=c.start_mono_ns, end_ns=c.end_mono_ns,
-                  async_op=c.async_op, wait_ns=round(c.wait_s * 1e9) if c.wait_s is not None else None,
-                  done_before_wait=c.done_before_wait)
+    return Record(
+        rank=c.rank,
+        pid=c.pid,
+        attempt=attempt,
+        step=c.step,
+        label=c.label,
+        comm=c.comm,
+        op=c.op,
+        seq=c.seq,
+        start_ns=c.start_mono_ns,
+        end_ns=c.end_mono_ns,
+        async_op=c.async_op,
+        wait_ns=round(c.wait_s * 1e9) if c.wait_s is not None else None,
+        done_before_wait=c.done_before_wait,
+    )
 
 
 def analyze(logdir: str | Path) -> list[StepTimeline]:
@@ -213,8 +232,10 @@ def analyze(logdir: str | Path) -> list[StepTimeline]:
     except LogDirError:  # no rank logs: the flight-recorder dumps, if any
         dumps = [data for _, data in flight_dumps(directory)]
         if not dumps:
-            raise FileNotFoundError(f"fsdp_overlap.timeline: expected rank*.jsonl logs or flight_rank*.json dumps "
-                                    f"in {directory}; found neither") from None
+            raise FileNotFoundError(
+                f"fsdp_overlap.timeline: expected rank*.jsonl logs or flight_rank*.json dumps "
+                f"in {directory}; found neither"
+            ) from None
         return timelines(records_from_flight(dumps))
     return timelines(records(run))
 
@@ -242,15 +263,19 @@ def summarize(steps: list[StepTimeline]) -> list[Summary]:
     out = []
     for label, ts in sorted(by_label.items(), key=lambda kv: kv[0] or ""):
         rs_total = sum(t.reduce_scatter_s for t in ts)
-        out.append(Summary(
-            label=label, steps=len(ts),
-            all_gather_s=statistics.median(t.all_gather_s for t in ts),
-            reduce_scatter_s=statistics.median(t.reduce_scatter_s for t in ts),
-            overlap_s=statistics.median(t.overlap_s for t in ts),
-            overlap_min_s=statistics.median(t.overlap_min_s for t in ts),
-            overlap_fraction=sum(t.overlap_s for t in ts) / rs_total if rs_total else 0.0,
-            exposed_s=statistics.median(t.exposed_s for t in ts),
-            exposed_upper_bound=any(t.exposed_upper_bound for t in ts)))
+        out.append(
+            Summary(
+                label=label,
+                steps=len(ts),
+                all_gather_s=statistics.median(t.all_gather_s for t in ts),
+                reduce_scatter_s=statistics.median(t.reduce_scatter_s for t in ts),
+                overlap_s=statistics.median(t.overlap_s for t in ts),
+                overlap_min_s=statistics.median(t.overlap_min_s for t in ts),
+                overlap_fraction=sum(t.overlap_s for t in ts) / rs_total if rs_total else 0.0,
+                exposed_s=statistics.median(t.exposed_s for t in ts),
+                exposed_upper_bound=any(t.exposed_upper_bound for t in ts),
+            )
+        )
     return out
 
 
@@ -259,22 +284,28 @@ def _ms(seconds: float) -> str:
 
 
 def render(steps: list[StepTimeline]) -> str:
-    head = f"{'label':>8} {'rank':>4} {'step':>5} {'n':>4} {'AG ms':>9} {'RS ms':>9} {'overlap ms':>10} " \
-           f"{'(min)':>9} {'ovl/RS':>6} {'comm ms':>9} {'exposed ms':>10}"
+    head = (
+        f"{'label':>8} {'rank':>4} {'step':>5} {'n':>4} {'AG ms':>9} {'RS ms':>9} {'overlap ms':>10} "
+        f"{'(min)':>9} {'ovl/RS':>6} {'comm ms':>9} {'exposed ms':>10}"
+    )
     lines = [head]
     for t in steps:
-        lines.append(f"{t.label or '-':>8} {t.rank:>4} {t.step:>5} {t.collectives:>4} {_ms(t.all_gather_s)} "
-                     f"{_ms(t.reduce_scatter_s)} {_ms(t.overlap_s):>10} {_ms(t.overlap_min_s)} "
-                     f"{t.overlap_fraction:6.2f} {_ms(t.comm_s)} "
-                     f"{_ms(t.exposed_s):>10}{' *' if t.exposed_upper_bound else ''}")
+        lines.append(
+            f"{t.label or '-':>8} {t.rank:>4} {t.step:>5} {t.collectives:>4} {_ms(t.all_gather_s)} "
+            f"{_ms(t.reduce_scatter_s)} {_ms(t.overlap_s):>10} {_ms(t.overlap_min_s)} "
+            f"{t.overlap_fraction:6.2f} {_ms(t.comm_s)} "
+            f"{_ms(t.exposed_s):>10}{' *' if t.exposed_upper_bound else ''}"
+        )
     lines.append("")
     lines.append("medians per label (overlap/RS over summed times):")
     for s in summarize(steps):
-        lines.append(f"{s.label or '-':>8} steps={s.steps} AG={s.all_gather_s * 1e3:.2f} ms "
-                     f"RS={s.reduce_scatter_s * 1e3:.2f} ms overlap={s.overlap_s * 1e3:.2f} ms "
-                     f"(at least {s.overlap_min_s * 1e3:.2f} ms; {s.overlap_fraction:.0%} of RS) "
-                     f"exposed={s.exposed_s * 1e3:.2f} ms"
-                     f"{' (upper bound)' if s.exposed_upper_bound else ''}")
+        lines.append(
+            f"{s.label or '-':>8} steps={s.steps} AG={s.all_gather_s * 1e3:.2f} ms "
+            f"RS={s.reduce_scatter_s * 1e3:.2f} ms overlap={s.overlap_s * 1e3:.2f} ms "
+            f"(at least {s.overlap_min_s * 1e3:.2f} ms; {s.overlap_fraction:.0%} of RS) "
+            f"exposed={s.exposed_s * 1e3:.2f} ms"
+            f"{' (upper bound)' if s.exposed_upper_bound else ''}"
+        )
     if any(t.exposed_upper_bound for t in steps):
         lines.append("* an async collective had no wait_s: its whole flight counted as exposed")
     return "\n".join(lines)

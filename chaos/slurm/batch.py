@@ -93,17 +93,19 @@ class Settings:
     def __post_init__(self) -> None:
         """The Slurm options, each by the rule for its kind (`commlib.settings`; options given as
         text become numbers): none may overflow what Slurm takes or add a line to the script."""
-        checked = {"rdzv_port": integer(self.rdzv_port, "rdzv_port (--rdzv-port)", low=1, high=65535),
-                   "notice_s": integer(self.notice_s, "notice_s (--notice)", low=1, high=MOST_NOTICE_S),
-                   "max_requeues": integer(self.max_requeues, "max_requeues (--max-requeues)", low=0,
-                                           high=MOST_REQUEUES),
-                   "sbatch_args": tuple(text(a, "sbatch_args (--sbatch-arg)", spaces=True)
-                                        for a in self.sbatch_args)}
+        checked = {
+            "rdzv_port": integer(self.rdzv_port, "rdzv_port (--rdzv-port)", low=1, high=65535),
+            "notice_s": integer(self.notice_s, "notice_s (--notice)", low=1, high=MOST_NOTICE_S),
+            "max_requeues": integer(self.max_requeues, "max_requeues (--max-requeues)", low=0, high=MOST_REQUEUES),
+            "sbatch_args": tuple(text(a, "sbatch_args (--sbatch-arg)", spaces=True) for a in self.sbatch_args),
+        }
         if self.partition is not None:
             checked["partition"] = text(self.partition, "partition (--partition)")
         if self.time_limit is not None and not _TIME_LIMIT.fullmatch(self.time_limit):
-            raise ValueError(f"expected time_limit (--time) to be a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, "
-                             f"D-HH[:MM[:SS]] or UNLIMITED); found {self.time_limit!r}")
+            raise ValueError(
+                f"expected time_limit (--time) to be a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, "
+                f"D-HH[:MM[:SS]] or UNLIMITED); found {self.time_limit!r}"
+            )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
@@ -120,16 +122,26 @@ class Settings:
 
 def script(settings: Settings, run_dir: Path) -> str:
     """The batch script (module docstring)."""
-    options = [f"--job-name=chaos-{run_dir.name}", f"--nodes={settings.nnodes}", "--ntasks-per-node=1",
-               "--exclusive", "--requeue", "--open-mode=append", f"--output={run_dir}/slurm-%j.out",
-               f"--signal=B:USR1@{settings.notice_s}"]
+    options = [
+        f"--job-name=chaos-{run_dir.name}",
+        f"--nodes={settings.nnodes}",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={run_dir}/slurm-%j.out",
+        f"--signal=B:USR1@{settings.notice_s}",
+    ]
     if settings.partition:
         options.append(f"--partition={settings.partition}")
     if settings.time_limit:
         options.append(f"--time={settings.time_limit}")
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in [*options, *settings.sbatch_args]),
-             f"cd {shlex.quote(settings.cwd)}",
-             f"exec {shlex.quote(settings.python)} -m chaos.slurm.batch driver {shlex.quote(str(run_dir))}"]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {o}" for o in [*options, *settings.sbatch_args]),
+        f"cd {shlex.quote(settings.cwd)}",
+        f"exec {shlex.quote(settings.python)} -m chaos.slurm.batch driver {shlex.quote(str(run_dir))}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -203,8 +215,10 @@ def driver(run_dir: Path) -> int:
     notes = event_log(run_dir / JOURNAL, pid=os.getpid(), requeue=requeue)
     notes.info("batch.start", job_id=job_id, nodes=os.environ.get("SLURM_JOB_NODELIST"))
     if requeue > settings.max_requeues:
-        notes.error("batch.refused", why=f"requeued {requeue} times; expected at most {settings.max_requeues} "
-                                         f"(chaos sbatch --max-requeues)")
+        notes.error(
+            "batch.refused",
+            why=f"requeued {requeue} times; expected at most {settings.max_requeues} (chaos sbatch --max-requeues)",
+        )
         return 1
     verdict = _verdict(run_dir)
     if verdict is not None:  # given before a requeue that came too late to matter
@@ -230,8 +244,19 @@ def driver(run_dir: Path) -> int:
 
     signal.signal(signal.SIGUSR1, on_notice)
     signal.signal(signal.SIGTERM, on_term)
-    srun = subprocess.Popen(["srun", f"--nodes={settings.nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-                             settings.python, "-m", "chaos.slurm.batch", "node", str(run_dir)])
+    srun = subprocess.Popen(
+        [
+            "srun",
+            f"--nodes={settings.nnodes}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=0",
+            settings.python,
+            "-m",
+            "chaos.slurm.batch",
+            "node",
+            str(run_dir),
+        ]
+    )
     code = srun.wait()
     notes.info("batch.step_end", srun_exit=code)
     verdict = _verdict(run_dir)
@@ -255,12 +280,23 @@ def requeue_job(job_id: str, requeue: int, notes: Any) -> None:
         done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
         restarts = job_state(job_id)[1]
         if done.returncode == 0 or restarts > requeue:
-            notes.info("batch.requeue", requeued=True, by="driver" if done.returncode == 0 else "slurm",
-                       exit=done.returncode, said=(done.stderr or done.stdout).strip(), tries=turn + 1)
+            notes.info(
+                "batch.requeue",
+                requeued=True,
+                by="driver" if done.returncode == 0 else "slurm",
+                exit=done.returncode,
+                said=(done.stderr or done.stdout).strip(),
+                tries=turn + 1,
+            )
             return
         time.sleep(POLL_S)
-    notes.error("batch.requeue", requeued=False, exit=done.returncode, said=(done.stderr or done.stdout).strip(),
-                tries=REQUEUE_TRIES)
+    notes.error(
+        "batch.requeue",
+        requeued=False,
+        exit=done.returncode,
+        said=(done.stderr or done.stdout).strip(),
+        tries=REQUEUE_TRIES,
+    )
 
 
 def timings(run_dir: Path) -> dict[str, float | None]:
@@ -268,8 +304,12 @@ def timings(run_dir: Path) -> dict[str, float | None]:
     to the first completed step, and each whole-job fault to the job's next launch and to the
     first step completed after it."""
     submitted = int((run_dir / SUBMITTED).read_text())
-    first = min(e["ts_ns"] for path in sorted((run_dir / "logs").glob("rank*.jsonl*")) for e in read_events(path)
-                if e.get("event") == "train.step")
+    first = min(
+        e["ts_ns"]
+        for path in sorted((run_dir / "logs").glob("rank*.jsonl*"))
+        for e in read_events(path)
+        if e.get("event") == "train.step"
+    )
     out: dict[str, float | None] = {"submit_to_first_step_s": (first - submitted) / 1e9}
     for f in json.loads((run_dir / REPORT).read_text())["faults"]:
         if f.get("requeued_after_s") is not None:
@@ -290,13 +330,32 @@ def node(run_dir: Path) -> NoReturn:
     """One node's task: becomes ``python -m chaos run`` for this node of the job (same process,
     so Slurm's signals to the task reach the harness)."""
     settings = Settings.load(run_dir)
-    hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                           capture_output=True, text=True, check=True).stdout.split()
-    argv = ["run", "--run-dir", str(run_dir), "--plan", str(run_dir / "plan.json"), "--trainer", settings.trainer,
-            "--nproc-per-node", str(settings.nproc_per_node), "--nnodes", str(settings.nnodes),
-            "--node-rank", os.environ["SLURM_NODEID"], "--rdzv-endpoint", f"{hosts[0]}:{settings.rdzv_port}",
-            "--rdzv-id", os.environ["SLURM_JOB_ID"], "--backend", settings.backend,
-            "--job-timeout", str(settings.job_timeout_s)]
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+    ).stdout.split()
+    argv = [
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--plan",
+        str(run_dir / "plan.json"),
+        "--trainer",
+        settings.trainer,
+        "--nproc-per-node",
+        str(settings.nproc_per_node),
+        "--nnodes",
+        str(settings.nnodes),
+        "--node-rank",
+        os.environ["SLURM_NODEID"],
+        "--rdzv-endpoint",
+        f"{hosts[0]}:{settings.rdzv_port}",
+        "--rdzv-id",
+        os.environ["SLURM_JOB_ID"],
+        "--backend",
+        settings.backend,
+        "--job-timeout",
+        str(settings.job_timeout_s),
+    ]
     if settings.max_restarts is not None:
         argv += ["--max-restarts", str(settings.max_restarts)]
     if settings.reference_dir is not None:
@@ -311,15 +370,21 @@ def node(run_dir: Path) -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] not in ("driver", "node", "timings"):
-        print("usage: python -m chaos.slurm.batch driver|node|timings RUN_DIR (driver, node: the lines of a chaos "
-              "sbatch job; timings: what a finished one's starts and restarts cost)", file=sys.stderr)
+        print(
+            "usage: python -m chaos.slurm.batch driver|node|timings RUN_DIR (driver, node: the lines of a chaos "
+            "sbatch job; timings: what a finished one's starts and restarts cost)",
+            file=sys.stderr,
+        )
         return 2
     run_dir = Path(argv[1])
     needed = [SUBMITTED, REPORT] if argv[0] == "timings" else [SETTINGS]
     missing = [name for name in needed if not (run_dir / name).is_file()]
     if missing:
-        print(f"chaos.slurm.batch {argv[0]}: expected the run directory of a chaos sbatch job (with "
-              f"{', '.join(needed)}); found no {', '.join(missing)} in {run_dir}", file=sys.stderr)
+        print(
+            f"chaos.slurm.batch {argv[0]}: expected the run directory of a chaos sbatch job (with "
+            f"{', '.join(needed)}); found no {', '.join(missing)} in {run_dir}",
+            file=sys.stderr,
+        )
         return 2
     if argv[0] == "timings":
         print(json.dumps(timings(run_dir), indent=2))

@@ -118,8 +118,9 @@ def missing_tools() -> list[str]:
 class Cluster:
     """A local Slurm cluster kept in `directory` (module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike[str], nodes: int = 3, *, owner: int = 0,
-                 tag: str | None = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], nodes: int = 3, *, owner: int = 0, tag: str | None = None
+    ) -> None:
         """`owner`: the process whose death makes the cluster stale (`sweep`), 0 for none;
         `tag`: an existing cluster's (`attach`), else a new one is drawn."""
         settings.integer(nodes, "Cluster's nodes", low=1, high=MOST_NODES)
@@ -132,8 +133,9 @@ class Cluster:
         a, b = 16 + int(self.tag[-6:-4], 16) % 224, int(self.tag[-4:-2], 16)
         self.subnet = f"10.{a}.{b}"
         self.ctl = Machine(CTL, f"{PREFIX}-{self.tag}-{CTL}", f"{self.subnet}.{CTL_HOST}")
-        self.machines = [Machine(f"node{i}", f"{PREFIX}-{self.tag}-node{i}", f"{self.subnet}.{NODE_HOST0 + i}")
-                         for i in range(nodes)]
+        self.machines = [
+            Machine(f"node{i}", f"{PREFIX}-{self.tag}-node{i}", f"{self.subnet}.{NODE_HOST0 + i}") for i in range(nodes)
+        ]
         self._daemons: list[subprocess.Popen[bytes]] = []  # started by `up` in this process
 
     @property
@@ -153,13 +155,16 @@ class Cluster:
         """Sweep what stale clusters left, then bring this one up (module docstring); on any
         failure, take down what was started and raise ClusterUnavailable saying why."""
         if os.geteuid() != 0:
-            raise ClusterUnavailable(f"chaos.slurm.cluster: expected root (namespaces, mounts, daemons); found "
-                                     f"uid {os.geteuid()}")
+            raise ClusterUnavailable(
+                f"chaos.slurm.cluster: expected root (namespaces, mounts, daemons); found uid {os.geteuid()}"
+            )
         missing = missing_tools()
         if missing:
-            raise ClusterUnavailable(f"chaos.slurm.cluster: expected {missing} on PATH; install them with "
-                                     f"`scripts/system_packages.sh slurm` (Debian's {' '.join(PACKAGES)}; "
-                                     f"scripts/test.sh and `scripts/slurm_cluster.sh up` run it)")
+            raise ClusterUnavailable(
+                f"chaos.slurm.cluster: expected {missing} on PATH; install them with "
+                f"`scripts/system_packages.sh slurm` (Debian's {' '.join(PACKAGES)}; "
+                f"scripts/test.sh and `scripts/slurm_cluster.sh up` run it)"
+            )
         sweep()
         previous = _read_record(self.directory)
         if previous is not None:
@@ -210,14 +215,18 @@ class Cluster:
         """The prefix of a client command: the controller's network, this cluster's slurm.conf."""
         return ["nsenter", f"--net={NETNS_DIR / self.ctl.netns}", "env", f"SLURM_CONF={self.conf}"]
 
-    def run(self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """A client command (``sbatch``, ``squeue``, ``python -m chaos sbatch``...) against the cluster."""
-        done = subprocess.run(self.client_prefix() + list(argv), capture_output=True, text=True, timeout=timeout,
-                              env=env)
+        done = subprocess.run(
+            self.client_prefix() + list(argv), capture_output=True, text=True, timeout=timeout, env=env
+        )
         if check and done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(argv)}` against the cluster in {self.directory} exited "
-                               f"{done.returncode}: {(done.stderr or done.stdout).strip()[-2000:]}")
+            raise RuntimeError(
+                f"`{' '.join(argv)}` against the cluster in {self.directory} exited "
+                f"{done.returncode}: {(done.stderr or done.stdout).strip()[-2000:]}"
+            )
         return done
 
     def node_states(self) -> list[NodeState]:
@@ -238,8 +247,16 @@ class Cluster:
         self.conf.write_text(slurm_conf(self))
         hosts = ["127.0.0.1 localhost"] + [f"{m.address} {m.name}" for m in [self.ctl, *self.machines]]
         (self.directory / "hosts").write_text("\n".join(hosts) + "\n")
-        _write_record(self.directory, {"tag": self.tag, "owner": self.owner, "nodes": self.nodes,
-                                       "ctl": asdict(self.ctl), "machines": [asdict(m) for m in self.machines]})
+        _write_record(
+            self.directory,
+            {
+                "tag": self.tag,
+                "owner": self.owner,
+                "nodes": self.nodes,
+                "ctl": asdict(self.ctl),
+                "machines": [asdict(m) for m in self.machines],
+            },
+        )
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, MARK_ENV: self.tag, "SLURM_CONF": str(self.conf)}
@@ -248,10 +265,22 @@ class Cluster:
         d = self.munge_dir
         (self.directory / "munge").mkdir(exist_ok=True)
         with open(self.directory / "munge" / "munged.out", "ab") as out:
-            self._daemons.append(subprocess.Popen(
-                ["munged", "--foreground", f"--socket={d / 'munge.socket'}", f"--key-file={d / 'munge.key'}",
-                 f"--pid-file={d / 'munged.pid'}", f"--seed-file={d / 'munged.seed'}"],
-                stdout=out, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True))
+            self._daemons.append(
+                subprocess.Popen(
+                    [
+                        "munged",
+                        "--foreground",
+                        f"--socket={d / 'munge.socket'}",
+                        f"--key-file={d / 'munge.key'}",
+                        f"--pid-file={d / 'munged.pid'}",
+                        f"--seed-file={d / 'munged.seed'}",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self._env(),
+                    start_new_session=True,
+                )
+            )
         self._wait_for("munged's socket", lambda: (d / "munge.socket").exists(), timeout=10)
 
     def _make_network(self) -> None:
@@ -273,12 +302,37 @@ class Cluster:
             _ip("-n", m.netns, "link", "set", DEVICE, "up")
 
     def _start(self, machine: Machine, daemon: list[str]) -> None:
-        cmd = ["nsenter", f"--net={NETNS_DIR / machine.netns}", "unshare", "--uts", "--mount", "--pid", "--fork",
-               "--kill-child", "--mount-proc", sys.executable, "-m", "chaos.slurm.init", "--hostname", machine.name,
-               "--hosts", str(self.directory / "hosts"), "--", *daemon]
+        cmd = [
+            "nsenter",
+            f"--net={NETNS_DIR / machine.netns}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "chaos.slurm.init",
+            "--hostname",
+            machine.name,
+            "--hosts",
+            str(self.directory / "hosts"),
+            "--",
+            *daemon,
+        ]
         with open(self.directory / machine.name / "init.out", "ab") as out:
-            self._daemons.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self._env(),
-                                                  start_new_session=True, cwd=self.directory))
+            self._daemons.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self._env(),
+                    start_new_session=True,
+                    cwd=self.directory,
+                )
+            )
 
     def _controller_answers(self) -> bool:
         return self.run(["scontrol", "ping"], check=False, timeout=10).returncode == 0
@@ -291,8 +345,10 @@ class Cluster:
         while not ready():
             dead = [p for p in self._daemons if p.poll() is not None]
             if dead:
-                raise ClusterUnavailable(f"chaos.slurm.cluster: expected {what}; found `{' '.join(dead[0].args[:3])}"
-                                         f" ...` exited {dead[0].returncode}")
+                raise ClusterUnavailable(
+                    f"chaos.slurm.cluster: expected {what}; found `{' '.join(dead[0].args[:3])}"
+                    f" ...` exited {dead[0].returncode}"
+                )
             if time.monotonic() > deadline:
                 raise ClusterUnavailable(f"chaos.slurm.cluster: expected {what} within {timeout:g} s; found none")
             time.sleep(0.1)
@@ -345,8 +401,10 @@ def slurm_conf(cluster: Cluster) -> str:
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
         "SlurmctldParameters=preempt_send_user_signal",
-        *(f"NodeName={m.name} NodeAddr={m.address} CPUs={os.cpu_count() or 1} RealMemory=1000 State=UNKNOWN"
-          for m in cluster.machines),
+        *(
+            f"NodeName={m.name} NodeAddr={m.address} CPUs={os.cpu_count() or 1} RealMemory=1000 State=UNKNOWN"
+            for m in cluster.machines
+        ),
         f"PartitionName={JOB_PARTITION} Nodes=ALL Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} "
         f"MaxTime=INFINITE State=UP",
         f"PartitionName={PREEMPTOR_PARTITION} Nodes=ALL PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP",
@@ -358,8 +416,10 @@ def slurm_conf(cluster: Cluster) -> str:
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and done.returncode != 0:
-        raise ClusterUnavailable(f"chaos.slurm.cluster: `ip {' '.join(args)}` exited {done.returncode}: "
-                                 f"{done.stderr.strip() or done.stdout.strip()}")
+        raise ClusterUnavailable(
+            f"chaos.slurm.cluster: `ip {' '.join(args)}` exited {done.returncode}: "
+            f"{done.stderr.strip() or done.stdout.strip()}"
+        )
     return done
 
 
@@ -473,21 +533,31 @@ def attach(directory: str | os.PathLike[str]) -> Cluster:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chaos.slurm.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("up", "down", "status", "run"), help="run: -- then a client command")
-    p.add_argument("--dir", type=option(settings.text, "--dir", spaces=True), required=True,
-                   help="the cluster's directory (configuration, logs, spool, munge key)")
-    p.add_argument("--nodes", type=option(settings.integer, "--nodes", low=1, high=MOST_NODES), default=3,
-                   help="up: how many nodes (one of them can be the spare)")
+    p.add_argument(
+        "--dir",
+        type=option(settings.text, "--dir", spaces=True),
+        required=True,
+        help="the cluster's directory (configuration, logs, spool, munge key)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=option(settings.integer, "--nodes", low=1, high=MOST_NODES),
+        default=3,
+        help="up: how many nodes (one of them can be the spare)",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     try:
         if args.command == "up":
             problem = directory_problem(args.dir, "--dir", empty=False)  # before anything is swept
             if problem is not None:
                 raise ValueError(problem)
             cluster = Cluster(args.dir, args.nodes).up()
-            print(f"up: {cluster.nodes} node(s) {', '.join(cluster.node_names)}; run client commands with\n"
-                  f"  {' '.join(cluster.client_prefix())} sbatch ...")
+            print(
+                f"up: {cluster.nodes} node(s) {', '.join(cluster.node_names)}; run client commands with\n"
+                f"  {' '.join(cluster.client_prefix())} sbatch ..."
+            )
             return 0
         cluster = attach(args.dir)
         if args.command == "down":

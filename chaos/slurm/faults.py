@@ -48,14 +48,20 @@ def check(fault_type: FaultType, *, notice_s: int | None) -> str | None:
     if fault_type not in SLURM_FAULTS:
         return None
     if job_id() is None and notice_s is None:
-        return (f"a {fault_type} fault acts on a Slurm job; expected to run in one (python -m chaos sbatch); "
-                f"found no SLURM_JOB_ID")
+        return (
+            f"a {fault_type} fault acts on a Slurm job; expected to run in one (python -m chaos sbatch); "
+            f"found no SLURM_JOB_ID"
+        )
     if fault_type is FaultType.TIME_LIMIT and notice_s is not None and notice_s < TIME_LIMIT_NOTICE_S:
-        return (f"a time_limit fault leaves the job 60 to 120 s; expected a notice of at least "
-                f"{TIME_LIMIT_NOTICE_S} s (--notice) for Slurm to send it before the end; found {notice_s} s")
+        return (
+            f"a time_limit fault leaves the job 60 to 120 s; expected a notice of at least "
+            f"{TIME_LIMIT_NOTICE_S} s (--notice) for Slurm to send it before the end; found {notice_s} s"
+        )
     if fault_type is FaultType.NODE_LOSS and job_id() is not None and power_switch() is None:
-        return ("a node_loss fault powers a node off; expected a node of the local cluster "
-                "(scripts/slurm_cluster.sh), whose process 1 is chaos.slurm.init; found another process 1")
+        return (
+            "a node_loss fault powers a node off; expected a node of the local cluster "
+            "(scripts/slurm_cluster.sh), whose process 1 is chaos.slurm.init; found another process 1"
+        )
     return None
 
 
@@ -69,9 +75,17 @@ def _slurm(*argv: str) -> str:
 def preempt(partition: str) -> str:
     """Submit a job to `partition` that needs every node of this job; returns its id."""
     nodes = os.environ["SLURM_JOB_NODELIST"]
-    out = _slurm("sbatch", "--parsable", f"--partition={partition}", f"--nodelist={nodes}",
-                 f"--nodes={os.environ.get('SLURM_JOB_NUM_NODES', '1')}", "--exclusive", "--job-name=chaos-preemptor",
-                 "--output=/dev/null", "--wrap=true")
+    out = _slurm(
+        "sbatch",
+        "--parsable",
+        f"--partition={partition}",
+        f"--nodelist={nodes}",
+        f"--nodes={os.environ.get('SLURM_JOB_NUM_NODES', '1')}",
+        "--exclusive",
+        "--job-name=chaos-preemptor",
+        "--output=/dev/null",
+        "--wrap=true",
+    )
     return out.strip().split(";")[0]
 
 
@@ -104,8 +118,10 @@ def time_limit_change() -> dict[str, int | None]:
     before = _minutes(found["TimeLimit"])
     after = math.ceil((elapsed + 60) / 60)
     if before is not None and after >= before:
-        raise SlurmFaultError(f"time_limit: expected the job's time limit ({before} min) above {after} min, "
-                              f"{elapsed} s into the job; found it ends as soon by itself")
+        raise SlurmFaultError(
+            f"time_limit: expected the job's time limit ({before} min) above {after} min, "
+            f"{elapsed} s into the job; found it ends as soon by itself"
+        )
     return {"limit_before_min": before, "limit_min": after, "elapsed_s": elapsed}
 
 
@@ -143,7 +159,8 @@ def power_off() -> None:
     from chaos.slurm.init import POWER_SIGNAL
 
     if power_switch() is None:
-        raise SlurmFaultError("node_loss: expected process 1 to be chaos.slurm.init (a local-cluster node); found "
-                              "another")
+        raise SlurmFaultError(
+            "node_loss: expected process 1 to be chaos.slurm.init (a local-cluster node); found another"
+        )
     os.kill(1, POWER_SIGNAL)
     signal.pause()  # the node's init kills this process with everything else

@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     daemon = args.daemon[1:] if args.daemon[:1] == ["--"] else args.daemon
     if os.getpid() != 1 or not daemon:
-        print(f"chaos.slurm.init: expected to run as process 1 of a PID namespace with a daemon to start; found "
-              f"pid {os.getpid()} and daemon {daemon}", file=sys.stderr)
+        print(
+            f"chaos.slurm.init: expected to run as process 1 of a PID namespace with a daemon to start; found "
+            f"pid {os.getpid()} and daemon {daemon}",
+            file=sys.stderr,
+        )
         return 2
     socket.sethostname(args.hostname)
     subprocess.run(["mount", "--bind", args.hosts, "/etc/hosts"], check=True)

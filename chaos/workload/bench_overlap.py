@@ -45,8 +45,10 @@ class Run:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m chaos.workload.bench_overlap",
-                                description="A/B step time, overlap and memory of fsdp_overlap's modes")
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m chaos.workload.bench_overlap",
+        description="A/B step time, overlap and memory of fsdp_overlap's modes",
+    )
     p.add_argument("--modes", default="single,dual,native", help="comma-separated, the first is the baseline")
     p.add_argument("--steps", type=int, default=20, help="measured steps per mode")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per mode")
@@ -72,8 +74,10 @@ def _log_dir(arg: str | None) -> Path:
         return Path(arg)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or run_id == "none":
-        raise SystemExit("chaos.workload.bench_overlap: expected --log-dir, or torchrun's TORCHELASTIC_RUN_ID "
-                         "(e.g. with --standalone) to name one; found neither")
+        raise SystemExit(
+            "chaos.workload.bench_overlap: expected --log-dir, or torchrun's TORCHELASTIC_RUN_ID "
+            "(e.g. with --standalone) to name one; found neither"
+        )
     return Path("runs/bench_overlap") / run_id
 
 
@@ -84,8 +88,14 @@ def main(argv: list[str] | None = None) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", comm.size))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
     set_deterministic()
-    cfg = ModelConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, seq_len=args.seq_len,
-                      mlp_hidden=args.mlp_hidden, window=min(64, args.seq_len))
+    cfg = ModelConfig(
+        vocab=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        seq_len=args.seq_len,
+        mlp_hidden=args.mlp_hidden,
+        window=min(64, args.seq_len),
+    )
     data = DataConfig(vocab=cfg.vocab, seq_len=cfg.seq_len, batch_size=args.batch)
     mask = build_block_mask(cfg, None, comm.device)
     process = psutil.Process()
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for r in range(args.steps):
         index = args.warmup + r
-        for run in runs[r % len(runs):] + runs[:r % len(runs)]:
+        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
             comm.barrier()
             with commlib.context(step=index, label=run.mode.value):
                 start = time.perf_counter()
@@ -130,9 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     comm.all_reduce(times, commlib.ReduceOp.MAX)
     rss = torch.tensor([run.rss_delta for run in runs], dtype=torch.float64)
     comm.all_reduce(rss, commlib.ReduceOp.MAX)
-    equal = all(torch.equal(a.to_local(), b.to_local())
-                for run in runs[1:]
-                for a, b in zip(runs[0].sharded.model.parameters(), run.sharded.model.parameters()))
+    equal = all(
+        torch.equal(a.to_local(), b.to_local())
+        for run in runs[1:]
+        for a, b in zip(runs[0].sharded.model.parameters(), run.sharded.model.parameters())
+    )
     flag = torch.tensor([int(equal)])
     comm.all_reduce(flag, commlib.ReduceOp.MIN)
     comm.barrier()  # every rank's log is complete before rank 0 reads them
@@ -143,8 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     comm.finalize()
 
 
-def _report(args: argparse.Namespace, cfg: ModelConfig, comm: commlib.Communicator, runs: list[Run],
-            times: torch.Tensor, rss: torch.Tensor, equal: bool, log_dir: Path) -> str:
+def _report(
+    args: argparse.Namespace,
+    cfg: ModelConfig,
+    comm: commlib.Communicator,
+    runs: list[Run],
+    times: torch.Tensor,
+    rss: torch.Tensor,
+    equal: bool,
+    log_dir: Path,
+) -> str:
     summaries = {s.label: s for s in timeline.summarize(timeline.analyze(log_dir))}
     medians = [statistics.median(times[i].tolist()) for i in range(len(runs))]
     lines = [
@@ -159,12 +179,17 @@ def _report(args: argparse.Namespace, cfg: ModelConfig, comm: commlib.Communicat
     ]
     for i, run in enumerate(runs):
         s = summaries.get(run.mode.value)
-        comm_cols = (f"{s.all_gather_s * 1e3:7.2f} {s.reduce_scatter_s * 1e3:7.2f} {s.overlap_s * 1e3:10.2f} "
-                     f"{s.overlap_min_s * 1e3:7.2f} {s.overlap_fraction:6.0%} {s.exposed_s * 1e3:10.2f}" if s else
-                     f"{'-':>7} {'-':>7} {'-':>10} {'-':>7} {'-':>6} {'-':>10}")
-        lines.append(f"{run.mode.value:<7} {medians[i] * 1e3:8.1f} {medians[i] / medians[0]:6.3f} {comm_cols} "
-                     f"{rss[i].item() / 2**20:8.1f} {(rss[i] - rss[0]).item() / 2**20:9.1f} "
-                     f"{run.sharded.communicators_created:5d}")
+        comm_cols = (
+            f"{s.all_gather_s * 1e3:7.2f} {s.reduce_scatter_s * 1e3:7.2f} {s.overlap_s * 1e3:10.2f} "
+            f"{s.overlap_min_s * 1e3:7.2f} {s.overlap_fraction:6.0%} {s.exposed_s * 1e3:10.2f}"
+            if s
+            else f"{'-':>7} {'-':>7} {'-':>10} {'-':>7} {'-':>6} {'-':>10}"
+        )
+        lines.append(
+            f"{run.mode.value:<7} {medians[i] * 1e3:8.1f} {medians[i] / medians[0]:6.3f} {comm_cols} "
+            f"{rss[i].item() / 2**20:8.1f} {(rss[i] - rss[0]).item() / 2**20:9.1f} "
+            f"{run.sharded.communicators_created:5d}"
+        )
     lines += [
         "",
         "step ms: median of the slowest rank's step; ratio: to the first mode. AG/RS/overlap/exposed: medians per "

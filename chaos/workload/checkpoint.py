@@ -65,6 +65,7 @@ def staging_dir_name(step: int, attempt: int) -> str:
 
 # -- plain file logic: no process group ----------------------------------------------------
 
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -75,8 +76,7 @@ def _sha256(path: Path) -> str:
 
 def _files(directory: Path) -> list[str]:
     """Every regular file under `directory` but the marker, as sorted relative POSIX paths."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
-                  if p.is_file() and p.name != MARKER)
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
 
 
 def write_marker(directory: Path, step: int) -> None:
@@ -96,8 +96,11 @@ def verify(directory: Path) -> str | None:
         return f"no marker {MARKER}: the checkpoint was never committed"
     except (OSError, ValueError) as exc:
         return f"marker {MARKER} unreadable: {exc}"
-    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or not isinstance(
-            marker.get("files"), dict):
+    if (
+        not isinstance(marker, dict)
+        or marker.get("format") != MARKER_FORMAT
+        or not isinstance(marker.get("files"), dict)
+    ):
         return f"marker {MARKER}: expected format {MARKER_FORMAT} with a files table; found {marker!r:.200}"
     if marker.get("step") != int(match.group(1)):
         return f"marker says step {marker.get('step')!r}; the directory name says {int(match.group(1))}"
@@ -118,8 +121,7 @@ def checkpoint_steps(ckpt_dir: Path) -> list[int]:
     """Steps of every `stepNNNNNN` directory (complete or not), ascending."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in ckpt_dir.iterdir()
-                  if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)))
+    return sorted(int(m.group(1)) for p in ckpt_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name)))
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def prune(ckpt_dir: Path, committed: list[int], keep: int) -> list[int]:
 
 # -- the distributed protocol ----------------------------------------------------------------
 
+
 @dataclass
 class TrainState:
     """What a run needs besides model and optimizer to continue exactly where it stopped."""
@@ -206,20 +209,28 @@ class Snapshot:
     def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> "Snapshot":
         optim = []
         for p in _optimizer_params(optimizer):
-            optim.append({k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in optimizer.state.get(p, {}).items()})
-        return cls(state=TrainState(step=state.step, losses=list(state.losses),
-                                    history=[dict(h) for h in state.history]),
-                   params=[_local(p).detach().clone() for p in model.parameters()],
-                   buffers=[_local(b).detach().clone() for b in model.buffers()],
-                   optim=optim, rng={k: v.clone() for k, v in _rng_state().items()})
+            optim.append(
+                {
+                    k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state.get(p, {}).items()
+                }
+            )
+        return cls(
+            state=TrainState(step=state.step, losses=list(state.losses), history=[dict(h) for h in state.history]),
+            params=[_local(p).detach().clone() for p in model.parameters()],
+            buffers=[_local(b).detach().clone() for b in model.buffers()],
+            optim=optim,
+            rng={k: v.clone() for k, v in _rng_state().items()},
+        )
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
         """Put this snapshot back into `model` and `optimizer` (in place) and the RNG; returns its state."""
         params, buffers = list(model.parameters()), list(model.buffers())
         if len(params) != len(self.params) or len(buffers) != len(self.buffers):
-            raise RuntimeError(f"snapshot restore: expected {len(self.params)} parameters and {len(self.buffers)} "
-                               f"buffers as when it was taken; found {len(params)} and {len(buffers)}")
+            raise RuntimeError(
+                f"snapshot restore: expected {len(self.params)} parameters and {len(self.buffers)} "
+                f"buffers as when it was taken; found {len(params)} and {len(buffers)}"
+            )
         with torch.no_grad():
             for live, saved in zip([*params, *buffers], [*self.params, *self.buffers], strict=True):
                 _local(live).copy_(saved)
@@ -229,16 +240,19 @@ class Snapshot:
                     continue
                 live_state = optimizer.state.get(p)
                 if not live_state or live_state.keys() != saved_state.keys():
-                    raise RuntimeError(f"snapshot restore: expected optimizer state {sorted(saved_state)} for "
-                                       f"parameter {i}; found {sorted(live_state or {})}")
+                    raise RuntimeError(
+                        f"snapshot restore: expected optimizer state {sorted(saved_state)} for "
+                        f"parameter {i}; found {sorted(live_state or {})}"
+                    )
                 for k, v in saved_state.items():
                     if isinstance(v, torch.Tensor):
                         _local(live_state[k]).copy_(v)
                     else:
                         live_state[k] = v
         _set_rng_state(self.rng)
-        return TrainState(step=self.state.step, losses=list(self.state.losses),
-                          history=[dict(h) for h in self.state.history])
+        return TrainState(
+            step=self.state.step, losses=list(self.state.losses), history=[dict(h) for h in self.state.history]
+        )
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -262,14 +276,24 @@ class Checkpointer:
     raises `CheckpointMismatch` instead of silently training a different run.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], comm: commlib.Communicator, *, attempt: int,
-                 lineage: dict[str, Any], keep: int = 2, on_staged: Callable[[int], None] | None = None,
-                 on_committed: Callable[[int, Path], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        comm: commlib.Communicator,
+        *,
+        attempt: int,
+        lineage: dict[str, Any],
+        keep: int = 2,
+        on_staged: Callable[[int], None] | None = None,
+        on_committed: Callable[[int, Path], None] | None = None,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"Checkpointer: expected keep >= 1; found {keep} on rank {comm.rank}")
         if not dist.is_initialized():
-            raise RuntimeError(f"Checkpointer: torch.distributed.checkpoint needs a torch.distributed process "
-                               f"group; found none on rank {comm.rank} (backend {comm.backend!r})")
+            raise RuntimeError(
+                f"Checkpointer: torch.distributed.checkpoint needs a torch.distributed process "
+                f"group; found none on rank {comm.rank} (backend {comm.backend!r})"
+            )
         self.directory = Path(directory)
         self.comm = comm
         self.attempt = attempt
@@ -281,8 +305,9 @@ class Checkpointer:
 
     def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
         """Load the latest complete checkpoint into model and optimizer; a fresh state if none."""
-        choice = torch.tensor([self._choose() if self.comm.rank == 0 else 0], dtype=torch.int64,
-                              device=self.comm.device)
+        choice = torch.tensor(
+            [self._choose() if self.comm.rank == 0 else 0], dtype=torch.int64, device=self.comm.device
+        )
         self.comm.broadcast(choice, root=0)
         step = int(choice.item())
         if step < 0:
@@ -293,12 +318,12 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state_dict = {"model": model_sd, "optim": optim_sd}
         dcp.load(state_dict, checkpoint_id=directory)
-        set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
         _set_rng_state(torch.load(directory / "rng" / f"rank{self.comm.rank}.pt", weights_only=True))
         self._committed = [step]
-        state = TrainState(step=saved["step"], losses=[float.fromhex(x) for x in saved["losses_hex"]],
-                           history=saved["history"])
+        state = TrainState(
+            step=saved["step"], losses=[float.fromhex(x) for x in saved["losses_hex"]], history=saved["history"]
+        )
         commlib.get_logger().info("ckpt.resume", step=step, path=str(directory))
         return state
 
@@ -313,9 +338,15 @@ class Checkpointer:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=staging)
         torch.save(_rng_state(), staging / "rng" / f"rank{self.comm.rank}.pt")
         if self.comm.rank == 0:
-            write_json_atomic(staging / TRAINER_STATE, {
-                "step": state.step, "losses_hex": [x.hex() for x in state.losses], "history": state.history,
-                "lineage": self.lineage})
+            write_json_atomic(
+                staging / TRAINER_STATE,
+                {
+                    "step": state.step,
+                    "losses_hex": [x.hex() for x in state.losses],
+                    "history": state.history,
+                    "lineage": self.lineage,
+                },
+            )
         if self.on_staged is not None:
             self.on_staged(state.step)
         # Every collective of the save has ended well on its device (GPU engines fail them
@@ -353,14 +384,19 @@ class Checkpointer:
     def _check_lineage(self, saved: dict[str, Any], directory: Path) -> None:
         differing = lineage_differences(saved, self.lineage)
         if differing:
-            raise CheckpointMismatch(f"resume on rank {self.comm.rank}: expected {directory} to come from a run "
-                                     f"with this config; found {'; '.join(differing)}")
+            raise CheckpointMismatch(
+                f"resume on rank {self.comm.rank}: expected {directory} to come from a run "
+                f"with this config; found {'; '.join(differing)}"
+            )
 
 
 def lineage_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'key: checkpoint X, this run Y' for every top-level key on which the two configs differ."""
-    return [f"{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
-            for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r}, this run {current.get(k)!r}"
+        for k in sorted(saved.keys() | current.keys())
+        if saved.get(k) != current.get(k)
+    ]
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -73,23 +73,18 @@ class ModelConfig:
     loss_batch_chunk: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("vocab", "dim", "n_layers", "n_heads", "seq_len", "mlp_hidden",
-                     "window", "loss_batch_chunk"):
+        for name in ("vocab", "dim", "n_layers", "n_heads", "seq_len", "mlp_hidden", "window", "loss_batch_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name}: expected a positive int, found {value!r}")
         if self.vocab < 2:
             raise ValueError(f"ModelConfig.vocab: expected >= 2, found {self.vocab}")
         if self.dim % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.dim: expected a multiple of n_heads={self.n_heads}, found {self.dim}"
-            )
+            raise ValueError(f"ModelConfig.dim: expected a multiple of n_heads={self.n_heads}, found {self.dim}")
         if self.mask not in MASKS:
             raise ValueError(f"ModelConfig.mask: expected one of {MASKS}, found {self.mask!r}")
         if self.window > self.seq_len:
-            raise ValueError(
-                f"ModelConfig.window: expected <= seq_len={self.seq_len}, found {self.window}"
-            )
+            raise ValueError(f"ModelConfig.window: expected <= seq_len={self.seq_len}, found {self.window}")
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +107,7 @@ def set_deterministic() -> None:
 # ---------------------------------------------------------------------------------------
 # Masks
 # ---------------------------------------------------------------------------------------
+
 
 def _causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return q >= kv
@@ -139,9 +135,7 @@ def _static_block_mask(mask: str, window: int, seq_len: int, device: torch.devic
     return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
 
 
-def build_block_mask(
-    cfg: ModelConfig, doc_ids: torch.Tensor | None, device: torch.device | str
-) -> BlockMask:
+def build_block_mask(cfg: ModelConfig, doc_ids: torch.Tensor | None, device: torch.device | str) -> BlockMask:
     """The BlockMask for ``cfg.mask``.
 
     ``doc_ids`` (LongTensor[B, S], document index per position) is required for the
@@ -155,13 +149,10 @@ def build_block_mask(
         raise ValueError("build_block_mask: mask 'document' needs doc_ids, found None")
     if doc_ids.dim() != 2 or doc_ids.shape[1] != cfg.seq_len:
         raise ValueError(
-            f"build_block_mask: expected doc_ids of shape [B, {cfg.seq_len}], "
-            f"found {tuple(doc_ids.shape)}"
+            f"build_block_mask: expected doc_ids of shape [B, {cfg.seq_len}], found {tuple(doc_ids.shape)}"
         )
     doc_ids = doc_ids.to(device)
-    return create_block_mask(
-        _document(doc_ids), doc_ids.shape[0], None, cfg.seq_len, cfg.seq_len, device=device
-    )
+    return create_block_mask(_document(doc_ids), doc_ids.shape[0], None, cfg.seq_len, cfg.seq_len, device=device)
 
 
 def dense_mask(block_mask: BlockMask) -> torch.Tensor:
@@ -184,6 +175,7 @@ def dense_mask(block_mask: BlockMask) -> torch.Tensor:
 # Attention
 # ---------------------------------------------------------------------------------------
 
+
 @functools.cache
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """flex_attention compiled once per process (lazily: importing this module compiles nothing).
@@ -195,9 +187,7 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim) masked by ``mask``) v -- the CPU backward's recompute."""
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -261,8 +251,12 @@ def warm_up_attention(cfg: ModelConfig, block_mask: BlockMask, batch_size: int, 
     The ranks of one host compile the kernels once between them (`one_cold_compile_per_host`).
     """
     shape = (batch_size, cfg.n_heads, cfg.seq_len, cfg.head_dim)
-    key = "-".join(map(str, (torch.__version__, device.type, *shape, cfg.mask, cfg.window, *block_mask.shape,
-                             *block_mask.BLOCK_SIZE)))
+    key = "-".join(
+        map(
+            str,
+            (torch.__version__, device.type, *shape, cfg.mask, cfg.window, *block_mask.shape, *block_mask.BLOCK_SIZE),
+        )
+    )
     with one_cold_compile_per_host(key):
         q, k, v = (torch.zeros(shape, device=device, requires_grad=True) for _ in range(3))
         attention(q, k, v, block_mask).sum().backward()
@@ -299,6 +293,7 @@ def one_cold_compile_per_host(key: str) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -344,9 +339,11 @@ def require_supported_torch() -> None:
     fails with a bare AttributeError only after minutes of startup (compiling FlexAttention).
     """
     if not hasattr(nn, "LinearCrossEntropyLoss"):
-        raise RuntimeError(f"the reference workload needs torch.nn.LinearCrossEntropyLoss (torch >= 2.13); "
-                           f"found torch {torch.__version__} without it. commlib itself supports older torch "
-                           f"(see docs/torch-versions.md)")
+        raise RuntimeError(
+            f"the reference workload needs torch.nn.LinearCrossEntropyLoss (torch >= 2.13); "
+            f"found torch {torch.__version__} without it. commlib itself supports older torch "
+            f"(see docs/torch-versions.md)"
+        )
 
 
 def loss_options(cfg: ModelConfig) -> nn.LinearCrossEntropyOptions:

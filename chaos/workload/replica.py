@@ -65,8 +65,14 @@ from chaos.inject import Injector, install_from_env
 from chaos.options import LONGEST_S, option
 from chaos.workload import train
 from chaos.workload.data import DataConfig, batch_for
-from chaos.workload.model import (ModelConfig, Transformer, build_block_mask, require_supported_torch,
-                                  set_deterministic, warm_up_attention)
+from chaos.workload.model import (
+    ModelConfig,
+    Transformer,
+    build_block_mask,
+    require_supported_torch,
+    set_deterministic,
+    warm_up_attention,
+)
 from commlib.observe.log import attempt_number
 from commlib import settings
 
@@ -89,29 +95,55 @@ def check_args(argv: list[str]) -> argparse.Namespace:
     return _parsed(argv, train._Refusing, train.check_args)
 
 
-def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser],
-            trainer: Any) -> argparse.Namespace:
+def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser], trainer: Any) -> argparse.Namespace:
     seconds = functools.partial(option, settings.number, unit="seconds")
     p = kind(prog="python -m chaos.workload.replica", add_help=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("--replica", type=option(settings.integer, "--replica", low=0, high=MAX_REPLICAS - 1), default=0,
-                   help="this replica group's index")
-    p.add_argument("--replicas", type=option(settings.integer, "--replicas", low=1, high=MAX_REPLICAS), default=2,
-                   help="replica groups in the job")
+    p.add_argument(
+        "--replica",
+        type=option(settings.integer, "--replica", low=0, high=MAX_REPLICAS - 1),
+        default=0,
+        help="this replica group's index",
+    )
+    p.add_argument(
+        "--replicas",
+        type=option(settings.integer, "--replicas", low=1, high=MAX_REPLICAS),
+        default=2,
+        help="replica groups in the job",
+    )
     p.add_argument("--replica-pg", choices=PGS, default="commlib", help="the process group between replica groups")
     p.add_argument("--replay", default=None, help="replay the membership in this JSON file instead of training")
-    p.add_argument("--quorum-timeout", type=seconds("--quorum-timeout", above=0, high=LONGEST_S), default=60.0,
-                   help="seconds to wait for a quorum")
-    p.add_argument("--manager-timeout", type=seconds("--manager-timeout", above=0, high=LONGEST_S), default=30.0,
-                   help="torchft's own operations (commit vote, healing transfer), seconds")
-    p.add_argument("--ready-dir", default=None,
-                   help="the first launch of every group waits here for all --replicas groups before its first "
-                        "quorum, so that they start in one quorum")
-    p.add_argument("--finish-together-s", type=seconds("--finish-together-s", low=0, high=LONGEST_S), default=0.0,
-                   help="before the last step, wait up to this long for lost groups to come back and heal, so "
-                        "that every group ends with the final model (0: do not wait)")
-    p.add_argument("--min-step-s", type=seconds("--min-step-s", low=0, high=60), default=0.0,
-                   help="pad every step to at least this long (a tiny model's steps take milliseconds; a real "
-                        "one's take seconds, long enough for a lost group to come back while the others train)")
+    p.add_argument(
+        "--quorum-timeout",
+        type=seconds("--quorum-timeout", above=0, high=LONGEST_S),
+        default=60.0,
+        help="seconds to wait for a quorum",
+    )
+    p.add_argument(
+        "--manager-timeout",
+        type=seconds("--manager-timeout", above=0, high=LONGEST_S),
+        default=30.0,
+        help="torchft's own operations (commit vote, healing transfer), seconds",
+    )
+    p.add_argument(
+        "--ready-dir",
+        default=None,
+        help="the first launch of every group waits here for all --replicas groups before its first "
+        "quorum, so that they start in one quorum",
+    )
+    p.add_argument(
+        "--finish-together-s",
+        type=seconds("--finish-together-s", low=0, high=LONGEST_S),
+        default=0.0,
+        help="before the last step, wait up to this long for lost groups to come back and heal, so "
+        "that every group ends with the final model (0: do not wait)",
+    )
+    p.add_argument(
+        "--min-step-s",
+        type=seconds("--min-step-s", low=0, high=60),
+        default=0.0,
+        help="pad every step to at least this long (a tiny model's steps take milliseconds; a real "
+        "one's take seconds, long enough for a lost group to come back while the others train)",
+    )
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         print(p.format_help() + "\nand the reference trainer's options:\n")
         train.parse_args(["--help"])  # exits
@@ -152,9 +184,16 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 def heal_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What a healing peer takes from this rank: its shards as plain tensors (torchft ships them)."""
-    return {"params": [_local(p.detach()).clone() for p in model.parameters()],
-            "optim": [{k: (_local(v).clone() if isinstance(v, torch.Tensor) else v)
-                       for k, v in optimizer.state.get(p, {}).items()} for p in model.parameters()]}
+    return {
+        "params": [_local(p.detach()).clone() for p in model.parameters()],
+        "optim": [
+            {
+                k: (_local(v).clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in optimizer.state.get(p, {}).items()
+            }
+            for p in model.parameters()
+        ],
+    }
 
 
 @torch.no_grad()
@@ -180,8 +219,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if hasattr(param, "device_mesh") and local.shape == _local(param).shape:
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local.clone(),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return local.clone()
 
 
@@ -201,7 +246,7 @@ def ordered_mean(rows: dict[int, torch.Tensor]) -> torch.Tensor:
 def _write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -209,8 +254,14 @@ def _write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
 class ReplicaTrainer:
     """One rank of one replica group: its model, optimizer, Manager and step loop."""
 
-    def __init__(self, args: argparse.Namespace, comm: commlib.Communicator, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, injector: Injector | None) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        comm: commlib.Communicator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        injector: Injector | None,
+    ) -> None:
         self.args, self.comm, self.model, self.optimizer, self.injector = args, comm, model, optimizer, injector
         self.log = commlib.get_logger()
         self.healed_to: int | None = None
@@ -247,8 +298,9 @@ class ReplicaTrainer:
                         self.injector.on_checkpoint_staged(self.healed_to)
                 batch = batch_for(data_cfg, step, global_rank)
                 with commlib.context(phase="forward"):
-                    loss = self.model(batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids,
-                                                                                    torch.device("cpu")))
+                    loss = self.model(
+                        batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids, torch.device("cpu"))
+                    )
                 with commlib.context(phase="backward"):
                     loss.backward()
                 with commlib.context(phase="replicas"):
@@ -265,9 +317,13 @@ class ReplicaTrainer:
         heal it. It stops (logged) rather than start the training over as a lineage of its own."""
         alone = self.manager.num_participants() == 1 < self.args.replicas
         if step == 1 and attempt_number() > 0 and alone:
-            self.log.error("replica.orphaned", replica=self.args.replica, attempt=attempt_number(),
-                           why="restarted and alone at step 0: no live peer to heal from (the others finished or "
-                               "are gone); not starting the training over")
+            self.log.error(
+                "replica.orphaned",
+                replica=self.args.replica,
+                attempt=attempt_number(),
+                why="restarted and alone at step 0: no live peer to heal from (the others finished or "
+                "are gone); not starting the training over",
+            )
             return True
         return False
 
@@ -279,8 +335,13 @@ class ReplicaTrainer:
         if step != self.args.steps or holds >= limit or self.manager.num_participants() >= self.args.replicas:
             return False
         if holds == 0:
-            self.log.info("replica.holding", step=step, members=self.manager.num_participants(),
-                          replicas=self.args.replicas, at_most_s=self.args.finish_together_s)
+            self.log.info(
+                "replica.holding",
+                step=step,
+                members=self.manager.num_participants(),
+                replicas=self.args.replicas,
+                at_most_s=self.args.finish_together_s,
+            )
         return True
 
     def _average(self) -> list[int]:
@@ -304,17 +365,27 @@ class ReplicaTrainer:
 
     def _note(self, step: int, committed: bool, members: list[int], loss: float, took: float) -> None:
         quorum = getattr(self.pg, "quorum", None)
-        where = {"step": step, "replica": self.args.replica, "replicas": members,
-                 "quorum_id": quorum.quorum_id if quorum is not None else None, "step_time_s": took,
-                 "healed_to": self.healed_to}
+        where = {
+            "step": step,
+            "replica": self.args.replica,
+            "replicas": members,
+            "quorum_id": quorum.quorum_id if quorum is not None else None,
+            "step_time_s": took,
+            "healed_to": self.healed_to,
+        }
         if committed:
-            self.log.info("train.step", loss=loss, loss_hex=loss.hex(), digest=digest(self.model, self.optimizer),
-                          **where)
+            self.log.info(
+                "train.step", loss=loss, loss_hex=loss.hex(), digest=digest(self.model, self.optimizer), **where
+            )
             return
         error = self.manager.errored()
         cause = getattr(error, "original_exception", error)
-        self.log.warning("train.failed_in_step", error_type=type(cause).__name__ if cause is not None else None,
-                         error=str(cause)[:300] if cause is not None else None, **where)
+        self.log.warning(
+            "train.failed_in_step",
+            error_type=type(cause).__name__ if cause is not None else None,
+            error=str(cause)[:300] if cause is not None else None,
+            **where,
+        )
 
 
 def _replica_pg(args: argparse.Namespace) -> Any:
@@ -327,19 +398,33 @@ def _replica_pg(args: argparse.Namespace) -> Any:
     return ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
 
 
-def _manager(args: argparse.Namespace, comm: commlib.Communicator, pg: Any, host: str, port: int, load: Any,
-             save: Any) -> Any:
+def _manager(
+    args: argparse.Namespace, comm: commlib.Communicator, pg: Any, host: str, port: int, load: Any, save: Any
+) -> Any:
     """torchft's Manager for this rank, over the store at `host`:`port` (`_attempt_store`)."""
     from torchft import Manager
 
     if not os.environ.get(LIGHTHOUSE_ENV):
-        raise ValueError(f"replica {args.replica} rank {comm.rank}: expected {LIGHTHOUSE_ENV}=http://HOST:PORT "
-                         f"(the lighthouse the job's starter runs); found it unset")
-    return Manager(pg=pg, load_state_dict=load, state_dict=save, min_replica_size=1, use_async_quorum=False,
-                   timeout=timedelta(seconds=args.manager_timeout),
-                   quorum_timeout=timedelta(seconds=args.quorum_timeout),
-                   connect_timeout=timedelta(seconds=args.manager_timeout), rank=comm.rank, world_size=comm.size,
-                   store_addr=host, store_port=port, replica_id=f"replica{args.replica}", init_sync=False)
+        raise ValueError(
+            f"replica {args.replica} rank {comm.rank}: expected {LIGHTHOUSE_ENV}=http://HOST:PORT "
+            f"(the lighthouse the job's starter runs); found it unset"
+        )
+    return Manager(
+        pg=pg,
+        load_state_dict=load,
+        state_dict=save,
+        min_replica_size=1,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=args.manager_timeout),
+        quorum_timeout=timedelta(seconds=args.quorum_timeout),
+        connect_timeout=timedelta(seconds=args.manager_timeout),
+        rank=comm.rank,
+        world_size=comm.size,
+        store_addr=host,
+        store_port=port,
+        replica_id=f"replica{args.replica}",
+        init_sync=False,
+    )
 
 
 def _attempt_store(comm: commlib.Communicator) -> tuple[str, int, dist.TCPStore | None]:
@@ -348,8 +433,12 @@ def _attempt_store(comm: commlib.Communicator) -> tuple[str, int, dist.TCPStore 
     wrote them. Rank 0 hosts it (returned, to be kept alive); the group learns where from torchrun's
     store, under this attempt."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    agent = dist.TCPStore(host, settings.integer(os.environ.get("MASTER_PORT", ""), "MASTER_PORT", low=1, high=65535),
-                          is_master=False, wait_for_workers=False)
+    agent = dist.TCPStore(
+        host,
+        settings.integer(os.environ.get("MASTER_PORT", ""), "MASTER_PORT", low=1, high=65535),
+        is_master=False,
+        wait_for_workers=False,
+    )
     key = f"replica/attempt{attempt_number()}/manager_store"
     own = None
     if comm.rank == 0:
@@ -369,16 +458,24 @@ def _start_together(args: argparse.Namespace, comm: commlib.Communicator) -> Non
         give_up = time.monotonic() + args.startup_timeout
         while len(list(ready.glob("replica*"))) < args.replicas:
             if time.monotonic() > give_up:
-                raise TimeoutError(f"replica {args.replica}: expected all {args.replicas} replica groups ready in "
-                                   f"{ready} within --startup-timeout {args.startup_timeout:g} s; found "
-                                   f"{sorted(p.name for p in ready.glob('replica*'))}")
+                raise TimeoutError(
+                    f"replica {args.replica}: expected all {args.replicas} replica groups ready in "
+                    f"{ready} within --startup-timeout {args.startup_timeout:g} s; found "
+                    f"{sorted(p.name for p in ready.glob('replica*'))}"
+                )
             time.sleep(0.05)
     comm.barrier(timeout=max(args.timeout, args.startup_timeout))
 
 
 # -- the replay --------------------------------------------------------------------------
-def replay(args: argparse.Namespace, comm: commlib.Communicator, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, data_cfg: DataConfig, model_cfg: ModelConfig) -> None:
+def replay(
+    args: argparse.Namespace,
+    comm: commlib.Communicator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_cfg: DataConfig,
+    model_cfg: ModelConfig,
+) -> None:
     """Every committed step of the membership file, every member's gradient in turn (module docstring)."""
     membership = {int(step): members for step, members in json.loads(open(args.replay).read()).items()}
     log = commlib.get_logger()
@@ -389,8 +486,9 @@ def replay(args: argparse.Namespace, comm: commlib.Communicator, model: torch.nn
         with commlib.context(step=step):
             for r in members:
                 batch = batch_for(data_cfg, step, r * comm.size + comm.rank)
-                loss = model(batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids,
-                                                                           torch.device("cpu")))
+                loss = model(
+                    batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids, torch.device("cpu"))
+                )
                 loss.backward()
                 rows[r] = torch.cat([g.reshape(-1) for g in grad_shards(model)])
                 losses[str(r)] = loss.detach().item().hex()
@@ -399,8 +497,7 @@ def replay(args: argparse.Namespace, comm: commlib.Communicator, model: torch.nn
             _write_back(grad_shards(model), ordered_mean(rows))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            log.info("replay.step", step=step, replicas=members, losses_hex=losses,
-                     digest=digest(model, optimizer))
+            log.info("replay.step", step=step, replicas=members, losses_hex=losses, digest=digest(model, optimizer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,15 +511,27 @@ def main(argv: list[str] | None = None) -> int:
         set_deterministic()
         with commlib.context(phase="startup"):
             first = batch_for(data_cfg, 1, comm.rank)
-            warm_up_attention(model_cfg, build_block_mask(model_cfg, first.doc_ids, torch.device("cpu")),
-                              args.batch_size, torch.device("cpu"))
+            warm_up_attention(
+                model_cfg,
+                build_block_mask(model_cfg, first.doc_ids, torch.device("cpu")),
+                args.batch_size,
+                torch.device("cpu"),
+            )
             comm.barrier(timeout=max(args.timeout, args.startup_timeout))
         model = Transformer(model_cfg, seed=args.seed)
         if comm.size > 1:
             fsdp_overlap.shard(model, comm, blocks=model.layers, mode=fsdp_overlap.Mode.PLAIN)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        log.info("replica.start", replica=args.replica, replicas=args.replicas, group_size=comm.size,
-                 replica_pg=args.replica_pg, replay=args.replay, threads=torch.get_num_threads(), steps=args.steps)
+        log.info(
+            "replica.start",
+            replica=args.replica,
+            replicas=args.replicas,
+            group_size=comm.size,
+            replica_pg=args.replica_pg,
+            replay=args.replay,
+            threads=torch.get_num_threads(),
+            steps=args.steps,
+        )
         if args.replay:
             replay(args, comm, model, optimizer, data_cfg, model_cfg)
         else:
@@ -435,8 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         comm_error = commlib.find_comm_error(exc)
         code = train.EXIT_COMM_ERROR if comm_error is not None else train.EXIT_ERROR
-        log.error("train.error", error=str(comm_error or exc)[:500], error_type=type(comm_error or exc).__name__,
-                  exit_code=code)
+        log.error(
+            "train.error",
+            error=str(comm_error or exc)[:500],
+            error_type=type(comm_error or exc).__name__,
+            exit_code=code,
+        )
         return code
     comm.finalize()
     return train.EXIT_OK

@@ -70,8 +70,15 @@ from chaos.options import LARGEST_INDEX, LONGEST_S, MOST_FIRINGS, option
 from chaos.results import write_results
 from chaos.workload.checkpoint import CheckpointMismatch, Checkpointer, Snapshot, TrainState
 from chaos.workload.data import DataConfig, batch_for
-from chaos.workload.model import (MASKS, ModelConfig, Transformer, build_block_mask, require_supported_torch,
-                                  set_deterministic, warm_up_attention)
+from chaos.workload.model import (
+    MASKS,
+    ModelConfig,
+    Transformer,
+    build_block_mask,
+    require_supported_torch,
+    set_deterministic,
+    warm_up_attention,
+)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -148,48 +155,94 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> ar
     seconds = partial(option, settings.number, above=0.0, high=LONGEST_S, unit="seconds")
     size = partial(count, low=1, high=MOST_ELEMENTS)
     p = kind(prog="python -m chaos.workload.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=count("--steps", low=0, high=LARGEST_INDEX), default=20,
-                   help="train until this step (1-based)")
-    p.add_argument("--ckpt-every", type=count("--ckpt-every", low=0, high=LARGEST_INDEX), default=5,
-                   help="checkpoint every N steps; 0: never")
+    p.add_argument(
+        "--steps", type=count("--steps", low=0, high=LARGEST_INDEX), default=20, help="train until this step (1-based)"
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=count("--ckpt-every", low=0, high=LARGEST_INDEX),
+        default=5,
+        help="checkpoint every N steps; 0: never",
+    )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (shared by all ranks); none: no checkpoints")
     p.add_argument("--results", default=None, help="results JSON written by rank 0 at the end")
-    p.add_argument("--seed", type=count("--seed", low=0, high=LARGEST_INDEX), default=0,
-                   help="seeds the weights, the data and the RNG")
-    p.add_argument("--lr", type=option(settings.number, "--lr", above=0.0, high=LARGEST_LR), default=1e-3,
-                   help="AdamW learning rate")
+    p.add_argument(
+        "--seed",
+        type=count("--seed", low=0, high=LARGEST_INDEX),
+        default=0,
+        help="seeds the weights, the data and the RNG",
+    )
+    p.add_argument(
+        "--lr",
+        type=option(settings.number, "--lr", above=0.0, high=LARGEST_LR),
+        default=1e-3,
+        help="AdamW learning rate",
+    )
     p.add_argument("--mask", type=option(settings.choice, "--mask", choices=MASKS), default=model.mask)
-    p.add_argument("--window", type=size("--window"), default=None,
-                   help=f"sliding-window size; default min({model.window}, --seq-len)")
+    p.add_argument(
+        "--window",
+        type=size("--window"),
+        default=None,
+        help=f"sliding-window size; default min({model.window}, --seq-len)",
+    )
     p.add_argument("--dim", type=size("--dim"), default=model.dim)
     p.add_argument("--layers", type=size("--layers"), default=model.n_layers)
     p.add_argument("--heads", type=size("--heads"), default=model.n_heads)
     p.add_argument("--mlp-hidden", type=size("--mlp-hidden"), default=None, help="default 4 * --dim")
     p.add_argument("--seq-len", type=size("--seq-len"), default=model.seq_len)
     p.add_argument("--vocab", type=size("--vocab"), default=model.vocab)
-    p.add_argument("--batch-size", type=size("--batch-size"), default=data.batch_size,
-                   help="sequences per rank per step")
+    p.add_argument(
+        "--batch-size", type=size("--batch-size"), default=data.batch_size, help="sequences per rank per step"
+    )
     p.add_argument("--log-dir", default=None, help="per-rank commlib logs; default $COMMLIB_LOG_DIR")
     p.add_argument("--timeout", type=seconds("--timeout"), default=300.0, help="collective deadline, seconds")
-    p.add_argument("--startup-timeout", type=seconds("--startup-timeout"), default=900.0,
-                   help="deadline of the one barrier after every rank has compiled its kernels, seconds")
+    p.add_argument(
+        "--startup-timeout",
+        type=seconds("--startup-timeout"),
+        default=900.0,
+        help="deadline of the one barrier after every rank has compiled its kernels, seconds",
+    )
     p.add_argument("--backend", type=option(settings.choice, "--backend", choices=BACKENDS), default="auto")
-    p.add_argument("--device", type=option(settings.choice, "--device", choices=DEVICES), default="cpu",
-                   help="cuda: one rank per GPU, GPU LOCAL_RANK")
+    p.add_argument(
+        "--device",
+        type=option(settings.choice, "--device", choices=DEVICES),
+        default="cpu",
+        help="cuda: one rank per GPU, GPU LOCAL_RANK",
+    )
     modes = [m.value for m in fsdp_overlap.Mode]
-    p.add_argument("--fsdp-mode", type=option(settings.choice, "--fsdp-mode", choices=modes),
-                   default=fsdp_overlap.Mode.PLAIN.value,
-                   help="plain: fully_shard as is, its collectives on the commlib process group (default)")
-    p.add_argument("--prefetch", type=count("--prefetch", low=0, high=MOST_PREFETCH), default=1,
-                   help="blocks all-gathered ahead")
-    p.add_argument("--no-in-job-recovery", dest="in_job_recovery", action="store_false",
-                   help="on any failure exit and let torchrun restart the job (no in-job recovery)")
-    p.add_argument("--max-in-job-recoveries", type=count("--max-in-job-recoveries", low=0, high=MOST_FIRINGS),
-                   default=3, help="in-job recoveries per process before falling back to a restart")
-    p.add_argument("--recovery-join-timeout", type=seconds("--recovery-join-timeout"), default=None,
-                   help="seconds every rank has to join a new epoch; default 2 x --timeout + 5")
-    p.add_argument("--snapshot-every", type=count("--snapshot-every", low=1, high=LARGEST_INDEX), default=1,
-                   help="in-memory snapshot for in-job recovery every N steps (and at every checkpoint)")
+    p.add_argument(
+        "--fsdp-mode",
+        type=option(settings.choice, "--fsdp-mode", choices=modes),
+        default=fsdp_overlap.Mode.PLAIN.value,
+        help="plain: fully_shard as is, its collectives on the commlib process group (default)",
+    )
+    p.add_argument(
+        "--prefetch", type=count("--prefetch", low=0, high=MOST_PREFETCH), default=1, help="blocks all-gathered ahead"
+    )
+    p.add_argument(
+        "--no-in-job-recovery",
+        dest="in_job_recovery",
+        action="store_false",
+        help="on any failure exit and let torchrun restart the job (no in-job recovery)",
+    )
+    p.add_argument(
+        "--max-in-job-recoveries",
+        type=count("--max-in-job-recoveries", low=0, high=MOST_FIRINGS),
+        default=3,
+        help="in-job recoveries per process before falling back to a restart",
+    )
+    p.add_argument(
+        "--recovery-join-timeout",
+        type=seconds("--recovery-join-timeout"),
+        default=None,
+        help="seconds every rank has to join a new epoch; default 2 x --timeout + 5",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=count("--snapshot-every", low=1, high=LARGEST_INDEX),
+        default=1,
+        help="in-memory snapshot for in-job recovery every N steps (and at every checkpoint)",
+    )
     return p
 
 
@@ -197,8 +250,9 @@ def _parsed(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.
     """`argv` by parser `p`, with the rules between arguments; `p.error` for what breaks one."""
     args = p.parse_args(argv)
     if args.backend == "nccl" and args.device != "cuda":
-        p.error(f"expected --device cuda with --backend nccl (NCCL moves GPU memory only); found --device "
-                f"{args.device}")
+        p.error(
+            f"expected --device cuda with --backend nccl (NCCL moves GPU memory only); found --device {args.device}"
+        )
     try:
         configs(args)
     except ValueError as exc:  # the model's and the data's own rules between their sizes
@@ -225,14 +279,22 @@ def check_devices(args: argparse.Namespace, ranks_per_node: int) -> None:
     gpus = torch.cuda.device_count()
     if gpus < ranks_per_node:
         via = "--backend nccl" if args.backend == "nccl" else "--device cuda"
-        raise ValueError(f"{via}: expected a GPU for each of the {ranks_per_node} ranks of a node; found {gpus} "
-                         f"on this machine")
+        raise ValueError(
+            f"{via}: expected a GPU for each of the {ranks_per_node} ranks of a node; found {gpus} on this machine"
+        )
 
 
 def configs(args: argparse.Namespace) -> tuple[ModelConfig, DataConfig]:
-    model = ModelConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                        seq_len=args.seq_len, mlp_hidden=args.mlp_hidden or 4 * args.dim, mask=args.mask,
-                        window=args.window or min(ModelConfig.window, args.seq_len))
+    model = ModelConfig(
+        vocab=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        seq_len=args.seq_len,
+        mlp_hidden=args.mlp_hidden or 4 * args.dim,
+        mask=args.mask,
+        window=args.window or min(ModelConfig.window, args.seq_len),
+    )
     data = DataConfig(seed=args.seed, vocab=args.vocab, seq_len=args.seq_len, batch_size=args.batch_size)
     return model, data
 
@@ -258,23 +320,29 @@ def main(argv: list[str] | None = None) -> int:
                 fields["raised_as"] = type(exc).__name__  # e.g. DCP's CheckpointException
         elif isinstance(exc, NonFiniteError):
             fields = {"step": exc.step, "ranks": exc.ranks}
-        commlib.get_logger().error("train.error", error=str(error), error_type=type(error).__name__,
-                                   exit_code=code, **fields)
+        commlib.get_logger().error(
+            "train.error", error=str(error), error_type=type(error).__name__, exit_code=code, **fields
+        )
         return code
     comm.finalize()
     return EXIT_PREEMPTED if preempted else EXIT_OK
 
 
-def train(args: argparse.Namespace, comm: commlib.Communicator,
-          device: torch.device) -> tuple[commlib.Communicator, bool]:
+def train(
+    args: argparse.Namespace, comm: commlib.Communicator, device: torch.device
+) -> tuple[commlib.Communicator, bool]:
     """Train to `--steps`, or until preempted; returns the world communicator in use at the end
     (a new one after a recovery) and whether the run stopped on a SIGTERM."""
     log = commlib.get_logger()
     preemption = Preemption()
     attempt = attempt_number()
     model_cfg, data_cfg = configs(args)
-    config = {"model": dataclasses.asdict(model_cfg), "data": dataclasses.asdict(data_cfg), "lr": args.lr,
-              "world_size": comm.size}
+    config = {
+        "model": dataclasses.asdict(model_cfg),
+        "data": dataclasses.asdict(data_cfg),
+        "lr": args.lr,
+        "world_size": comm.size,
+    }
 
     # Installed first, so that a fault planned at any collective sequence number can fire.
     injector = install_from_env(comm)
@@ -295,14 +363,21 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
     checkpointer = None
     state = TrainState()
     if args.ckpt_dir is not None:
-        checkpointer = Checkpointer(args.ckpt_dir, comm, attempt=attempt, lineage=config,
-                                    on_staged=injector.on_checkpoint_staged if injector else None,
-                                    on_committed=injector.on_checkpoint_committed if injector else None)
+        checkpointer = Checkpointer(
+            args.ckpt_dir,
+            comm,
+            attempt=attempt,
+            lineage=config,
+            on_staged=injector.on_checkpoint_staged if injector else None,
+            on_committed=injector.on_checkpoint_committed if injector else None,
+        )
         with commlib.context(phase="checkpoint"):
             state = checkpointer.resume(model, optimizer)
     if state.step > args.steps:
-        raise ValueError(f"rank {comm.rank}: expected --steps >= the resumed checkpoint's step; "
-                         f"found --steps {args.steps}, checkpoint at step {state.step}")
+        raise ValueError(
+            f"rank {comm.rank}: expected --steps >= the resumed checkpoint's step; "
+            f"found --steps {args.steps}, checkpoint at step {state.step}"
+        )
 
     tokens = args.batch_size * args.seq_len * comm.size
     recovery = _recovery(args, model)
@@ -319,8 +394,14 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
                 state.step = step
                 state.losses.append(loss)
                 state.history.append({"step": step, "attempt": attempt})
-                log.info("train.step", step=step, loss=loss, tokens=tokens, step_time_s=time.perf_counter() - start,
-                         epoch=recovery.epoch if recovery is not None else 0)
+                log.info(
+                    "train.step",
+                    step=step,
+                    loss=loss,
+                    tokens=tokens,
+                    step_time_s=time.perf_counter() - start,
+                    epoch=recovery.epoch if recovery is not None else 0,
+                )
                 saved = checkpointer is not None and args.ckpt_every and step % args.ckpt_every == 0
                 if saved:
                     with commlib.context(phase="checkpoint"):
@@ -330,8 +411,13 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
                         with commlib.context(phase="checkpoint"):
                             checkpointer.save(model, optimizer, state)
                     since = preemption.requested_ns
-                    log.warning("train.preempted", step=step, ranks=result.stopping_ranks, checkpointed=checkpointer
-                                is not None, since_sigterm_s=(time.time_ns() - since) / 1e9 if since else None)
+                    log.warning(
+                        "train.preempted",
+                        step=step,
+                        ranks=result.stopping_ranks,
+                        checkpointed=checkpointer is not None,
+                        since_sigterm_s=(time.time_ns() - since) / 1e9 if since else None,
+                    )
                     return comm, True
                 if recovery is not None and (saved or step % args.snapshot_every == 0):
                     snapshot = Snapshot.take(model, optimizer, state)
@@ -342,8 +428,14 @@ def train(args: argparse.Namespace, comm: commlib.Communicator,
                 comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
 
     if args.results is not None:
-        write_results(args.results, losses=state.losses, model=model, optimizer=optimizer, steps=args.steps,
-                      extra={"history": state.history, "config": {**config, **vars(args)}})
+        write_results(
+            args.results,
+            losses=state.losses,
+            model=model,
+            optimizer=optimizer,
+            steps=args.steps,
+            extra={"history": state.history, "config": {**config, **vars(args)}},
+        )
     log.info("train.done", steps=args.steps)
     return comm, False
 
@@ -365,23 +457,38 @@ def _recovery(args: argparse.Namespace, model: torch.nn.Module) -> commlib.Recov
     return commlib.Recovery(commlib.RecoveryPolicy(join_timeout_s=join, max_recoveries=args.max_in_job_recoveries))
 
 
-def _recover_in_job(exc: BaseException, recovery: commlib.Recovery, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, snapshot: Snapshot, checkpointer: Checkpointer | None,
-                    step: int) -> tuple[commlib.Communicator, TrainState]:
+def _recover_in_job(
+    exc: BaseException,
+    recovery: commlib.Recovery,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    snapshot: Snapshot,
+    checkpointer: Checkpointer | None,
+    step: int,
+) -> tuple[commlib.Communicator, TrainState]:
     """Every rank: new communicators under the same groups, the snapshot back in place; or the fallback."""
     log = commlib.get_logger()
     start = time.perf_counter()
-    log.warning("train.failed_in_step", step=step, error=f"{type(exc).__name__}: {str(exc)[:300]}",
-                error_type=type(commlib.find_comm_error(exc) or exc).__name__)
+    log.warning(
+        "train.failed_in_step",
+        step=step,
+        error=f"{type(exc).__name__}: {str(exc)[:300]}",
+        error_type=type(commlib.find_comm_error(exc) or exc).__name__,
+    )
     failed: commlib.RecoveryFailed | None = None
     try:
         done = recovery.recover(exc)
     except commlib.RecoveryFailed as error:
         failed = error
     if failed is not None:
-        log.error("train.recovery_fallback", reason=failed.reason, missing_ranks=failed.missing_ranks,
-                  epoch=failed.epoch, why=str(failed),
-                  action="exit with the original error's code; torchrun restarts the job (DCP resume)")
+        log.error(
+            "train.recovery_fallback",
+            reason=failed.reason,
+            missing_ranks=failed.missing_ranks,
+            epoch=failed.epoch,
+            why=str(failed),
+            action="exit with the original error's code; torchrun restarts the job (DCP resume)",
+        )
         raise exc  # outside the handler: the exit code stays the original error's
     comm = commlib.current()
     reset_fsdp(model)
@@ -391,9 +498,15 @@ def _recover_in_job(exc: BaseException, recovery: commlib.Recovery, model: torch
         checkpointer.comm = comm
         with commlib.context(phase="recovery"):
             checkpointer.discard_staging()
-    log.warning("train.rolled_back", epoch=done.epoch, failed_step=step, restored_step=state.step,
-                recovery_s=done.total_s, rollback_s=time.perf_counter() - start - done.total_s,
-                total_s=time.perf_counter() - start)
+    log.warning(
+        "train.rolled_back",
+        epoch=done.epoch,
+        failed_step=step,
+        restored_step=state.step,
+        recovery_s=done.total_s,
+        rollback_s=time.perf_counter() - start - done.total_s,
+        total_s=time.perf_counter() - start,
+    )
     return comm, state
 
 
@@ -410,9 +523,16 @@ def reset_fsdp(model: torch.nn.Module) -> None:
     model.reset_iter_state()  # type: ignore[operator]
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: commlib.Communicator,
-               model_cfg: ModelConfig, data_cfg: DataConfig, step: int, device: torch.device,
-               stop: bool = False) -> StepResult:
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    comm: commlib.Communicator,
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    step: int,
+    device: torch.device,
+    stop: bool = False,
+) -> StepResult:
     """One step on this rank's batch; `stop`: this rank asks the job to stop after it."""
     batch = batch_for(data_cfg, step, comm.rank).to(device)
     block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
@@ -430,8 +550,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: c
     return result
 
 
-def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.Tensor,
-                             model: torch.nn.Module, stop: bool = False) -> StepResult:
+def check_finite_and_average(
+    comm: commlib.Communicator, step: int, loss: torch.Tensor, model: torch.nn.Module, stop: bool = False
+) -> StepResult:
     """The mean loss over ranks, and the ranks asking to stop; raises NonFiniteError on every
     rank if any rank's loss or grads are not finite.
 
@@ -442,8 +563,11 @@ def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.
     """
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     grads_finite = all(bool(torch.isfinite(g).all()) for g in grads)
-    mine = torch.tensor([loss.detach().item(), 0.0 if grads_finite else 1.0, 1.0 if stop else 0.0],
-                        dtype=torch.float32, device=loss.device)
+    mine = torch.tensor(
+        [loss.detach().item(), 0.0 if grads_finite else 1.0, 1.0 if stop else 0.0],
+        dtype=torch.float32,
+        device=loss.device,
+    )
     gathered = torch.empty(comm.size * 3, dtype=torch.float32, device=loss.device)
     comm.all_gather_single(gathered, mine)
     rows = gathered.view(comm.size, 3).cpu()
@@ -452,9 +576,14 @@ def check_finite_and_average(comm: commlib.Communicator, step: int, loss: torch.
         raise NonFiniteError(
             f"step {step}, rank {comm.rank}: expected a finite loss and finite gradients on every rank; found "
             f"non-finite values on ranks {bad} (loss per rank: {rows[:, 0].tolist()}, "
-            f"non-finite-gradient flags: {rows[:, 1].tolist()})", step=step, ranks=bad)
-    return StepResult(loss=float(sum(rows[r, 0].item() for r in range(comm.size)) / comm.size),
-                      stopping_ranks=[r for r in range(comm.size) if rows[r, 2] != 0])
+            f"non-finite-gradient flags: {rows[:, 1].tolist()})",
+            step=step,
+            ranks=bad,
+        )
+    return StepResult(
+        loss=float(sum(rows[r, 0].item() for r in range(comm.size)) / comm.size),
+        stopping_ranks=[r for r in range(comm.size) if rows[r, 2] != 0],
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ _DIST_OPS = {
 }
 _SUM = ReduceOp.SUM  # most calls' reduction, tested per call: a module global reads faster than the enum member
 
+
 def classify_exception(exc: BaseException) -> Failure:
     """What a raw torch.distributed failure means (`commlib.failures.classify`)."""
     if isinstance(exc, dist.DistNetworkError):
@@ -89,7 +90,6 @@ def _routed_through_torchcomms(group: Any, device: torch.device) -> bool:
         return False
     wrapper = getattr(c10d, "_BackendWrapper", None)
     return wrapper is not None and isinstance(group._get_backend(device), wrapper)
-
 
 
 @dataclass(slots=True)
@@ -144,8 +144,9 @@ class C10dBackend:
     one up per call and a Python-made group may register none).
     """
 
-    def __init__(self, engine: Any, device: torch.device, store: dist.Store, *, owned: bool,
-                 name: str | None = None) -> None:
+    def __init__(
+        self, engine: Any, device: torch.device, store: dist.Store, *, owned: bool, name: str | None = None
+    ) -> None:
         self.group = engine  # what splits and aborts act on
         self.engine = engine if owned else engine._get_backend(device)
         self.device = device
@@ -178,8 +179,9 @@ class C10dBackend:
         self._option_cache: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
-    def create(cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device,
-               timeout: timedelta) -> "C10dBackend":
+    def create(
+        cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta
+    ) -> "C10dBackend":
         """A new engine of kind `engine` ("gloo" or "nccl") among `size` ranks meeting in `store`."""
         engine_store = dist.PrefixStore("engine/", store)
         if engine == "gloo":
@@ -217,26 +219,31 @@ class C10dBackend:
         return self.engine.reduce([call.tensor], self._options(c10d_opts.ReduceOptions, call, timeout))
 
     def _launch_all_gather(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.allgather([call.output_list], [call.input],
-                                     self._options(c10d_opts.AllgatherOptions, call, timeout))
+        return self.engine.allgather(
+            [call.output_list], [call.input], self._options(c10d_opts.AllgatherOptions, call, timeout)
+        )
 
     def _launch_all_gather_single(self, call: Collective, timeout: timedelta) -> Any:
-        return self._all_gather_single(call.output, call.input,
-                                       self._options(c10d_opts.AllgatherOptions, call, timeout))
+        return self._all_gather_single(
+            call.output, call.input, self._options(c10d_opts.AllgatherOptions, call, timeout)
+        )
 
     def _launch_reduce_scatter(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.reduce_scatter([call.output], [call.input_list],
-                                          self._options(c10d_opts.ReduceScatterOptions, call, timeout))
+        return self.engine.reduce_scatter(
+            [call.output], [call.input_list], self._options(c10d_opts.ReduceScatterOptions, call, timeout)
+        )
 
     def _launch_reduce_scatter_single(self, call: Collective, timeout: timedelta) -> Any:
         # torchcomms' gloo (under torch's routing) overwrites the input with the full reduction.
         source = call.input.clone() if self._routed and self.name == "gloo" else call.input
-        return self._reduce_scatter_single(call.output, source,
-                                           self._options(c10d_opts.ReduceScatterOptions, call, timeout))
+        return self._reduce_scatter_single(
+            call.output, source, self._options(c10d_opts.ReduceScatterOptions, call, timeout)
+        )
 
     def _launch_all_to_all_single(self, call: Collective, timeout: timedelta) -> Any:
-        return self._all_to_all_single(call.output, call.input, [], [],
-                                       self._options(c10d_opts.AllToAllOptions, call, timeout))
+        return self._all_to_all_single(
+            call.output, call.input, [], [], self._options(c10d_opts.AllToAllOptions, call, timeout)
+        )
 
     def _launch_gather(self, call: Collective, timeout: timedelta) -> Any:
         # torchcomms' wrapper wants one (empty) output list off the root too.
@@ -341,8 +348,9 @@ class C10dBackend:
             return None
         engine = self.name if self.name in ENGINES else ("nccl" if self.device.type == "cuda" else "gloo")
         store = dist.PrefixStore(f"split{self._splits}.{name}/", self._store)
-        return C10dBackend.create(engine, store=store, rank=ranks.index(self.rank), size=len(ranks),
-                                  device=self.device, timeout=timeout)
+        return C10dBackend.create(
+            engine, store=store, rank=ranks.index(self.rank), size=len(ranks), device=self.device, timeout=timeout
+        )
 
     def _split_through_torch(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
         """A split of a caller's process group: torch's `new_group`, so it is built the way
@@ -360,10 +368,17 @@ class C10dBackend:
         elif not in_order:
             # Before torch 2.12 new_group always sorts: the ranks would silently come back in
             # another order than the one asked for.
-            raise ValueError(f"commlib: split({ranks}, {name!r}) on torch {torch.__version__}: expected the ranks in "
-                             f"ascending order (this torch's new_group cannot keep another order); found {ranks}")
-        group = dist.new_group(global_ranks, timeout=timeout, group_desc=name,
-                               use_local_synchronization=self.size != dist.get_world_size(), **order)
+            raise ValueError(
+                f"commlib: split({ranks}, {name!r}) on torch {torch.__version__}: expected the ranks in "
+                f"ascending order (this torch's new_group cannot keep another order); found {ranks}"
+            )
+        group = dist.new_group(
+            global_ranks,
+            timeout=timeout,
+            group_desc=name,
+            use_local_synchronization=self.size != dist.get_world_size(),
+            **order,
+        )
         if self.rank not in ranks:
             return None
         return C10dBackend(group, self.device, self._store, owned=False)

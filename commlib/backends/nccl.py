@@ -88,9 +88,13 @@ def nccl_survives_timeouts() -> dict[str, str]:
         if current != value:
             kept[key] = current
     if kept:
-        _log.get_logger().warning("comm.nccl_env_kept", kept=kept, wanted={k: NCCL_ENV[k] for k in kept},
-                                  consequence="a timeout or NCCL error may end the process, or stall the group; "
-                                              "in-job recovery then cannot work")
+        _log.get_logger().warning(
+            "comm.nccl_env_kept",
+            kept=kept,
+            wanted={k: NCCL_ENV[k] for k in kept},
+            consequence="a timeout or NCCL error may end the process, or stall the group; "
+            "in-job recovery then cannot work",
+        )
     return kept
 
 
@@ -127,20 +131,25 @@ def build_engine(store: dist.Store, rank: int, size: int, device: torch.device, 
     with _settings_held_off() as held:
         engine = dist.ProcessGroupNCCL(store, rank, size, opts)
     if held:
-        _log.get_logger().warning("comm.nccl_settings_held_off", held=sorted(held), instead=held,
-                                  why="c10d would terminate the process at the first NCCL error, or block the "
-                                      "CPU on every wait")
+        _log.get_logger().warning(
+            "comm.nccl_settings_held_off",
+            held=sorted(held),
+            instead=held,
+            why="c10d would terminate the process at the first NCCL error, or block the CPU on every wait",
+        )
     engine.eager_connect_single_device(device)
     return engine
 
 
 def warn_wrapped(name: str, device: torch.device) -> None:
     """Say what commlib cannot promise over an NCCL group it did not build (module docstring)."""
-    what = (f"commlib wraps the NCCL group {name!r} on {device}, which it did not build: that group's own c10d "
-            f"settings decide what a timeout or an NCCL error does to the process (TORCH_NCCL_ASYNC_ERROR_HANDLING "
-            f"defaults to tearing it down), c10d's own timeout counts from the enqueue, and a lazily initialised "
-            f"group initialises NCCL inside its first op of each lane without commlib's deadline. Make the group "
-            f"with init_process_group(backend='commlib') for commlib's promises")
+    what = (
+        f"commlib wraps the NCCL group {name!r} on {device}, which it did not build: that group's own c10d "
+        f"settings decide what a timeout or an NCCL error does to the process (TORCH_NCCL_ASYNC_ERROR_HANDLING "
+        f"defaults to tearing it down), c10d's own timeout counts from the enqueue, and a lazily initialised "
+        f"group initialises NCCL inside its first op of each lane without commlib's deadline. Make the group "
+        f"with init_process_group(backend='commlib') for commlib's promises"
+    )
     warnings.warn(what, stacklevel=3)
     _log.get_logger().warning("comm.nccl_group_wrapped", comm=name, device=str(device), consequence=what)
 
@@ -160,5 +169,7 @@ class VerdictEnd:
         result = self._verdict.value()
         if int(result) == 0:  # WorkResult.SUCCESS
             return None
-        return RuntimeError(f"c10d reports the op ended with {result!s} (a timeout of its own, or "
-                            f"ncclRemoteError: a peer gone or its network failed)")
+        return RuntimeError(
+            f"c10d reports the op ended with {result!s} (a timeout of its own, or "
+            f"ncclRemoteError: a peer gone or its network failed)"
+        )

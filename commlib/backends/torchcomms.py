@@ -51,8 +51,10 @@ from commlib.device import CudaRuntime, engine_timeout_s
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
 
-INSTALL_HINT = ("install torchcomms (pip install torchcomms, with a torch build it supports; see "
-                "https://github.com/meta-pytorch/torchcomms), or use backend='auto', 'gloo' or 'nccl'")
+INSTALL_HINT = (
+    "install torchcomms (pip install torchcomms, with a torch build it supports; see "
+    "https://github.com/meta-pytorch/torchcomms), or use backend='auto', 'gloo' or 'nccl'"
+)
 
 
 def available() -> str | None:
@@ -164,16 +166,31 @@ class TorchcommsBackend:
         self._abort_hook = comm.register_abort_hook(self._on_engine_abort)
 
     @classmethod
-    def create(cls, *, rank: int, size: int, store: dist.Store, name: str, device: torch.device,
-               timeout: timedelta, engine: str | None = None) -> "TorchcommsBackend":
+    def create(
+        cls,
+        *,
+        rank: int,
+        size: int,
+        store: dist.Store,
+        name: str,
+        device: torch.device,
+        timeout: timedelta,
+        engine: str | None = None,
+    ) -> "TorchcommsBackend":
         tc = _torchcomms()
         engine = engine or ("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":  # stream-ordered: commlib's watchdog holds the deadline (module docstring)
             timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
         with _rank_and_size_in_environment(rank, size):
-            comm = tc.new_comm(engine, device, abort_process_on_timeout_or_error=False, timeout=timeout,
-                               store=dist.PrefixStore(f"torchcomms/{name}/", store), name=name,
-                               hints={"persistent_store": "true"})
+            comm = tc.new_comm(
+                engine,
+                device,
+                abort_process_on_timeout_or_error=False,
+                timeout=timeout,
+                store=dist.PrefixStore(f"torchcomms/{name}/", store),
+                name=name,
+                hints={"persistent_store": "true"},
+            )
         return cls(comm, device)
 
     def _on_engine_abort(self, *_: Any) -> None:

@@ -31,8 +31,17 @@ from commlib.failures import Failure, classify
 from commlib.observe.findings import AttemptFinding, Kind, Problem
 from commlib.observe.mismatch import first_mismatch
 from commlib.observe.position import position
-from commlib.observe.records import (AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, p2p_name, peer_of, rank_ranges,
-                                     ranks_text)
+from commlib.observe.records import (
+    AttemptLog,
+    Call,
+    CommLog,
+    DumpInfo,
+    ErrorGroup,
+    p2p_name,
+    peer_of,
+    rank_ranges,
+    ranks_text,
+)
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
@@ -45,7 +54,6 @@ FROZEN_GRACE_S = 1.0
 STRAGGLER_LAST_SHARE = 0.6
 STRAGGLER_MIN_LAG_S = 0.02
 STRAGGLER_MIN_COLLECTIVES = 10  # fewer: one late arrival (a rank that hung, then timed out) is no pattern
-
 
 
 def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool, whole: bool = True) -> AttemptFinding:
@@ -77,13 +85,18 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool, whole: 
         problems.append(slow)  # after the failures: they, when any, name the culprits
     culprits = next((sorted(p.ranks) for p in problems if p.ranks), [])
     return AttemptFinding(
-        attempt=att.attempt, status=status, ranks=sorted(att.ranks), world_size=att.world_size,
+        attempt=att.attempt,
+        status=status,
+        ranks=sorted(att.ranks),
+        world_size=att.world_size,
         collectives=att.collectives if whole else None,
         start_ns=min(rl.first_ns for rl in att.ranks.values()) if whole else None,
         end_ns=max(rl.last_ns for rl in att.ranks.values()),
-        problems=problems, culprits=culprits,
+        problems=problems,
+        culprits=culprits,
         positions=[position(att, r) for r in sorted(att.ranks)] if status != "ok" else [],
-        p2p_ops=att.p2p_ops if whole else None)
+        p2p_ops=att.p2p_ops if whole else None,
+    )
 
 
 def _recovered_in_job_at(att: AttemptLog) -> int | None:
@@ -128,13 +141,29 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
             # or lost a peer: its reporters are victims, and the suspects are the ranks that
             # had gone quiet before it without an error of their own.
             others = sorted(set(att.ranks) - set(reporters))
-            quiet = [r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])]
+            quiet = [
+                r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])
+            ]
             culprits, details["quiet"] = quiet, quiet
-            message += (f" (a backend failure in a torch.distributed call outside commlib; {ranks_text(quiet)} had "
-                        f"stopped logging before it)" if quiet else
-                        " (a backend failure in a torch.distributed call outside commlib)")
-        problems.append(Problem(Kind.ERROR, culprits, first.get("label"), first.get("op"), first.get("seq"),
-                                message.strip(), reporters, first["ts_ns"], details))
+            message += (
+                f" (a backend failure in a torch.distributed call outside commlib; {ranks_text(quiet)} had "
+                f"stopped logging before it)"
+                if quiet
+                else " (a backend failure in a torch.distributed call outside commlib)"
+            )
+        problems.append(
+            Problem(
+                Kind.ERROR,
+                culprits,
+                first.get("label"),
+                first.get("op"),
+                first.get("seq"),
+                message.strip(),
+                reporters,
+                first["ts_ns"],
+                details,
+            )
+        )
     return problems
 
 
@@ -142,9 +171,7 @@ def _ops_text(calls: dict[int, Call]) -> str:
     return "/".join(sorted({c.op for c in calls.values()})) or "?"
 
 
-
-def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem],
-              dumps: list[DumpInfo]) -> list[Problem]:
+def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> list[Problem]:
     """Timeouts, peer failures and errors logged on `comm` (collectives' and send/recv's), or
     else the oldest unfinished collective and, per pair of ranks, the oldest unfinished send/recv."""
     problems: list[Problem] = []
@@ -190,8 +217,9 @@ def _where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
     return "; ".join(f"{ranks_text(rs)}: {text}" for text, rs in places.items())
 
 
-def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
-             mismatch: Problem | None) -> Problem:
+def _timeout(
+    att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None
+) -> Problem:
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
     op = events[0].get("op")
@@ -207,23 +235,27 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
     arrived = sorted(r for r in members if r not in missing and r not in waiting)
     deadline = events[0].get("deadline")
     frozen = _frozen(att, comm.calls.get(seq, {}), t)
-    head = (f"{op} #{seq} on {comm.label!r} timed out"
-            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
-            + f" on {ranks_text(reporters)}")
+    head = (
+        f"{op} #{seq} on {comm.label!r} timed out"
+        + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
+        + f" on {ranks_text(reporters)}"
+    )
     if missing:
         culprits = missing
         body = f"{ranks_text(missing)} had not arrived"
         if late:
-            body += "; " + ", ".join(f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline"
-                                     for r in late)
+            body += "; " + ", ".join(
+                f"rank {r} started it {(arrivals[r] - t) / 1e9:.2f} s after the deadline" for r in late
+            )
         if waiting:
-            body += "; " + ", ".join(f"rank {r} was still in {comm.calls[k][r].op} #{k}, waiting for "
-                                     f"{ranks_text(blockers)}, which had not started that"
-                                     for r, (k, blockers) in waiting.items())
+            body += "; " + ", ".join(
+                f"rank {r} was still in {comm.calls[k][r].op} #{k}, waiting for "
+                f"{ranks_text(blockers)}, which had not started that"
+                for r, (k, blockers) in waiting.items()
+            )
     elif mismatch is not None:
         culprits = mismatch.ranks
-        body = (f"every rank arrived, but {ranks_text(mismatch.ranks)} issued a different collective "
-                "(see the mismatch)")
+        body = f"every rank arrived, but {ranks_text(mismatch.ranks)} issued a different collective (see the mismatch)"
     else:
         culprits = sorted(set(stale) | set(frozen))
         body = "every rank arrived and the backend did not complete it"
@@ -232,10 +264,26 @@ def _timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, An
         if stale:
             body += f"; {ranks_text(stale)} had stopped sending heartbeats"
     arrived_text = rank_ranges(arrived) or "none"
-    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}. Arrived: {arrived_text}.",
-                            {"arrived": arrived, "missing": missing, "waiting": sorted(waiting),
-                             "board_missing": sorted(board_missing) if board_known else None, "late": late,
-                             "stale": stale, "frozen": frozen, "deadline_s": deadline})
+    return _timeout_problem(
+        att,
+        comm,
+        op,
+        seq,
+        t,
+        reporters,
+        culprits,
+        f"{head}: {body}. Arrived: {arrived_text}.",
+        {
+            "arrived": arrived,
+            "missing": missing,
+            "waiting": sorted(waiting),
+            "board_missing": sorted(board_missing) if board_known else None,
+            "late": late,
+            "stale": stale,
+            "frozen": frozen,
+            "deadline_s": deadline,
+        },
+    )
 
 
 def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tuple[int, list[int]]]:
@@ -244,9 +292,15 @@ def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tup
     out = {}
     members = comm.member_ranks()
     for r in ranks:
-        inside = [k for k, calls in comm.calls.items() if k < seq and r in calls
-                  and calls[r].start_ns is not None and calls[r].start_ns <= t
-                  and (calls[r].end_ns is None or calls[r].end_ns > t)]
+        inside = [
+            k
+            for k, calls in comm.calls.items()
+            if k < seq
+            and r in calls
+            and calls[r].start_ns is not None
+            and calls[r].start_ns <= t
+            and (calls[r].end_ns is None or calls[r].end_ns > t)
+        ]
         if not inside:
             continue
         k = max(inside)
@@ -257,8 +311,17 @@ def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tup
     return out
 
 
-def _timeout_problem(att: AttemptLog, comm: CommLog, op: str, seq: int, t: int, reporters: list[int],
-                     culprits: list[int], message: str, details: dict[str, Any]) -> Problem:
+def _timeout_problem(
+    att: AttemptLog,
+    comm: CommLog,
+    op: str,
+    seq: int,
+    t: int,
+    reporters: list[int],
+    culprits: list[int],
+    message: str,
+    details: dict[str, Any],
+) -> Problem:
     """A timeout's Problem (collective or send/recv): `message`, then where the culprits were
     at the deadline, in the text and in the details."""
     where = _where(att, culprits, t)
@@ -290,8 +353,14 @@ def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
     return [r for r in ranks if r not in att.ranks or att.ranks[r].last_ns <= t]
 
 
-def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]],
-                  others: list[int] | None = None, what: str | None = None) -> Problem:
+def _peer_failure(
+    att: AttemptLog,
+    comm: CommLog,
+    seq: int,
+    events: list[dict[str, Any]],
+    others: list[int] | None = None,
+    what: str | None = None,
+) -> Problem:
     """`others`: the ranks that could have failed (default every other member); `what`: the op, in words."""
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
@@ -302,24 +371,41 @@ def _peer_failure(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[st
     silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
     head = f"{ranks_text(reporters)} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
     if silent:
-        message = (f"{head}: {ranks_text(silent)} had stopped logging before, without reporting an error "
-                   f"(killed or crashed). {_where_text(att, silent, None)}.")
+        message = (
+            f"{head}: {ranks_text(silent)} had stopped logging before, without reporting an error "
+            f"(killed or crashed). {_where_text(att, silent, None)}."
+        )
     elif gone:
-        message = (f"{head}: {ranks_text(gone)} had already failed and left: a consequence of their failure "
-                   f"(see the earlier problem).")
+        message = (
+            f"{head}: {ranks_text(gone)} had already failed and left: a consequence of their failure "
+            f"(see the earlier problem)."
+        )
     elif announced := sorted({comm.global_rank(r) for e in events for r in e.get("failed_ranks") or []}):
-        message = (f"{head}: {ranks_text(announced)} had aborted the communicator and said so (their own "
-                   f"failure, or an in-job recovery: see the earlier problem).")
+        message = (
+            f"{head}: {ranks_text(announced)} had aborted the communicator and said so (their own "
+            f"failure, or an in-job recovery: see the earlier problem)."
+        )
     else:
-        message = (f"{head}: every other member kept logging after it, so a peer most likely aborted "
-                   f"its side after an earlier failure (see the earlier problem).")
-    return Problem(Kind.PEER_FAILURE, silent, comm.label, op, seq, message, reporters, t,
-                   {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}),
-                    "where": _where(att, gone, None)})
+        message = (
+            f"{head}: every other member kept logging after it, so a peer most likely aborted "
+            f"its side after an earlier failure (see the earlier problem)."
+        )
+    return Problem(
+        Kind.PEER_FAILURE,
+        silent,
+        comm.label,
+        op,
+        seq,
+        message,
+        reporters,
+        t,
+        {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}), "where": _where(att, gone, None)},
+    )
 
 
-def _error(comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None,
-           what: str | None = None) -> Problem:
+def _error(
+    comm: CommLog, seq: int, events: list[dict[str, Any]], mismatch: Problem | None, what: str | None = None
+) -> Problem:
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
     op = events[0].get("op")
@@ -337,8 +423,7 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
     Flight-recorder dumps (SIGUSR1 on a live job) that still show it started confirm the
     rank was alive and in it when dumped.
     """
-    unfinished = [seq for seq, calls in comm.calls.items()
-                  if any(c.status == "started" for c in calls.values())]
+    unfinished = [seq for seq, calls in comm.calls.items() if any(c.status == "started" for c in calls.values())]
     if not unfinished:
         return None
     seq = min(unfinished)
@@ -350,26 +435,43 @@ def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps:
     culprits = missing or (mismatch.ranks if mismatch else [])
     t = min(c.start_ns or 0 for c in calls.values())
     op = _ops_text(calls)
-    message = (f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: {ranks_text(stuck)} still "
-               f"in it at the end of their logs (hung, or killed while in it)")
+    message = (
+        f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: {ranks_text(stuck)} still "
+        f"in it at the end of their logs (hung, or killed while in it)"
+    )
     if missing:
-        message += (f"; {ranks_text(missing)} never started it. Where they were: "
-                    f"{_where_text(att, missing, None)}")
+        message += f"; {ranks_text(missing)} never started it. Where they were: {_where_text(att, missing, None)}"
     elif mismatch is not None:
         message += f"; every rank started it, but: {mismatch.message}"
     else:
         message += "; every rank started it (the backend did not complete it)"
     seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
     if seen:
-        message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-                    f"{ranks_text(d.rank for d in seen)} alive and still in it")
-    return Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
-                   {"stuck": stuck, "missing": missing, "where": _where(att, missing or stuck, None),
-                    "dumps": [d.path for d in seen]})
+        message += (
+            f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
+            f"{ranks_text(d.rank for d in seen)} alive and still in it"
+        )
+    return Problem(
+        Kind.HANG,
+        culprits,
+        comm.label,
+        op,
+        seq,
+        message + ".",
+        stuck,
+        t,
+        {
+            "stuck": stuck,
+            "missing": missing,
+            "where": _where(att, missing or stuck, None),
+            "dumps": [d.path for d in seen],
+        },
+    )
 
 
-def _p2p_failure(att: AttemptLog, comm: CommLog, key: tuple[int, int, int], event: str,
-                 events: list[dict[str, Any]]) -> Problem:
+def _p2p_failure(
+    att: AttemptLog, comm: CommLog, key: tuple[int, int, int], event: str, events: list[dict[str, Any]]
+) -> Problem:
     """A send/recv that timed out, lost its peer or failed: about the pair, never the whole communicator."""
     lo, hi, seq = key
     first = min(events, key=lambda e: e["ts_ns"])
@@ -388,14 +490,26 @@ def _p2p_failure(att: AttemptLog, comm: CommLog, key: tuple[int, int, int], even
     return problem
 
 
-def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str, Any]], rank: int, op: str,
-                 peer: int, mine: Call | None, theirs: Call | None) -> Problem:
+def _p2p_timeout(
+    att: AttemptLog,
+    comm: CommLog,
+    seq: int,
+    events: list[dict[str, Any]],
+    rank: int,
+    op: str,
+    peer: int,
+    mine: Call | None,
+    theirs: Call | None,
+) -> Problem:
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
     want = _MATCHING_P2P.get(op, "?")
     deadline = events[0].get("deadline")
-    head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
-            + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "") + f" on {ranks_text(reporters)}")
+    head = (
+        f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
+        + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
+        + f" on {ranks_text(reporters)}"
+    )
     late: list[int] = []
     frozen: list[int] = []
     if theirs is None or (theirs.start_ns is not None and theirs.start_ns > t and peer not in reporters):
@@ -406,18 +520,34 @@ def _p2p_timeout(att: AttemptLog, comm: CommLog, seq: int, events: list[dict[str
             body += f" before the deadline (it posted {theirs.op} #{seq} {(theirs.start_ns - t) / 1e9:.2f} s after it)"
     elif theirs.op == op:
         culprits = sorted({rank, peer})
-        body = (f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
-                f"both sides issued {op} as their point-to-point op #{seq} with each other")
+        body = (
+            f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
+            f"both sides issued {op} as their point-to-point op #{seq} with each other"
+        )
     else:
         frozen = _frozen(att, {r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
         culprits = frozen
         body = f"rank {peer} posted the matching {want} and the backend did not complete it"
         if frozen:
             body += f"; {ranks_text(frozen)} never left it, not even at their own deadline (stopped or dead)"
-    return _timeout_problem(att, comm, op, seq, t, reporters, culprits, f"{head}: {body}.",
-                            {"arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
-                             "missing": [r for r in culprits if r not in frozen], "late": late, "stale": [],
-                             "frozen": frozen, "deadline_s": deadline})
+    return _timeout_problem(
+        att,
+        comm,
+        op,
+        seq,
+        t,
+        reporters,
+        culprits,
+        f"{head}: {body}.",
+        {
+            "arrived": sorted(r for r in (rank, peer) if r not in culprits or r in frozen),
+            "missing": [r for r in culprits if r not in frozen],
+            "late": late,
+            "stale": [],
+            "frozen": frozen,
+            "deadline_s": deadline,
+        },
+    )
 
 
 def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
@@ -437,30 +567,62 @@ def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pr
         peer = hi if rank == lo else lo
         op = calls[rank].op
         theirs = calls.get(peer)
-        head = (f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: "
-                f"{ranks_text(stuck)} in it at the end of their logs (hung, or killed while in it)")
+        head = (
+            f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: "
+            f"{ranks_text(stuck)} in it at the end of their logs (hung, or killed while in it)"
+        )
         if theirs is None:
             culprits = [peer]
-            body = (f"rank {peer} never posted the matching {p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
-                    f"Where it was: {_where_text(att, [peer], None)}")
+            body = (
+                f"rank {peer} never posted the matching {p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
+                f"Where it was: {_where_text(att, [peer], None)}"
+            )
         elif theirs.op == op:
             culprits = [lo, hi]
             body = f"both sides issued {op} as their point-to-point op #{seq} with each other"
         else:
             culprits = []
             body = "both sides posted it (the backend did not complete it)"
-        seen = [d for d in dumps if d.rank in stuck and any(
-            u.get("comm") == comm.label and u.get("op") == calls[d.rank].op and u.get("seq") == seq
-            and u.get("peer") == (hi if d.rank == lo else lo) for u in d.unfinished)]
+        seen = [
+            d
+            for d in dumps
+            if d.rank in stuck
+            and any(
+                u.get("comm") == comm.label
+                and u.get("op") == calls[d.rank].op
+                and u.get("seq") == seq
+                and u.get("peer") == (hi if d.rank == lo else lo)
+                for u in d.unfinished
+            )
+        ]
         message = f"{head}; {body}"
         if seen:
-            message += (f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-                        f"{ranks_text(d.rank for d in seen)} alive and still in it")
+            message += (
+                f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
+                f"{ranks_text(d.rank for d in seen)} alive and still in it"
+            )
         t = min(c.start_ns or 0 for c in calls.values())
-        problems.append(Problem(Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t,
-                                {"p2p": True, "pair": [lo, hi], "peer": peer, "stuck": stuck,
-                                 "missing": [r for r in (lo, hi) if r not in calls],
-                                 "where": _where(att, culprits or stuck, None), "dumps": [d.path for d in seen]}))
+        problems.append(
+            Problem(
+                Kind.HANG,
+                culprits,
+                comm.label,
+                op,
+                seq,
+                message + ".",
+                stuck,
+                t,
+                {
+                    "p2p": True,
+                    "pair": [lo, hi],
+                    "peer": peer,
+                    "stuck": stuck,
+                    "missing": [r for r in (lo, hi) if r not in calls],
+                    "where": _where(att, culprits or stuck, None),
+                    "dumps": [d.path for d in seen],
+                },
+            )
+        )
     return problems
 
 
@@ -475,21 +637,38 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
             quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
             for r in _gone_before(att, quiet, p.ts_ns):
                 if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
-                    evidence[r].append(f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
-                                       f"{p.op} #{p.seq} on {p.comm!r} timed out")
+                    evidence[r].append(
+                        f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
+                        f"{p.op} #{p.seq} on {p.comm!r} timed out"
+                    )
         elif p.kind is Kind.ERROR and p.details.get("quiet"):
             for r in p.details["quiet"]:
-                evidence[r].append(f"it had stopped logging before {ranks_text(p.reporters)} hit a backend failure "
-                                   f"outside commlib ({p.details['event']})")
+                evidence[r].append(
+                    f"it had stopped logging before {ranks_text(p.reporters)} hit a backend failure "
+                    f"outside commlib ({p.details['event']})"
+                )
     dead = []
     for r, why in sorted(evidence.items()):
         pos = position(att, r)
         when = pos.log_ends_ns
-        message = (f"rank {r} ({pos.host}, pid {pos.pid}) stopped logging without reporting an error "
-                   f"(dead, killed or stopped): {pos.describe()}. Evidence: {'; '.join(sorted(set(why)))}.")
+        message = (
+            f"rank {r} ({pos.host}, pid {pos.pid}) stopped logging without reporting an error "
+            f"(dead, killed or stopped): {pos.describe()}. Evidence: {'; '.join(sorted(set(why)))}."
+        )
         last = pos.last_started or pos.last_finished
-        dead.append(Problem(Kind.DEAD_RANK, [r], last.comm if last else None, last.op if last else None,
-                            last.seq if last else None, message, [], when, {"where": asdict(pos)}))
+        dead.append(
+            Problem(
+                Kind.DEAD_RANK,
+                [r],
+                last.comm if last else None,
+                last.op if last else None,
+                last.seq if last else None,
+                message,
+                [],
+                when,
+                {"where": asdict(pos)},
+            )
+        )
     return dead
 
 
@@ -503,8 +682,14 @@ def _straggler(att: AttemptLog) -> Problem | None:
         return None
     if top.last_count < STRAGGLER_LAST_SHARE * top.collectives or top.waited_p50_s < STRAGGLER_MIN_LAG_S:
         return None
-    return Problem(Kind.STRAGGLER, [top.rank], None, None, None,
-                   f"rank {top.rank} is a straggler: it arrived last at {top.last_count} of {top.collectives} "
-                   f"collectives; the others waited p50 {top.waited_p50_s * 1e3:.0f} ms, p99 "
-                   f"{top.waited_p99_s * 1e3:.0f} ms for it ({top.waited_total_s:.1f} s in all)",
-                   details=asdict(top))
+    return Problem(
+        Kind.STRAGGLER,
+        [top.rank],
+        None,
+        None,
+        None,
+        f"rank {top.rank} is a straggler: it arrived last at {top.last_count} of {top.collectives} "
+        f"collectives; the others waited p50 {top.waited_p50_s * 1e3:.0f} ms, p99 "
+        f"{top.waited_p99_s * 1e3:.0f} ms for it ({top.waited_total_s:.1f} s in all)",
+        details=asdict(top),
+    )

@@ -94,8 +94,13 @@ class ProgressBoard:
         self._publish_store = own_client(store, rank)
         self.rank = rank
         self.size = size
-        self.entry = BoardEntry(pid=pid, host=HOST, dumps_stacks=bool(getattr(install_sigusr1, "installed", False)),
-                                started=process_start_time(pid) or 0, stream_ordered=stream_ordered)
+        self.entry = BoardEntry(
+            pid=pid,
+            host=HOST,
+            dumps_stacks=bool(getattr(install_sigusr1, "installed", False)),
+            started=process_start_time(pid) or 0,
+            stream_ordered=stream_ordered,
+        )
         self._version = 0
         self._published_version = -1
         self._published_ns = 0
@@ -147,8 +152,13 @@ class ProgressBoard:
         if gone or now_ns - self._warned_ns >= WARN_EVERY_S * 1e9:
             self._warned_ns = now_ns
             _log.get_logger().warning(
-                "board.publish_failed", board_rank=self.rank, failures=self._failures,
-                failing_s=round(failing_s, 3), error=_summary(exc), gave_up=gone)
+                "board.publish_failed",
+                board_rank=self.rank,
+                failures=self._failures,
+                failing_s=round(failing_s, 3),
+                error=_summary(exc),
+                gave_up=gone,
+            )
         if gone:
             self.close()
 
@@ -181,8 +191,9 @@ class ProgressBoard:
             try:
                 self.publish_if_due(time.time_ns())
             except Exception as exc:  # the store may be gone with the failure: nothing to tell it
-                _log.get_logger().warning("board.publish_failed", board_rank=self.rank, error=_summary(exc),
-                                          gave_up=True)
+                _log.get_logger().warning(
+                    "board.publish_failed", board_rank=self.rank, error=_summary(exc), gave_up=True
+                )
         self.close()
 
 
@@ -258,8 +269,9 @@ def own_client(store: dist.Store, rank: int) -> dist.Store:
     try:
         return store.clone()
     except Exception as exc:
-        _log.get_logger().warning("board.shared_store_client", board_rank=rank, store=type(store).__name__,
-                                  error=_summary(exc))
+        _log.get_logger().warning(
+            "board.shared_store_client", board_rank=rank, store=type(store).__name__, error=_summary(exc)
+        )
         return store
 
 
@@ -294,7 +306,7 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: count from its closing one.
-    return stat[stat.rindex(b")") + 2:].split()
+    return stat[stat.rindex(b")") + 2 :].split()
 
 
 def process_start_time(pid: int) -> int | None:
@@ -314,8 +326,9 @@ def process_gone(pid: int, started: int) -> bool:
     return fields[0] in (b"Z", b"X") or (started != 0 and int(fields[19]) != started)
 
 
-def find_gone(entries: dict[int, BoardEntry | None], me: int, announcer: int | None,
-              now_ns: int) -> tuple[list[int], str, bool]:
+def find_gone(
+    entries: dict[int, BoardEntry | None], me: int, announcer: int | None, now_ns: int
+) -> tuple[list[int], str, bool]:
     """Which peers of `me` are gone, as the board tells: (ranks, how that was found, whether
     some live on other hosts, where only a heartbeat can tell, in up to `STALE_AFTER_S`).
 
@@ -357,8 +370,16 @@ def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> l
     return reached
 
 
-def explain_timeout(op: str, seq: int, members: Members, rank: int, elapsed: float, deadline_s: float,
-                    entries: dict[int, BoardEntry | None], now_ns: int) -> TimeoutExplanation:
+def explain_timeout(
+    op: str,
+    seq: int,
+    members: Members,
+    rank: int,
+    elapsed: float,
+    deadline_s: float,
+    entries: dict[int, BoardEntry | None],
+    now_ns: int,
+) -> TimeoutExplanation:
     """Say who kept collective `seq` from completing, and where each other rank last was.
 
     Missing is a rank that has not started running it (on its device, where it has one) and
@@ -400,18 +421,23 @@ def explain_timeout(op: str, seq: int, members: Members, rank: int, elapsed: flo
         notes.append(note)
     if not notes:
         notes.append("every rank started it; the backend did not complete it")
-    message = (f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: "
-               + "; ".join(notes))
+    message = f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: " + "; ".join(
+        notes
+    )
     return TimeoutExplanation(message, missing, stale)
 
 
-def _not_started(op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, BoardEntry | None],
-                 me: int, members: Members) -> tuple[bool, str]:
+def _not_started(
+    op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, BoardEntry | None], me: int, members: Members
+) -> tuple[bool, str]:
     """Whether rank `r` (entry `e`), which has not started collective `seq` running, is one
     of the missing (`explain_timeout`), and what it is doing instead. `me` is the rank that
     timed out in `seq`: it has left every earlier collective, whatever its entry says yet."""
-    last = (f"last reported finishing {e.finished_op} #{e.finished_seq}" if e.finished_seq >= 0
-            else "no collective finished yet")
+    last = (
+        f"last reported finishing {e.finished_op} #{e.finished_seq}"
+        if e.finished_seq >= 0
+        else "no collective finished yet"
+    )
     if e.step is not None or e.phase is not None:
         last += f", at step {e.step}, phase {e.phase}"
     issued = e.stream_ordered and e.started_seq >= seq
@@ -427,8 +453,10 @@ def _not_started(op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, Bo
     others = {q: other for q, other in sorted(entries.items()) if q not in (r, me)}
     not_there = [q for q, other in others.items() if other is None or other.running_seq() < k]
     if not_there:
-        return False, (f"{head}: it is still in {k_op} #{k}, waiting for {members.names(not_there)}, which have not "
-                       f"started that ({last})")
+        return False, (
+            f"{head}: it is still in {k_op} #{k}, waiting for {members.names(not_there)}, which have not "
+            f"started that ({last})"
+        )
     with_it = [q for q, other in others.items() if other is not None and other.finished_seq < k]
     if with_it:
         return False, f"{head}: it is still in {k_op} #{k}, with {members.names(with_it)} ({last})"

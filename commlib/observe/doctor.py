@@ -77,13 +77,22 @@ def diagnose(logdir: str | os.PathLike[str], job: str | None = None) -> Diagnosi
 
 def analyze(run: RunLogs) -> Diagnosis:
     last = max(run.attempts, default=None)
-    attempts = [attempt_finding(att, [d for d in run.dumps if d.attempt == n], final=n == last)
-                for n, att in run.attempts.items()]
+    attempts = [
+        attempt_finding(att, [d for d in run.dumps if d.attempt == n], final=n == last)
+        for n, att in run.attempts.items()
+    ]
     hosts = sorted({rl.host for att in run.attempts.values() for rl in att.ranks.values() if rl.host})
     world = max((att.world_size or 0 for att in run.attempts.values()), default=0) or None
-    return Diagnosis(logdir=run.logdir, world_size=world, hosts=hosts, attempts=attempts,
-                     stragglers=stragglers(run), ops=op_stats(run), dumps=run.dumps, job=run.job,
-                     unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable]
-                     + [{"path": path, "why": why} for path, why in run.skipped or ()],
-                     skipped_lines={f.path: f.garbled for f in run.files if f.garbled and f.events})
-
+    return Diagnosis(
+        logdir=run.logdir,
+        world_size=world,
+        hosts=hosts,
+        attempts=attempts,
+        stragglers=stragglers(run),
+        ops=op_stats(run),
+        dumps=run.dumps,
+        job=run.job,
+        unreadable=[{"path": f.path, "why": f.unreadable() or ""} for f in run.unreadable]
+        + [{"path": path, "why": why} for path, why in run.skipped or ()],
+        skipped_lines={f.path: f.garbled for f in run.files if f.garbled and f.events},
+    )

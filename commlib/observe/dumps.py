@@ -25,8 +25,9 @@ from commlib.observe.stacks import read_main_stacks, safe_host
 FLIGHT_DUMP_KIND = "commlib.flight_recorder"
 
 
-def flight_dumps(directory: str | os.PathLike[str],
-                 skipped: list[tuple[str, str]] | None = None) -> list[tuple[Path, dict[str, Any]]]:
+def flight_dumps(
+    directory: str | os.PathLike[str], skipped: list[tuple[str, str]] | None = None
+) -> list[tuple[Path, dict[str, Any]]]:
     """Every flight-recorder dump (`flight_rank*.json`) of `directory` that reads as one, with its
     path; (path, why) of each that could not be read goes into `skipped`."""
     out = []
@@ -58,11 +59,28 @@ def dump_calls(data: dict[str, Any]) -> list[Call]:
         peer = peer_of(x)
         end, start_mono = x.get("end_mono_ns"), x.get("start_mono_ns")
         duration = (end - start_mono) / 1e9 if end and start_mono else None
-        call = Call.of(data.get("rank", -1), str(data.get("comm")), x["seq"], str(x.get("op")), x.get("start_ns"),
-                       peer=peer, status=status.get(x.get("state"), x.get("state") or "started"), source="flight",
-                       bytes=x.get("nbytes"), shapes=x.get("shapes"), dtype=x.get("dtype"), root=x.get("root"),
-                       step=x.get("step"), phase=x.get("phase"), duration_s=duration, stack=x.get("stack") or None,
-                       pid=data.get("pid"), start_mono_ns=start_mono, end_mono_ns=end, async_op=x.get("async_op"))
+        call = Call.of(
+            data.get("rank", -1),
+            str(data.get("comm")),
+            x["seq"],
+            str(x.get("op")),
+            x.get("start_ns"),
+            peer=peer,
+            status=status.get(x.get("state"), x.get("state") or "started"),
+            source="flight",
+            bytes=x.get("nbytes"),
+            shapes=x.get("shapes"),
+            dtype=x.get("dtype"),
+            root=x.get("root"),
+            step=x.get("step"),
+            phase=x.get("phase"),
+            duration_s=duration,
+            stack=x.get("stack") or None,
+            pid=data.get("pid"),
+            start_mono_ns=start_mono,
+            end_mono_ns=end,
+            async_op=x.get("async_op"),
+        )
         if duration is not None and call.start_ns is not None:
             call.end_ns = call.start_ns + int(duration * 1e9)
         calls.append(call)
@@ -84,9 +102,12 @@ def _dump_owner(fold: Fold, data: dict[str, Any]) -> tuple[int, int] | None:
     if len(candidates) > 1 and isinstance(data.get("attempt"), int):
         candidates = {(a, r) for a, r in candidates if a == data["attempt"]}
     if len(candidates) > 1:
-        candidates = {(a, r) for a, r in candidates
-                      if (c := fold.attempts[a].comms.get(fold.label(a, r, comm_name))) is not None
-                      and c.members.get(comm_rank) == r}
+        candidates = {
+            (a, r)
+            for a, r in candidates
+            if (c := fold.attempts[a].comms.get(fold.label(a, r, comm_name))) is not None
+            and c.members.get(comm_rank) == r
+        }
     return next(iter(candidates)) if len(candidates) == 1 else None
 
 
@@ -95,15 +116,22 @@ def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
     comm_name = str(data.get("comm"))
     where = _dump_owner(fold, data)
     dumped = dump_calls(data)
-    info = DumpInfo(path=str(path), rank=data.get("rank", -1), comm=comm_name,
-                    attempt=where[0] if where else None, reason=str(data.get("reason")),
-                    dumped_ns=data.get("dumped_ns"),
-                    entries=sum(1 for x in data.get("entries") or [] if isinstance(x, dict)),
-                    unfinished=[{"comm": comm_name, "op": c.op, "seq": c.seq,
-                                 **({"peer": c.peer} if c.peer is not None else {})}
-                                for c in dumped if c.status == "started"],
-                    host=data.get("host") if isinstance(data.get("host"), str) else None,
-                    pid=data.get("pid") if isinstance(data.get("pid"), int) else None)
+    info = DumpInfo(
+        path=str(path),
+        rank=data.get("rank", -1),
+        comm=comm_name,
+        attempt=where[0] if where else None,
+        reason=str(data.get("reason")),
+        dumped_ns=data.get("dumped_ns"),
+        entries=sum(1 for x in data.get("entries") or [] if isinstance(x, dict)),
+        unfinished=[
+            {"comm": comm_name, "op": c.op, "seq": c.seq, **({"peer": c.peer} if c.peer is not None else {})}
+            for c in dumped
+            if c.status == "started"
+        ],
+        host=data.get("host") if isinstance(data.get("host"), str) else None,
+        pid=data.get("pid") if isinstance(data.get("pid"), int) else None,
+    )
     if where is None:
         return info
     attempt, rank = where
@@ -136,16 +164,20 @@ def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
     return info
 
 
-def _later(started: Call | None, finished: Call | None, call: Call, at_ns: int | None
-           ) -> tuple[Call | None, Call | None]:
+def _later(
+    started: Call | None, finished: Call | None, call: Call, at_ns: int | None
+) -> tuple[Call | None, Call | None]:
     """(last started, last finished) by `at_ns` (None: ever) once `call` is counted too."""
     start = call.start_ns or 0
     if at_ns is None or start <= at_ns:
         if started is None or (started.start_ns or 0) < start:
             started = call
         end = call.end_ns or 0
-        if call.status == "ok" and (at_ns is None or end <= at_ns) and (
-                finished is None or (finished.end_ns or 0) < end):
+        if (
+            call.status == "ok"
+            and (at_ns is None or end <= at_ns)
+            and (finished is None or (finished.end_ns or 0) < end)
+        ):
             finished = call
     return started, finished
 

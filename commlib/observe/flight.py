@@ -162,8 +162,22 @@ class FlightRecorder:
         context = call.context
         step, phase = (context.get("step"), context.get("phase")) if context else (None, None)
         entry = FlightEntry(
-            call.seq, PLAIN_NAMES[call.op], self.comm, shapes, dtype, call.nbytes(), call.root, call.async_op,
-            call.deadline_s, time.time_ns(), time.monotonic_ns(), step, phase, call.peer, "started", None,
+            call.seq,
+            PLAIN_NAMES[call.op],
+            self.comm,
+            shapes,
+            dtype,
+            call.nbytes(),
+            call.root,
+            call.async_op,
+            call.deadline_s,
+            time.time_ns(),
+            time.monotonic_ns(),
+            step,
+            phase,
+            call.peer,
+            "started",
+            None,
             traceback.format_stack()[:-3] if self.with_stacks else None,
         )
         self._ring.append(entry)
@@ -396,13 +410,17 @@ class _StackFile:
             try:  # unnamed until `publish` links it
                 self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_APPEND, 0o644)
             except OSError:  # a file system without O_TMPFILE: named from the start, as it must be open now
-                self.fd = os.open(directory / file_name(socket.gethostname(), os.getpid()),
-                                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self.fd = os.open(
+                    directory / file_name(socket.gethostname(), os.getpid()),
+                    os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                    0o644,
+                )
                 self.named = True
         # Chained to our Python-level handler, installed just before: it writes the wakeup
         # byte that has the SIGUSR1 thread publish the dump.
-        faulthandler.register(STACKS_SIGNAL, file=sys.stderr if self.fd is None else self.fd, all_threads=True,
-                              chain=True)
+        faulthandler.register(
+            STACKS_SIGNAL, file=sys.stderr if self.fd is None else self.fd, all_threads=True, chain=True
+        )
         atexit.register(self.close)
 
     def publish(self) -> None:
@@ -413,8 +431,7 @@ class _StackFile:
         name = file_name(socket.gethostname(), os.getpid())
         directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: os.link takes that path only with dir fds
-            os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory,
-                    follow_symlinks=True)
+            os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=True)
             self.named = True  # later dumps land in the named file
         except FileExistsError:  # an earlier install in this process named its own
             with open(self.directory / name, "ab") as out:

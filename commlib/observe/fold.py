@@ -33,16 +33,37 @@ from typing import Any
 
 from commlib.observe.log import HEADER_ONLY
 from commlib.observe.logfile import HEADER_EVENT
-from commlib.observe.records import (ERROR_LEVELS, FAILURE_EVENTS, MISMATCH_EVENT, NOTICE_EVENTS, NOTICE_LEVELS,
-                                     AttemptLog, Call, CommLog, ErrorGroup, JobInfo, MixedJobsError, Observer,
-                                     RankLog, disagree, peer_of)
+from commlib.observe.records import (
+    ERROR_LEVELS,
+    FAILURE_EVENTS,
+    MISMATCH_EVENT,
+    NOTICE_EVENTS,
+    NOTICE_LEVELS,
+    AttemptLog,
+    Call,
+    CommLog,
+    ErrorGroup,
+    JobInfo,
+    MixedJobsError,
+    Observer,
+    RankLog,
+    disagree,
+    peer_of,
+)
+
 
 class Unplaceable(ValueError):
     """An event that names no rank or attempt the model can be kept by (a line to count as garbled)."""
 
 
 LATENCY_BLOCK = 256
-RANK_LISTS = ("missing_ranks", "stale_ranks", "failed_ranks", "differing_ranks")  # a failure's ranks  # durations a communicator gathers per (op, bytes) before they go into its sketch
+RANK_LISTS = (
+    "missing_ranks",
+    "stale_ranks",
+    "failed_ranks",
+    "differing_ranks",
+)  # a failure's ranks  # durations a communicator gathers per (op, bytes) before they go into its sketch
+
 
 class Context:
     """What the pass knows of the events of one stream: its file's rank, and the process,
@@ -321,9 +342,19 @@ class Fold:
         if call is None:
             took_ns = int((e.get("duration_s") or 0.0) * 1e9)
             mono = e.get("mono_ns")
-            call = Call.of(rl.rank, comm.label, seq if isinstance(seq, int) else -1, str(e.get("op")), ts - took_ns,
-                           peer=peer, step=e.get("step"), phase=e.get("phase"), label=e.get("label"), pid=e.get("pid"),
-                           start_mono_ns=mono - took_ns if isinstance(mono, int) else None)
+            call = Call.of(
+                rl.rank,
+                comm.label,
+                seq if isinstance(seq, int) else -1,
+                str(e.get("op")),
+                ts - took_ns,
+                peer=peer,
+                step=e.get("step"),
+                phase=e.get("phase"),
+                label=e.get("label"),
+                pid=e.get("pid"),
+                start_mono_ns=mono - took_ns if isinstance(mono, int) else None,
+            )
             if isinstance(seq, int):
                 self.place(att, comm, call, e.get("comm_rank"))
             last = rl.last_started
@@ -331,8 +362,17 @@ class Fold:
                 rl.last_started = call
         return call
 
-    def _close(self, att: AttemptLog, comm: CommLog, rl: RankLog, call: Call, e: dict[str, Any], status: str,
-               ts: int, nbytes: int | None = None) -> None:
+    def _close(
+        self,
+        att: AttemptLog,
+        comm: CommLog,
+        rl: RankLog,
+        call: Call,
+        e: dict[str, Any],
+        status: str,
+        ts: int,
+        nbytes: int | None = None,
+    ) -> None:
         """`call` ended with `e` (`nbytes`: what its collective.end says it moved)."""
         duration = e.get("duration_s")
         if type(duration) is not float and not isinstance(duration, int):
@@ -366,8 +406,11 @@ class Fold:
             return
         ok = comm.ok[seq] = ok + 1
         size = comm.size
-        if size is not None and ok == len(comm.calls[seq]) and (
-                ok == size or ok + len(self._done[att.attempt]) >= size):
+        if (
+            size is not None
+            and ok == len(comm.calls[seq])
+            and (ok == size or ok + len(self._done[att.attempt]) >= size)
+        ):
             self._settle(att, comm, seq)
 
     def _settle(self, att: AttemptLog, comm: CommLog, seq: int) -> None:
@@ -450,11 +493,13 @@ class Fold:
         return name if n <= 1 else f"{name}#{n}"
 
 
-
 def _rank_lists(e: dict[str, Any]) -> dict[str, list[int]]:
     """A failure's lists of ranks, each a list of integers (an event not of commlib's writing may hold anything)."""
-    return {k: [r for r in v if type(r) is int] if isinstance(v, list) else [] for k in RANK_LISTS
-            if (v := e.get(k)) is not None}
+    return {
+        k: [r for r in v if type(r) is int] if isinstance(v, list) else []
+        for k in RANK_LISTS
+        if (v := e.get(k)) is not None
+    }
 
 
 def _count_waits(att: AttemptLog, comm: CommLog, calls: dict[int, Call]) -> None:
@@ -485,5 +530,3 @@ def find_call(comm: CommLog, rank: int, seq: Any, peer: int | None) -> Call | No
         return comm.p2p_calls.get((rank, peer, seq))
     calls = comm.calls.get(seq)
     return calls.get(rank) if calls is not None else None
-
-

@@ -67,6 +67,7 @@ from typing import Any
 import structlog
 
 from commlib import settings
+
 # This process's attempt, as every rank of the job agreed it at init (`commlib.attempt`); with
 # an environment, or before the agreement, its estimate from torchrun's and Slurm's counts.
 from commlib.attempt import attempt_number
@@ -134,8 +135,17 @@ class ProcessFields:
 
 _STAMPED = ("level", "ts_ns", "mono_ns")  # what the pipeline itself adds to every event
 # structlog's method names as levels; info, the commonest, is left out of the line.
-_LEVELS = {"debug": "debug", "warning": "warning", "warn": "warning", "error": "error", "exception": "error",
-           "critical": "critical", "fatal": "critical", "msg": "info", "info": "info"}
+_LEVELS = {
+    "debug": "debug",
+    "warning": "warning",
+    "warn": "warning",
+    "error": "error",
+    "exception": "error",
+    "critical": "critical",
+    "fatal": "critical",
+    "msg": "info",
+    "info": "info",
+}
 
 
 def _tail_of(fields: dict[str, Any], then: bytes = b"}\n") -> bytes:
@@ -199,8 +209,9 @@ class EventWriter:
         # The line ends with the bound fields, then the process's (their values win, as in
         # the structlog path, so the caller's context may not repeat them).
         self._reserved = renderer.reserved.union(bound, ("event",))
-        self._tail = _tail_of({k: v for k, v in bound.items() if k not in renderer.static and k not in COMM_ONLY},
-                              renderer.tail)
+        self._tail = _tail_of(
+            {k: v for k, v in bound.items() if k not in renderer.static and k not in COMM_ONLY}, renderer.tail
+        )
         self.info = self._info if sink.level <= logging.INFO else _write_nothing
 
     def _info(self, event: str, fields: dict[str, Any]) -> None:
@@ -282,8 +293,9 @@ def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
 
 def budget(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
     """(bytes a rank's file may reach before it is rotated, rotated files kept), from the environment."""
-    max_mb = settings.env_number(MAX_MB_ENV, DEFAULT_MAX_MB, environ=environ, low=MAX_MB_RANGE[0],
-                                 high=MAX_MB_RANGE[1], unit="MB")
+    max_mb = settings.env_number(
+        MAX_MB_ENV, DEFAULT_MAX_MB, environ=environ, low=MAX_MB_RANGE[0], high=MAX_MB_RANGE[1], unit="MB"
+    )
     keep = settings.env_integer(KEEP_ENV, DEFAULT_KEEP, environ=environ, low=0, high=MAX_KEEP)
     return int(max_mb * 1e6), keep
 
@@ -299,8 +311,9 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     if log_dir is not None and not os.fspath(log_dir):
         raise ValueError(f"commlib log: expected {source} to be a directory; found ''")
     max_bytes, keep = budget()  # bad settings fail here, before anything is written
-    process = ProcessFields(rank=rank, size=size, host=socket.gethostname(), pid=os.getpid(),
-                            attempt=attempt_number(), job=job_id(store))
+    process = ProcessFields(
+        rank=rank, size=size, host=socket.gethostname(), pid=os.getpid(), attempt=attempt_number(), job=job_id(store)
+    )
     fields = asdict(process)
     static = {k: v for k, v in fields.items() if k not in HEADER_ONLY}
     target: LogFile | _Descriptor
@@ -313,8 +326,10 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
                 directory.mkdir(parents=True, exist_ok=True)
                 target = _FILES[path] = LogFile(path, max_bytes, keep, fields)  # type: ignore[index]
             except OSError as exc:
-                raise ValueError(f"commlib log: expected {source} to be a directory where rank {rank} can write "
-                                 f"its log; found {exc.filename or directory}: {exc.strerror or exc}") from None
+                raise ValueError(
+                    f"commlib log: expected {source} to be a directory where rank {rank} can write "
+                    f"its log; found {exc.filename or directory}: {exc.strerror or exc}"
+                ) from None
         level = logging.INFO
     else:
         path, target, level = None, _Descriptor(sys.stderr.fileno()), logging.WARNING
@@ -456,8 +471,10 @@ def read_rank(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
 def read_run(directory: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Every rank's events (all files) as one stream in wall-clock order (`ts_ns`); events
     without a clock are left out."""
-    streams = [((e["ts_ns"], rank, e) for e in read_rank(paths) if isinstance(e.get("ts_ns"), int))
-               for rank, paths in rank_segments(directory).items()]
+    streams = [
+        ((e["ts_ns"], rank, e) for e in read_rank(paths) if isinstance(e.get("ts_ns"), int))
+        for rank, paths in rank_segments(directory).items()
+    ]
     return (e for _, _, e in heapq.merge(*streams, key=lambda item: item[:2]))
 
 

@@ -74,7 +74,7 @@ class LogFile:
             self.fd = fd
             while len(self._fds) > 2:
                 os.close(self._fds.pop(0))
-            for n in numbers[:max(0, len(numbers) - self.keep)]:
+            for n in numbers[: max(0, len(numbers) - self.keep)]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path.with_name(f"{self.path.name}.{n}"))
             if self.header is not None:
@@ -96,15 +96,25 @@ def _drop(line: bytes) -> None:
 
 
 def header_line(fields: dict[str, Any]) -> bytes:
-    return encode({"event": HEADER_EVENT, "format": LOG_FORMAT, **fields, "ts_ns": time.time_ns(),
-                    "mono_ns": time.monotonic_ns()}) + b"\n"
+    return (
+        encode(
+            {
+                "event": HEADER_EVENT,
+                "format": LOG_FORMAT,
+                **fields,
+                "ts_ns": time.time_ns(),
+                "mono_ns": time.monotonic_ns(),
+            }
+        )
+        + b"\n"
+    )
 
 
 def rotated_numbers(live: Path) -> list[int]:
     """The numbers n of `live`'s rotated files (`{live}.{n}`), in no order."""
     out = []
     for p in live.parent.glob(f"{live.name}.*"):
-        suffix = p.name[len(live.name) + 1:]
+        suffix = p.name[len(live.name) + 1 :]
         if suffix.isdigit():
             out.append(int(suffix))
     return out

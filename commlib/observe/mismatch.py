@@ -30,9 +30,16 @@ def _checked_mismatch(comm: CommLog) -> Problem | None:
     seq = min(comm.mismatches)
     by_rank = comm.mismatches[seq]
     ops = {r: ev.get("op") for r, ev in by_rank.items()}
-    return _mismatch_problem(comm, seq, _agreement_groups(comm, by_rank), ops,
-                             reporters=sorted(by_rank), ts=min(ev["ts_ns"] for ev in by_rank.values()),
-                             detail=by_rank[min(by_rank)].get("error"), checked=True)
+    return _mismatch_problem(
+        comm,
+        seq,
+        _agreement_groups(comm, by_rank),
+        ops,
+        reporters=sorted(by_rank),
+        ts=min(ev["ts_ns"] for ev in by_rank.values()),
+        detail=by_rank[min(by_rank)].get("error"),
+        checked=True,
+    )
 
 
 def _seen_mismatch(comm: CommLog) -> Problem | None:
@@ -48,11 +55,19 @@ def _seen_mismatch(comm: CommLog) -> Problem | None:
     by_sig: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for r, c in sorted(calls.items()):
         by_sig[c.signature()].append(r)
-    detail = "; ".join(f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})"
-                       for r, c in sorted(calls.items()))
-    problem = _mismatch_problem(comm, seq, list(by_sig.values()), {r: c.op for r, c in calls.items()},
-                                reporters=sorted(calls), ts=min(c.start_ns or 0 for c in calls.values()),
-                                detail=detail, checked=False)
+    detail = "; ".join(
+        f"rank {r}: {c.op}(shapes={c.shapes}, dtype={c.dtype}, root={c.root})" for r, c in sorted(calls.items())
+    )
+    problem = _mismatch_problem(
+        comm,
+        seq,
+        list(by_sig.values()),
+        {r: c.op for r, c in calls.items()},
+        reporters=sorted(calls),
+        ts=min(c.start_ns or 0 for c in calls.values()),
+        detail=detail,
+        checked=False,
+    )
     problem.details["later_differing_seqs"] = differing - 1
     return problem
 
@@ -72,8 +87,17 @@ def _agreement_groups(comm: CommLog, by_rank: dict[int, dict[str, Any]]) -> list
     return groups
 
 
-def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dict[int, Any], *,
-                      reporters: list[int], ts: int, detail: str | None, checked: bool) -> Problem:
+def _mismatch_problem(
+    comm: CommLog,
+    seq: int,
+    groups: list[list[int]],
+    ops: dict[int, Any],
+    *,
+    reporters: list[int],
+    ts: int,
+    detail: str | None,
+    checked: bool,
+) -> Problem:
     groups = sorted(groups, key=lambda g: (-len(g), g))
     majority = groups[0] if len(groups) > 1 and len(groups[0]) > len(groups[1]) else None
     culprits = sorted(r for g in groups if g is not majority for r in g)
@@ -83,8 +107,16 @@ def _mismatch_problem(comm: CommLog, seq: int, groups: list[list[int]], ops: dic
         parts.append(f"{ranks_text(g)} issued {'/'.join(g_ops) or '?'}")
     how = "the consistency check caught it" if checked else "seen in the collective.start events"
     who = f"the minority, {ranks_text(culprits)}" if majority else f"no majority: all of {ranks_text(culprits)}"
-    message = (f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}")
+    message = f"ordering mismatch at #{seq} on {comm.label!r}: {'; '.join(parts)} ({how}); culprits: {who}"
     op_names = sorted({str(o) for o in ops.values()})
-    return Problem(Kind.MISMATCH, culprits, comm.label, "/".join(op_names), seq, message, reporters, ts,
-                   {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail,
-                    "checked": checked})
+    return Problem(
+        Kind.MISMATCH,
+        culprits,
+        comm.label,
+        "/".join(op_names),
+        seq,
+        message,
+        reporters,
+        ts,
+        {"groups": groups, "ops": {str(r): o for r, o in sorted(ops.items())}, "detail": detail, "checked": checked},
+    )

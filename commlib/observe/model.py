@@ -57,8 +57,11 @@ class RunLogs:
         """The files nothing could be read from; but a file that holds nothing yet (a rotation
         has just started it) is no loss where its rank's other files were read."""
         read = {f.rank for f in self.files if f.unreadable() is None}
-        return [f for f in self.files if f.unreadable() is not None
-                and not (f.rank in read and f.problem is None and f.garbled == 0)]
+        return [
+            f
+            for f in self.files
+            if f.unreadable() is not None and not (f.rank in read and f.problem is None and f.garbled == 0)
+        ]
 
     def events(self) -> list[dict[str, Any]]:
         """Every rank's events of every attempt as one stream, in wall-clock order (read again,
@@ -85,8 +88,7 @@ class _Collect(Observer):
         self.calls.append((att.attempt, call))
 
 
-def load(logdir: str | os.PathLike[str], job: str | None = None,
-         observers: Iterable[Observer] = ()) -> RunLogs:
+def load(logdir: str | os.PathLike[str], job: str | None = None, observers: Iterable[Observer] = ()) -> RunLogs:
     """Read every rank's logs, every flight-recorder dump and every stack dump of `logdir`, in
     one pass (`commlib.observe.reading.stream`); with `job`, only that job's events. Raises LogDirError when
     the directory is missing or no file in it holds a readable event, MixedJobsError when it
@@ -103,8 +105,11 @@ def load(logdir: str | os.PathLike[str], job: str | None = None,
     segments = rank_segments(directory)
     if not segments:
         nested = directory / "logs"
-        hint = (f"they are in {nested}" if nested.is_dir() and rank_segments(nested)
-                else "was the job run with log_dir= or COMMLIB_LOG_DIR set?")
+        hint = (
+            f"they are in {nested}"
+            if nested.is_dir() and rank_segments(nested)
+            else "was the job run with log_dir= or COMMLIB_LOG_DIR set?"
+        )
         raise LogDirError(f"expected rank*.jsonl logs in {directory}; found none ({hint})")
     fold = Fold(job, list(observers))
     readers = [RankReader(rank, paths) for rank, paths in segments.items()]
@@ -128,14 +133,17 @@ def load(logdir: str | os.PathLike[str], job: str | None = None,
         more = f"; and {len(files) - LISTED} more" if len(files) > LISTED else ""
         raise LogDirError(f"expected at least one readable event in {directory}; found none: {listing}{more}")
     if job is not None and not fold.attempts:
-        raise LogDirError(f"expected events of job {job!r} in {directory}; found only "
-                          + "; ".join(info.describe() for info in fold.jobs.values()))
+        raise LogDirError(
+            f"expected events of job {job!r} in {directory}; found only "
+            + "; ".join(info.describe() for info in fold.jobs.values())
+        )
     skipped: list[tuple[str, str]] = []
     dumps = [add_dump(fold, path, data) for path, data in flight_dumps(directory, skipped)]
     add_stacks(fold, directory, skipped)
     fold.finish()
-    return RunLogs(str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(), skipped,
-                   None, job)
+    return RunLogs(
+        str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(), skipped, None, job
+    )
 
 
 def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterable[Observer] = ()) -> RunLogs:
@@ -156,5 +164,3 @@ def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterabl
                 fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
     fold.finish()
     return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), None, source)
-
-

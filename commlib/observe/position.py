@@ -90,8 +90,17 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
         peer = None if c.peer is None else comm.global_rank(c.peer) if comm is not None else c.peer
         return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer)
 
-    return RankPosition(rank=rank, host=rl.host, pid=rl.pid, last_event=last_event, last_event_ns=last_event_ns,
-                        step=step, phase=phase, last_started=ref(last_started), last_finished=ref(last_finished),
-                        log_ends_ns=rl.last_ns,
-                        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack,
-                        cut=rl.cut and at_ns is None)
+    return RankPosition(
+        rank=rank,
+        host=rl.host,
+        pid=rl.pid,
+        last_event=last_event,
+        last_event_ns=last_event_ns,
+        step=step,
+        phase=phase,
+        last_started=ref(last_started),
+        last_finished=ref(last_finished),
+        log_ends_ns=rl.last_ns,
+        stack=last_started.stack if last_started and last_started.stack else rl.signal_stack,
+        cut=rl.cut and at_ns is None,
+    )

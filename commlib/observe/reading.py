@@ -96,7 +96,7 @@ class RankReader:
                 at = raw.find(b'"ts_ns":')
                 end = raw.find(b",", at)
                 try:  # the clock read out of the bytes; parsed only when that fails
-                    ts = int(raw[at + 8:end if end > 0 else -2]) if at >= 0 else _clock(raw)
+                    ts = int(raw[at + 8 : end if end > 0 else -2]) if at >= 0 else _clock(raw)
                 except ValueError:
                     ts = _clock(raw)
                 if ts is None:
@@ -208,9 +208,13 @@ def stream(fold: Fold, readers: list[RankReader]) -> None:
         if any(r.ordered for r in live):  # each line a group of its own, in order
             for r in live:
                 r.ordered = False
-            groups = [(context, ((ts, raw, report),)) for ts, _, raw, report, context in sorted(
-                ((ts, i, raw, report, context) for i, (context, t) in enumerate(groups) for ts, raw, report in t),
-                key=_CLOCK_AND_RANK)]
+            groups = [
+                (context, ((ts, raw, report),))
+                for ts, _, raw, report, context in sorted(
+                    ((ts, i, raw, report, context) for i, (context, t) in enumerate(groups) for ts, raw, report in t),
+                    key=_CLOCK_AND_RANK,
+                )
+            ]
         for context, taken in groups:
             for _, raw, report in taken:
                 try:
@@ -271,8 +275,7 @@ def _clock(raw: bytes) -> int | None:
 def mixed_jobs(directory: Path, jobs: dict[str | None, JobInfo]) -> MixedJobsError:
     """The refusal to read several jobs' logs as one, naming every job of the directory (its
     `log.open` lines read again: the pass stops at the first line of a second job)."""
-    seen = {job: JobInfo(job, set(info.ranks), set(info.attempts), set(info.processes))
-            for job, info in jobs.items()}
+    seen = {job: JobInfo(job, set(info.ranks), set(info.attempts), set(info.processes)) for job, info in jobs.items()}
     for paths in rank_segments(directory).values():
         for path in paths:
             with contextlib.suppress(OSError), os.fdopen(open_regular(path), "rb") as f:
@@ -286,6 +289,8 @@ def mixed_jobs(directory: Path, jobs: dict[str | None, JobInfo]) -> MixedJobsErr
                         info.attempts.add(header.get("attempt") or 0)
                         info.processes.add((header.get("host"), header.get("pid")))
     listing = "; ".join(info.describe() for info in seen.values())
-    return MixedJobsError(f"expected the logs of one job in {directory}; found {len(seen)}: {listing}. "
-                          f"Read one of them with --job ID (or move each job's logs to a directory of its own)",
-                          seen)
+    return MixedJobsError(
+        f"expected the logs of one job in {directory}; found {len(seen)}: {listing}. "
+        f"Read one of them with --job ID (or move each job's logs to a directory of its own)",
+        seen,
+    )

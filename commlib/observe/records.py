@@ -64,11 +64,34 @@ class Call:
     fields with `Call.of`.
     """
 
-    __slots__ = ("rank", "comm", "seq", "op", "start_ns", "peer", "status", "source", "end_ns", "duration_s",
-                 "stack", "_start", "_end")
+    __slots__ = (
+        "rank",
+        "comm",
+        "seq",
+        "op",
+        "start_ns",
+        "peer",
+        "status",
+        "source",
+        "end_ns",
+        "duration_s",
+        "stack",
+        "_start",
+        "_end",
+    )
 
-    def __init__(self, rank: int, comm: str, seq: int, op: str, start_ns: int | None, start: dict[str, Any],
-                 peer: int | None = None, status: str = "started", source: str = "log") -> None:
+    def __init__(
+        self,
+        rank: int,
+        comm: str,
+        seq: int,
+        op: str,
+        start_ns: int | None,
+        start: dict[str, Any],
+        peer: int | None = None,
+        status: str = "started",
+        source: str = "log",
+    ) -> None:
         self.rank = rank
         self.comm = comm
         self.seq = seq  # a send/recv's: the count of its pair's point-to-point ops
@@ -84,8 +107,19 @@ class Call:
         self.stack: list[str] | None = None
 
     @classmethod
-    def of(cls, rank: int, comm: str, seq: int, op: str, start_ns: int | None, *, peer: int | None = None,
-           status: str = "started", source: str = "log", **fields: Any) -> "Call":
+    def of(
+        cls,
+        rank: int,
+        comm: str,
+        seq: int,
+        op: str,
+        start_ns: int | None,
+        *,
+        peer: int | None = None,
+        status: str = "started",
+        source: str = "log",
+        **fields: Any,
+    ) -> "Call":
         """A call from its fields (`bytes`, `shapes`, `dtype`, `root`, `deadline_s`, `step`, `phase`,
         `label`, `pid`, `start_mono_ns`, `async_op`, `duration_s`, `end_ns`, `end_mono_ns`, `stack`)."""
         after = {k: fields.pop(k) for k in ("duration_s", "end_ns", "stack") if k in fields}
@@ -99,8 +133,10 @@ class Call:
         return call
 
     def __repr__(self) -> str:
-        return (f"Call(rank={self.rank}, comm={self.comm!r}, seq={self.seq}, op={self.op!r}, "
-                f"status={self.status!r}, start_ns={self.start_ns}, end_ns={self.end_ns})")
+        return (
+            f"Call(rank={self.rank}, comm={self.comm!r}, seq={self.seq}, op={self.op!r}, "
+            f"status={self.status!r}, start_ns={self.start_ns}, end_ns={self.end_ns})"
+        )
 
     @property
     def bytes(self) -> int | None:
@@ -175,8 +211,14 @@ class RankLog:
         return self.first_failure_ns is not None and self.first_failure_ns <= ts_ns
 
     def place(self) -> Place:
-        return (self.last_event, self.last_ns, self.stepped.get("step"), self.stepped.get("phase"),
-                self.last_started, self.last_finished)
+        return (
+            self.last_event,
+            self.last_ns,
+            self.stepped.get("step"),
+            self.stepped.get("phase"),
+            self.last_started,
+            self.last_finished,
+        )
 
 
 class SeqSet:
@@ -301,8 +343,12 @@ def disagree(calls: Iterable[Call]) -> bool:
             continue  # made up from a failure: nothing to compare
         if first is None:
             first, op, dtype, root = shapes, c.op, start.get("dtype"), start.get("root")
-        elif (c.op != op or start.get("dtype") != dtype or start.get("root") != root
-              or (shapes != first and op not in ROOT_ONLY_SHAPES)):
+        elif (
+            c.op != op
+            or start.get("dtype") != dtype
+            or start.get("root") != root
+            or (shapes != first and op not in ROOT_ONLY_SHAPES)
+        ):
             return True
     return False
 
@@ -345,6 +391,7 @@ class AttemptLog:
                 for r in comm.member_ranks():
                     out[r] += comm.waited
         return out
+
     errors: dict[tuple[str, Any], ErrorGroup] = field(default_factory=dict)
     # Where every rank was when each deadline expired: the first timeout's ts_ns -> rank -> place.
     snapshots: dict[int, dict[int, Place]] = field(default_factory=dict)
@@ -404,8 +451,10 @@ class JobInfo:
 
     def describe(self) -> str:
         name = repr(self.job) if self.job is not None else "without a job id (an older log format)"
-        return (f"job {name}: ranks [{rank_ranges(self.ranks)}], attempt(s) {sorted(self.attempts)}, "
-                f"{len(self.processes)} process(es)")
+        return (
+            f"job {name}: ranks [{rank_ranges(self.ranks)}], attempt(s) {sorted(self.attempts)}, "
+            f"{len(self.processes)} process(es)"
+        )
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -420,7 +469,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
-    """"rank 3", "ranks 0-736, 738-999", or "no rank": how the doctor names a set of ranks."""
+    """ "rank 3", "ranks 0-736, 738-999", or "no rank": how the doctor names a set of ranks."""
     unique = set(ranks)
     if not unique:
         return "no rank"
@@ -443,7 +492,6 @@ class Observer:
         """A send and the recv it matched (both logged a start)."""
 
 
-
 def peer_of(e: dict[str, Any]) -> int | None:
     """The other side's communicator rank of a send/recv event or flight entry; None for a collective.
 
@@ -457,4 +505,3 @@ def peer_of(e: dict[str, Any]) -> int | None:
 
 def p2p_name(op: str, seq: int, peer: int) -> str:
     return f"{op} #{seq} {'to' if op == 'send' else 'from'} rank {peer}"
-

@@ -85,8 +85,9 @@ class ReplicaFindings:
         return {**asdict(self), "never_back": self.never_back, "exit_code": self.exit_code}
 
     def render(self) -> str:
-        lines = [f"Replica groups {self.groups} in {self.root}: {len(self.quorums)} quorums, "
-                 f"{len(self.lost)} group(s) lost."]
+        lines = [
+            f"Replica groups {self.groups} in {self.root}: {len(self.quorums)} quorums, {len(self.lost)} group(s) lost."
+        ]
         same = 0  # quorums in a row with the members of the one before (torchft's ids move on a failed commit too)
         for q, after in zip(self.quorums, [*self.quorums[1:], None]):
             if q.joined or q.left or q is self.quorums[0]:
@@ -100,10 +101,15 @@ class ReplicaFindings:
         for g in self.lost:
             how = g.cause + (f" in {g.op}" if g.op else "")
             noticed = f", noticed by replica {g.noticed_by[0]} rank {g.noticed_by[1]}" if g.noticed_by else ""
-            back = (f"back in quorum {g.back_in_quorum} after {_s(g.back_after_s)}" if g.back_in_quorum is not None
-                    else "NEVER BACK")
-            lines.append(f"  LOST replica {g.replica} (ranks {g.ranks}) from quorum {g.quorum_id}: {how}{noticed}; "
-                         f"detected after {_s(g.detected_after_s)}, survivors lost {_s(g.time_lost_s)}; {back}")
+            back = (
+                f"back in quorum {g.back_in_quorum} after {_s(g.back_after_s)}"
+                if g.back_in_quorum is not None
+                else "NEVER BACK"
+            )
+            lines.append(
+                f"  LOST replica {g.replica} (ranks {g.ranks}) from quorum {g.quorum_id}: {how}{noticed}; "
+                f"detected after {_s(g.detected_after_s)}, survivors lost {_s(g.time_lost_s)}; {back}"
+            )
         return "\n".join(lines)
 
 
@@ -114,8 +120,11 @@ def _s(x: float | None) -> str:
 def group_dirs(root: str | Path) -> dict[int, Path]:
     """replica -> its log dir, for a directory of replica groups' log dirs (none otherwise)."""
     path = Path(root)
-    found = {int(m.group(1)): p for p in path.iterdir() if p.is_dir() and (m := GROUP_DIR.match(p.name))} \
-        if path.is_dir() else {}
+    found = (
+        {int(m.group(1)): p for p in path.iterdir() if p.is_dir() and (m := GROUP_DIR.match(p.name))}
+        if path.is_dir()
+        else {}
+    )
     return dict(sorted(found.items()))
 
 
@@ -131,8 +140,9 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
             for e in read_rank(paths):
                 name = e.get("event")
                 if name == "replicas.quorum":
-                    q = quorums.setdefault(int(e["quorum_id"]), {"replicas": e.get("replicas") or [], "ranks": set(),
-                                                                "ts_ns": e["ts_ns"]})
+                    q = quorums.setdefault(
+                        int(e["quorum_id"]), {"replicas": e.get("replicas") or [], "ranks": set(), "ts_ns": e["ts_ns"]}
+                    )
                     q["ts_ns"] = min(q["ts_ns"], e["ts_ns"])
                     q["ranks"] |= set(e.get("global_ranks") or [])
                     q["group_size"] = e.get("group_size", 1)
@@ -140,42 +150,69 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
                     failures.append({**e, "replica": replica, "group_rank": rank})
                 elif name == "collective.start" and str(e.get("comm", "")).startswith(COMM_PREFIX):
                     starts[(replica, rank, e["comm"], e.get("seq"))] = e["ts_ns"]
-                elif (name == "collective.end" and e.get("status") == "ok"
-                      and str(e.get("comm", "")).startswith(COMM_PREFIX)):
-                    ends.append((e["ts_ns"], int(e["comm"][len(COMM_PREFIX):]), replica, rank))
+                elif (
+                    name == "collective.end"
+                    and e.get("status") == "ok"
+                    and str(e.get("comm", "")).startswith(COMM_PREFIX)
+                ):
+                    ends.append((e["ts_ns"], int(e["comm"][len(COMM_PREFIX) :]), replica, rank))
     findings = ReplicaFindings(str(root), sorted(groups))
     ordered = sorted(quorums.items())
     before: list[int] = []
     for qid, q in ordered:
         members = sorted(q["replicas"])
-        findings.quorums.append(QuorumChange(qid, members, sorted(set(members) - set(before)),
-                                             sorted(set(before) - set(members)), q["ts_ns"]))
+        findings.quorums.append(
+            QuorumChange(
+                qid, members, sorted(set(members) - set(before)), sorted(set(before) - set(members)), q["ts_ns"]
+            )
+        )
         before = members
     ends.sort()
     usual = _usual_interval(ends)
     for (prev_id, prev), (next_id, nxt) in zip(ordered, ordered[1:]):
         for replica in sorted(set(prev["replicas"]) - set(nxt["replicas"])):
-            findings.lost.append(_lost(replica, prev_id, prev, next_id, nxt["replicas"], failures, starts, ends,
-                                       usual, ordered))
+            findings.lost.append(
+                _lost(replica, prev_id, prev, next_id, nxt["replicas"], failures, starts, ends, usual, ordered)
+            )
     return findings
 
 
-def _lost(replica: int, prev_id: int, prev: dict[str, Any], next_id: int, survivors: list[int],
-          failures: list[dict[str, Any]], starts: dict[tuple[int, int, str, Any], int],
-          ends: list[tuple[int, int, int, int]], usual: float | None,
-          ordered: list[tuple[int, dict[str, Any]]]) -> LostGroup:
+def _lost(
+    replica: int,
+    prev_id: int,
+    prev: dict[str, Any],
+    next_id: int,
+    survivors: list[int],
+    failures: list[dict[str, Any]],
+    starts: dict[tuple[int, int, str, Any], int],
+    ends: list[tuple[int, int, int, int]],
+    usual: float | None,
+    ordered: list[tuple[int, dict[str, Any]]],
+) -> LostGroup:
     size = prev.get("group_size", 1)
-    lost = LostGroup(replica, sorted(r for r in prev["ranks"] if r // size == replica), prev_id, next_id,
-                     "left between steps")
-    blamed = sorted((f for f in failures if f.get("quorum_id") == prev_id and f["replica"] in survivors
-                     and replica in (f.get("failed_replicas") or [])), key=lambda f: f["ts_ns"])
+    lost = LostGroup(
+        replica, sorted(r for r in prev["ranks"] if r // size == replica), prev_id, next_id, "left between steps"
+    )
+    blamed = sorted(
+        (
+            f
+            for f in failures
+            if f.get("quorum_id") == prev_id
+            and f["replica"] in survivors
+            and replica in (f.get("failed_replicas") or [])
+        ),
+        key=lambda f: f["ts_ns"],
+    )
     before = [ts for ts, qid, r, _ in ends if qid <= prev_id and r in survivors]
     last_ok = max(before) if before else None
     lost_at = blamed[0]["ts_ns"] if blamed else last_ok
     if blamed:
         first = blamed[0]
-        lost.cause, lost.op, lost.noticed_by = first["error_type"], first.get("op"), [first["replica"],
-                                                                                     first["group_rank"]]
+        lost.cause, lost.op, lost.noticed_by = (
+            first["error_type"],
+            first.get("op"),
+            [first["replica"], first["group_rank"]],
+        )
         # How long the survivor was in the collective that failed.
         began = starts.get((first["replica"], first["group_rank"], first.get("comm"), first.get("seq")))
         if began is not None:

@@ -78,8 +78,9 @@ def file_name(host: str, pid: int) -> str:
     return f"stacks_{safe_host(host)}_{pid}.txt"
 
 
-def read_main_stacks(directory: Path, skipped: list[tuple[str, str]] | None = None
-                     ) -> dict[tuple[str | None, int], list[Frame]]:
+def read_main_stacks(
+    directory: Path, skipped: list[tuple[str, str]] | None = None
+) -> dict[tuple[str | None, int], list[Frame]]:
     """(host as in the file name (`safe_host`), pid) -> the main thread's frames of the last
     dump, for every stacks file of `directory` (host None: a file named by its pid alone);
     (path, why) of each that could not be read goes into `skipped`."""

@@ -81,9 +81,18 @@ def straggler_stats(attempts: Iterable[AttemptLog]) -> list[StragglerStat]:
             waited[r].add_zeros(n - last)
             if w is not None:
                 waited[r].merge(w.lags)
-    return [StragglerStat(rank=r, collectives=collectives[r], last_count=last_count[r],
-                          waited_total_s=q.total, waited_p50_s=q.quantile(0.5), waited_p99_s=q.quantile(0.99))
-            for r, q in sorted(waited.items()) if q.count]
+    return [
+        StragglerStat(
+            rank=r,
+            collectives=collectives[r],
+            last_count=last_count[r],
+            waited_total_s=q.total,
+            waited_p50_s=q.quantile(0.5),
+            waited_p99_s=q.quantile(0.99),
+        )
+        for r, q in sorted(waited.items())
+        if q.count
+    ]
 
 
 def bandwidth(op: str, nbytes: int, n: int, seconds: float) -> tuple[float | None, float | None]:
@@ -111,6 +120,16 @@ def op_stats(run: RunLogs) -> list[OpStat]:
     for (op, n, nbytes), q in sorted(samples.items()):
         p50 = q.quantile(0.5)
         algbw, busbw = bandwidth(op, nbytes, n, p50)
-        out.append(OpStat(op=op, comm_size=n, bytes=nbytes, samples=q.count, p50_s=p50,
-                          p99_s=q.quantile(0.99), algbw_gbps=algbw, busbw_gbps=busbw))
+        out.append(
+            OpStat(
+                op=op,
+                comm_size=n,
+                bytes=nbytes,
+                samples=q.count,
+                p50_s=p50,
+                p99_s=q.quantile(0.99),
+                algbw_gbps=algbw,
+                busbw_gbps=busbw,
+            )
+        )
     return out

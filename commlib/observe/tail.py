@@ -131,8 +131,11 @@ class _Files:
             raise
 
     def read(self, lo: int, hi: int) -> bytes:
-        parts = [os.pread(fd, min(hi, end) - max(lo, start), max(lo, start) - start)
-                 for fd, (start, end) in zip(self.fds, self.spans) if start < hi and end > lo]
+        parts = [
+            os.pread(fd, min(hi, end) - max(lo, start), max(lo, start) - start)
+            for fd, (start, end) in zip(self.fds, self.spans)
+            if start < hi and end > lo
+        ]
         return b"".join(parts)
 
     def line_at(self, offset: int) -> tuple[int, bytes] | None:
@@ -152,7 +155,7 @@ class _Files:
             data += self.read(at + len(data), min(self.size, at + len(data) + LINE_PROBE))
             i = data.find(b"\n")
             if i >= 0:
-                return at, data[:i + 1]
+                return at, data[: i + 1]
         return (at, data) if data else None
 
     def close(self) -> None:
@@ -171,7 +174,7 @@ def _last_attempt(files: _Files, before: int) -> int | None:
     hi = before
     while hi > 0:
         lo = max(0, hi - LINE_PROBE)
-        for line in reversed(files.read(lo, hi).split(b"\n")[1 if lo else 0:]):
+        for line in reversed(files.read(lo, hi).split(b"\n")[1 if lo else 0 :]):
             attempt = _attempt(line)
             if attempt is not None:
                 return attempt
@@ -182,6 +185,7 @@ def _last_attempt(files: _Files, before: int) -> int | None:
 def _first_line(files: _Files, key: Callable[[bytes], int | None], least: float, lo: int, end: int) -> int:
     """The offset of the first line in [lo, end) whose `key` is `least` or more, lines without one
     passed over (a binary search: the key only grows along the files); `end` where there is none."""
+
     def later(offset: int) -> bool:
         found = files.line_at(offset)
         while found is not None and found[0] < end and key(found[1]) is None:
@@ -236,7 +240,7 @@ def _read_window(files: _Files, segment: _Segment, size: int) -> None:
     data = files.read(lo, segment.end)
     if lo > segment.start:
         first = data.find(b"\n")
-        data, lo = (data[first + 1:], lo + first + 1) if first >= 0 else (b"", segment.end)
+        data, lo = (data[first + 1 :], lo + first + 1) if first >= 0 else (b"", segment.end)
     lines = data.split(b"\n")
     rest = lines.pop()  # b"" after a last newline; else a line cut short (or being written)
     segment.lo, segment.cut = lo, bool(rest)
@@ -248,7 +252,9 @@ def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
     jobs = set()
     for _, segments in ranks.values():
         for s in segments:
-            for line in ([s.header] if s.header is not None else []) + [x for x in s.lines if x.startswith(HEADER_START)]:
+            for line in ([s.header] if s.header is not None else []) + [
+                x for x in s.lines if x.startswith(HEADER_START)
+            ]:
                 try:
                     header = decode(line)
                 except ValueError:
@@ -258,8 +264,7 @@ def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
     return jobs
 
 
-def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]
-             ) -> list[tuple[int, int, str, int, int | None, float]]:
+def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> list[tuple[int, int, str, int, int | None, float]]:
     """(rank, attempt, communicator, seq, peer, when it began) of each call a window shows its rank
     waiting in (`collective.wait_timeout`: a caller's shorter wait, polling an op that goes on)."""
     out: dict[tuple[int, int, str, int, int | None], float] = {}  # the earliest of a call's waits
@@ -292,7 +297,7 @@ def _edge(segment: _Segment) -> int | None:
     for line in segment.lines:
         at = line.find(b'"ts_ns":')
         if at >= 0:
-            digits = re.match(rb"\d+", line[at + 8:])
+            digits = re.match(rb"\d+", line[at + 8 :])
             if digits:
                 return int(digits.group())
     return math.inf  # type: ignore[return-value]
@@ -325,8 +330,13 @@ def _placed(place: tuple[Any, ...] | None) -> bool:
     if place is None:
         return False
     _, _, step, phase, started, finished = place
-    return (started is not None and started.start_logged and finished is not None and finished.start_logged
-            and (step is not None or phase is not None))
+    return (
+        started is not None
+        and started.start_logged
+        and finished is not None
+        and finished.start_logged
+        and (step is not None or phase is not None)
+    )
 
 
 def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], coverage: _Coverage) -> set[int]:
@@ -352,21 +362,26 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
             continue
         by_comm[p.comm].add(p.seq)
         if p.kind is Kind.TIMEOUT and p.ts_ns is not None:  # the collectives ranks were held up in then
-            by_comm[p.comm] |= {k for k, calls in att.comms[p.comm].calls.items() if k < p.seq and any(
-                c.end_ns is None or c.end_ns > p.ts_ns for c in calls.values())}
+            by_comm[p.comm] |= {
+                k
+                for k, calls in att.comms[p.comm].calls.items()
+                if k < p.seq and any(c.end_ns is None or c.end_ns > p.ts_ns for c in calls.values())
+            }
     for label, seqs in by_comm.items():
         comm, first = att.comms[label], min(seqs)
         if comm.size is None or (comm.parent is None and any(k not in comm.members for k in range(comm.size))):
             need |= open_ranks - set(comm.members.values())  # who the members are is not known yet
-        need |= {q for q in comm.member_ranks()
-                 if q in open_ranks and coverage.first_seq.get((a, q, label), math.inf) > first}
+        need |= {
+            q
+            for q in comm.member_ranks()
+            if q in open_ranks and coverage.first_seq.get((a, q, label), math.inf) > first
+        }
     for label, keys in pairs.items():
         comm_rank_of = {g: c for c, g in att.comms[label].members.items()}
         for lo, hi, seq in keys:
             for q, other in ((lo, hi), (hi, lo)):
                 peer = comm_rank_of.get(other)
-                if q in open_ranks and (peer is None or
-                                        coverage.first_pair.get((a, q, label, peer), math.inf) > seq):
+                if q in open_ranks and (peer is None or coverage.first_pair.get((a, q, label, peer), math.inf) > seq):
                     need.add(q)
     return need
 
@@ -400,8 +415,9 @@ def verdict(logdir: str | os.PathLike[str], job: str | None = None, window: int 
             files.close()
 
 
-def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int, tuple[_Files, list[_Segment]]],
-                  window: int) -> Diagnosis:
+def _from_the_end(
+    directory: Path, paths: dict[int, list[Path]], ranks: dict[int, tuple[_Files, list[_Segment]]], window: int
+) -> Diagnosis:
     sizes = {(rank, s.attempt): window for rank, (_, segments) in ranks.items() for s in segments}
     skipped: list[tuple[str, str]] = []
     dumps_read = flight_dumps(directory, skipped)
@@ -410,18 +426,30 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
     total = sum(files.size for files, _ in ranks.values())
     while grow:
         rounds += 1
-        planned = sum(min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items()
-                      for s in segments)
+        planned = sum(
+            min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items() for s in segments
+        )
         if planned > total * MOST:  # streamed, the full read holds less and takes no longer
-            return _full(directory, None, f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
-                                          f"(small logs, or a problem far back): read in full")
+            return _full(
+                directory,
+                None,
+                f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
+                f"(small logs, or a problem far back): read in full",
+            )
         for rank, (files, segments) in ranks.items():
             for s in segments:
                 if (rank, s.attempt) in grow:
                     _read_window(files, s, sizes[(rank, s.attempt)])
-        grow = {(rank, s.attempt) for rank, (_, segments) in ranks.items() for s in segments
-                if not s.whole and s.header is not None and s.lines and not s.lines[0].startswith(HEADER_START)
-                and _pid(s.lines[0]) != _pid(s.header)}  # the window starts in another process than its header's
+        grow = {
+            (rank, s.attempt)
+            for rank, (_, segments) in ranks.items()
+            for s in segments
+            if not s.whole
+            and s.header is not None
+            and s.lines
+            and not s.lines[0].startswith(HEADER_START)
+            and _pid(s.lines[0]) != _pid(s.header)
+        }  # the window starts in another process than its header's
         if grow:
             for key in grow:
                 sizes[key] *= GROWTH
@@ -435,18 +463,28 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
             return _full(directory, None, "the directory holds the logs of more than one job: read in full")
         if not fold.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
             return _full(directory, None, None)  # no event anywhere: the full read's refusal
-        whole = {a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a)
-                 for a in fold.attempts}
+        whole = {
+            a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a) for a in fold.attempts
+        }
         last = max(fold.attempts, default=None)
-        findings = {a: attempt_finding(att, [d for d in dumps if d.attempt == a], final=a == last, whole=whole[a])
-                    for a, att in sorted(fold.attempts.items())}
+        findings = {
+            a: attempt_finding(att, [d for d in dumps if d.attempt == a], final=a == last, whole=whole[a])
+            for a, att in sorted(fold.attempts.items())
+        }
         # A window that holds no event of its attempt yet: the rank is in it, further back.
-        grow = {(rank, s.attempt) for rank, (_, segments) in ranks.items() for s in segments
-                if not s.whole and rank not in (fold.attempts[s.attempt].ranks if s.attempt in fold.attempts else ())}
+        grow = {
+            (rank, s.attempt)
+            for rank, (_, segments) in ranks.items()
+            for s in segments
+            if not s.whole and rank not in (fold.attempts[s.attempt].ranks if s.attempt in fold.attempts else ())
+        }
         for rank, a, name, seq, peer, began in _waiting(ranks):  # a call a rank waits in has its start in it
             label = fold.label(a, rank, name)
-            held = (coverage.first_seq.get((a, rank, label), math.inf) if peer is None
-                    else coverage.first_pair.get((a, rank, label, peer), math.inf))
+            held = (
+                coverage.first_seq.get((a, rank, label), math.inf)
+                if peer is None
+                else coverage.first_pair.get((a, rank, label, peer), math.inf)
+            )
             if held > seq:
                 grow.add((rank, a))
                 files, segments = ranks[rank]
@@ -454,27 +492,47 @@ def _from_the_end(directory: Path, paths: dict[int, list[Path]], ranks: dict[int
                 reach = s.end - _first_line(files, _clock, began - WAIT_MARGIN_NS, s.start, s.end)
                 sizes[(rank, a)] = max(sizes[(rank, a)], reach // GROWTH)
         for a, att in fold.attempts.items():
-            open_ranks = {r for r, (_, segments) in ranks.items() for s in segments
-                          if s.attempt == a and not s.whole and r in att.ranks}
+            open_ranks = {
+                r
+                for r, (_, segments) in ranks.items()
+                for s in segments
+                if s.attempt == a and not s.whole and r in att.ranks
+            }
             if open_ranks and any(rl.recovered is not None for rl in att.ranks.values()):
-                return _full(directory, None, f"attempt {a} recovered in-job, and whether it did depends on all of "
-                                              f"it: read in full")
+                return _full(
+                    directory,
+                    None,
+                    f"attempt {a} recovered in-job, and whether it did depends on all of it: read in full",
+                )
             grow |= {(r, a) for r in _needs(att, findings[a], open_ranks, coverage)}
         for key in grow:
             sizes[key] *= GROWTH
     read = sum(len(line) for _, segments in ranks.values() for s in segments for line in s.lines)
-    info = ReadInfo(read, total, sorted(r for r, (_, segments) in ranks.items() if all(s.whole for s in segments)),
-                    rounds)
+    info = ReadInfo(
+        read, total, sorted(r for r, (_, segments) in ranks.items() if all(s.whole for s in segments)), rounds
+    )
     atts = fold.attempts
-    return Diagnosis(logdir=str(directory), world_size=max((a.world_size or 0 for a in atts.values()), default=0) or None,
-                     hosts=sorted({rl.host for a in atts.values() for rl in a.ranks.values() if rl.host}),
-                     attempts=list(findings.values()), stragglers=[], ops=[], dumps=dumps, job=fold.job_seen(),
-                     unreadable=[{"path": path, "why": why} for path, why in skipped + stacks_skipped], read=info)
+    return Diagnosis(
+        logdir=str(directory),
+        world_size=max((a.world_size or 0 for a in atts.values()), default=0) or None,
+        hosts=sorted({rl.host for a in atts.values() for rl in a.ranks.values() if rl.host}),
+        attempts=list(findings.values()),
+        stragglers=[],
+        ops=[],
+        dumps=dumps,
+        job=fold.job_seen(),
+        unreadable=[{"path": path, "why": why} for path, why in skipped + stacks_skipped],
+        read=info,
+    )
 
 
-def _fold(directory: Path, paths: dict[int, list[Path]], ranks: dict[int, tuple[_Files, list[_Segment]]],
-          dumps_read: list[tuple[Path, dict[str, Any]]], skipped: list[tuple[str, str]]
-          ) -> tuple[Fold, _Coverage, list[Any]]:
+def _fold(
+    directory: Path,
+    paths: dict[int, list[Path]],
+    ranks: dict[int, tuple[_Files, list[_Segment]]],
+    dumps_read: list[tuple[Path, dict[str, Any]]],
+    skipped: list[tuple[str, str]],
+) -> tuple[Fold, _Coverage, list[Any]]:
     """The model of the windows, in the full read's wall-clock order, with the dumps and stacks."""
     coverage = _Coverage({(s.attempt, rank): _edge(s) for rank, (_, segments) in ranks.items() for s in segments})
     fold = Fold(None, [coverage])
@@ -508,8 +566,9 @@ def _full(directory: Path, job: str | None, why: str | None) -> Diagnosis:
     """The full read's diagnosis, saying why the tail did not decide."""
     diagnosis = analyze(load(directory, job=job))
     total = sum(os.path.getsize(p) for files in rank_segments(directory).values() for p in files if os.path.isfile(p))
-    diagnosis.read = ReadInfo(total, total, sorted({r for a in diagnosis.attempts for r in a.ranks}), 0,
-                              why or "read in full")
+    diagnosis.read = ReadInfo(
+        total, total, sorted({r for a in diagnosis.attempts for r in a.ranks}), 0, why or "read in full"
+    )
     return diagnosis
 
 

@@ -43,8 +43,21 @@ from commlib.observe.model import RunLogs, load
 from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
 
 # Fields every event carries: the track already says them.
-_COMMON_FIELDS = ("event", "level", "ts_ns", "mono_ns", "rank", "size", "host", "pid", "backend", "comm_rank",
-                  "comm_size", "label", "job")
+_COMMON_FIELDS = (
+    "event",
+    "level",
+    "ts_ns",
+    "mono_ns",
+    "rank",
+    "size",
+    "host",
+    "pid",
+    "backend",
+    "comm_rank",
+    "comm_size",
+    "label",
+    "job",
+)
 
 
 class TracePathError(ValueError):
@@ -94,29 +107,50 @@ class TraceWriter(Observer):
             status, dur_us = c.status, ((c.end_ns or c.start_ns) - c.start_ns) / 1e3
         tid = self._tid(c.comm, c.start_ns)
         self._tracks.add((c.rank, tid))
-        args = {"seq": c.seq, "bytes": c.bytes, "step": c.step, "phase": c.phase, "status": status,
-                "attempt": att.attempt, "comm": c.comm}
+        args = {
+            "seq": c.seq,
+            "bytes": c.bytes,
+            "step": c.step,
+            "phase": c.phase,
+            "status": status,
+            "attempt": att.attempt,
+            "comm": c.comm,
+        }
         name, cat = c.op, "collective"
         if c.peer is not None:
             peer = att.comms[c.comm].global_rank(c.peer)
             name, cat = f"{c.op} {'->' if c.op == 'send' else '<-'} {peer}", "p2p"
             args["peer"] = peer
-        self._emit({"name": name, "cat": cat, "ph": "X", "ts": self._us(c.start_ns), "dur": dur_us,
-                    "pid": c.rank, "tid": tid, "args": args})
+        self._emit(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": self._us(c.start_ns),
+                "dur": dur_us,
+                "pid": c.rank,
+                "tid": tid,
+                "args": args,
+            }
+        )
 
     def pair(self, att: AttemptLog, comm: CommLog, seq: int, send: Call, recv: Call) -> None:
         """An arrow from the send to the recv it matched, ending just inside the recv's slice."""
         assert send.start_ns is not None and recv.start_ns is not None
         self._flows += 1
-        flow = {"name": "p2p", "cat": "p2p", "id": self._flows, "tid": self._tid(comm.label, None),
-                "args": {"seq": seq, "attempt": att.attempt}}
+        flow = {
+            "name": "p2p",
+            "cat": "p2p",
+            "id": self._flows,
+            "tid": self._tid(comm.label, None),
+            "args": {"seq": seq, "attempt": att.attempt},
+        }
         if recv.duration_s is not None:
             end_ns = recv.start_ns + int(recv.duration_s * 1e9)
         else:
             end_ns = recv.end_ns if recv.end_ns is not None else recv.start_ns
         self._emit({**flow, "ph": "s", "ts": self._us(send.start_ns), "pid": send.rank})
-        self._emit({**flow, "ph": "f", "bp": "e", "ts": self._us(max(end_ns - 1000, recv.start_ns)),
-                    "pid": recv.rank})
+        self._emit({**flow, "ph": "f", "bp": "e", "ts": self._us(max(end_ns - 1000, recv.start_ns)), "pid": recv.rank})
 
     def notice(self, att: AttemptLog, e: dict[str, Any], label: str | None) -> None:
         """Failures on their communicator's track; other notices on the rank's process track."""
@@ -126,8 +160,18 @@ class TraceWriter(Observer):
         if tid:
             self._tracks.add((rank, tid))  # type: ignore[arg-type]
         args = {k: v for k, v in e.items() if k not in _COMMON_FIELDS}
-        self._emit({"name": name, "cat": "failure" if name in NOTICE_EVENTS else "event", "ph": "i",
-                    "s": "t" if tid else "p", "ts": self._us(e["ts_ns"]), "pid": rank, "tid": tid, "args": args})
+        self._emit(
+            {
+                "name": name,
+                "cat": "failure" if name in NOTICE_EVENTS else "event",
+                "ph": "i",
+                "s": "t" if tid else "p",
+                "ts": self._us(e["ts_ns"]),
+                "pid": rank,
+                "tid": tid,
+                "args": args,
+            }
+        )
 
     def finish(self, run: RunLogs) -> None:
         """The attempts' marks, the processes' and tracks' names, and the end of the JSON."""
@@ -136,23 +180,55 @@ class TraceWriter(Observer):
             for rank, rl in sorted(att.ranks.items()):
                 if rl.host and rl.host not in hosts.setdefault(rank, []):
                     hosts[rank].append(rl.host)
-                self._emit({"name": f"attempt {att.attempt}", "ph": "i", "s": "p", "ts": self._us(rl.first_ns),
-                            "pid": rank, "tid": 0, "args": {"attempt": att.attempt, "pid": rl.pid}})
+                self._emit(
+                    {
+                        "name": f"attempt {att.attempt}",
+                        "ph": "i",
+                        "s": "p",
+                        "ts": self._us(rl.first_ns),
+                        "pid": rank,
+                        "tid": 0,
+                        "args": {"attempt": att.attempt, "pid": rl.pid},
+                    }
+                )
         for rank, names in sorted(hosts.items()):
-            self._emit({"name": "process_name", "ph": "M", "ts": 0, "pid": rank, "tid": 0,
-                        "args": {"name": f"rank {rank} ({', '.join(names)})"}})
-            self._emit({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": 0,
-                        "args": {"sort_index": rank}})
-        order = {label: i + 1 for i, label in enumerate(sorted(self._tids, key=lambda k: (
-            self._first_use.get(k, float("inf")), k)))}
+            self._emit(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "ts": 0,
+                    "pid": rank,
+                    "tid": 0,
+                    "args": {"name": f"rank {rank} ({', '.join(names)})"},
+                }
+            )
+            self._emit(
+                {"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": 0, "args": {"sort_index": rank}}
+            )
+        order = {
+            label: i + 1
+            for i, label in enumerate(sorted(self._tids, key=lambda k: (self._first_use.get(k, float("inf")), k)))
+        }
         labels = {tid: label for label, tid in self._tids.items()}
         for rank, tid in sorted(self._tracks):
-            self._emit({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": tid,
-                        "args": {"name": labels[tid]}})
-            self._emit({"name": "thread_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": tid,
-                        "args": {"sort_index": order[labels[tid]]}})
-        self.out.write(b'],"displayTimeUnit":"ms","otherData":'
-                       + json.dumps({"origin_ts_ns": self.origin or 0, "logdir": run.logdir}).encode() + b"}")
+            self._emit(
+                {"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": tid, "args": {"name": labels[tid]}}
+            )
+            self._emit(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "ts": 0,
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"sort_index": order[labels[tid]]},
+                }
+            )
+        self.out.write(
+            b'],"displayTimeUnit":"ms","otherData":'
+            + json.dumps({"origin_ts_ns": self.origin or 0, "logdir": run.logdir}).encode()
+            + b"}"
+        )
 
 
 class TraceFile:
@@ -180,8 +256,10 @@ class TraceFile:
             self._tmp = Path(tmp)
         except OSError as exc:
             self._remove_made()
-            raise TracePathError(f"--trace {self.path}: expected a file that can be written; found "
-                                 f"{type(exc).__name__}: {exc.strerror or exc}") from None
+            raise TracePathError(
+                f"--trace {self.path}: expected a file that can be written; found "
+                f"{type(exc).__name__}: {exc.strerror or exc}"
+            ) from None
         os.fchmod(fd, 0o644)
         self.writer = TraceWriter(os.fdopen(fd, "wb"))
 
@@ -194,16 +272,21 @@ class TraceFile:
             mode = os.stat(self.path).st_mode  # through symlinks
         except FileNotFoundError:
             if self.path.is_symlink():
-                raise TracePathError(f"--trace {self.path}: expected a file to write; found a symlink to "
-                                     f"{os.readlink(self.path)}, which does not exist") from None
+                raise TracePathError(
+                    f"--trace {self.path}: expected a file to write; found a symlink to "
+                    f"{os.readlink(self.path)}, which does not exist"
+                ) from None
             mode = None
         except OSError as exc:
-            raise TracePathError(f"--trace {self.path}: expected a file that can be written; found "
-                                 f"{type(exc).__name__}: {exc.strerror or exc}") from None
+            raise TracePathError(
+                f"--trace {self.path}: expected a file that can be written; found "
+                f"{type(exc).__name__}: {exc.strerror or exc}"
+            ) from None
         if mode is not None and not stat.S_ISREG(mode):
             link = f"a symlink to {os.path.realpath(self.path)}, " if self.path.is_symlink() else ""
-            raise TracePathError(f"--trace {self.path}: expected a regular file to write (or a new one); found "
-                                 f"{link}{kind(mode)}")
+            raise TracePathError(
+                f"--trace {self.path}: expected a regular file to write (or a new one); found {link}{kind(mode)}"
+            )
         return Path(os.path.realpath(self.path)) if mode is not None else self.path
 
     def commit(self, run: RunLogs) -> Path:
