@@ -32,7 +32,7 @@ DEFAULT_RUNS = "runs"
 
 
 def run(
-    plan: "Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | None",
+    plan: Plan | dict[str, Any] | str | os.PathLike[str] | Sequence[str] | None,
     run_dir: str | os.PathLike[str] | None = None,
     trainer_args: Sequence[str] | None = None,
     *,
@@ -49,7 +49,7 @@ def run(
     verify: bool = True,
     png: bool = True,
     progress: Callable[[str], None] | None = None,
-) -> "Report | None":
+) -> Report | None:
     """Run `trainer` under `plan`, verify it against the fault-free reference, and report.
 
     `plan`: a `Plan`, its dict form, a YAML/JSON file, a list of CLI shorthands
@@ -70,7 +70,8 @@ def run(
     multi-node job with rendezvous id `rdzv_id`, whose nodes share `run_dir` (`chaos.multinode`):
     the verdict is node 0's, and the other nodes, or a node stopped by SIGTERM, return None.
     """
-    from chaos import harness, verify as verifier
+    from chaos import harness
+    from chaos import verify as verifier
     from chaos.options import LONGEST_S, directory_problem
     from chaos.plan import Plan, load_plan, parse_shorthand
     from commlib import settings

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from chaos.replica_proof import Record, ReplicaProof
 
 
-def plot(proof: "ReplicaProof", record: "Record", path: Path) -> None:
+def plot(proof: ReplicaProof, record: Record, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

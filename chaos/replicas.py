@@ -43,19 +43,19 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator
 
 from chaos.cleanup import Guard
 from chaos.external import ExternalFaults
+from chaos.fault import FaultType
 from chaos.harness import JOURNAL, POLL_S, RUN_DIR_ENV
 from chaos.harness import _poll as poll_job  # one look at a job: its logs, workers, faults, progress
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
-from chaos.net import DEVICE, Network
-from chaos.fault import FaultType
 from chaos.ledger import Ledger
+from chaos.net import DEVICE, Network
 from chaos.plan import Plan, check_network, check_run
 from chaos.processes import JobProcesses, Worker
 from chaos.progress import Progress

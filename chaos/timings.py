@@ -28,7 +28,6 @@ from chaos.ledger import Ledger
 from chaos.report import FaultResult
 from commlib.observe.model import LogDirError, RunLogs, load
 
-
 # torchrun's agent logs (glog style, local time) the moment it acts on a failed worker.
 _AGENT_LINE = re.compile(
     r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) +\d+ [^\]]*\] "

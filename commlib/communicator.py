@@ -51,7 +51,7 @@ from commlib.members import Members
 from commlib.observe import log as _log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
-from commlib.ops import Collective, OpName, Reduction, ReduceOp
+from commlib.ops import Collective, OpName, ReduceOp, Reduction
 from commlib.validation import CallChecker, deadline_timedelta, seconds
 from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp
@@ -69,7 +69,7 @@ class Work:
 
     def __init__(
         self,
-        comm: "Communicator",
+        comm: Communicator,
         call: Collective,
         backend_work: BackendWork,
         entry: FlightEntry,
@@ -332,7 +332,7 @@ class Communicator:
         return self.hooks.register_failure_hook(fn)
 
     # -- lifecycle --------------------------------------------------------------------
-    def split(self, ranks: list[int], name: str, *, timeout: float | timedelta | None = None) -> "Communicator | None":
+    def split(self, ranks: list[int], name: str, *, timeout: float | timedelta | None = None) -> Communicator | None:
         """A communicator of `ranks` (ranks of this one, in the new rank order), named `name`.
 
         Collective: every rank of this communicator calls it with the same arguments.
@@ -404,7 +404,7 @@ class Communicator:
             self._log.info("comm.finalize", seq=self._seq)
         self.recorder.close()  # the process's last one leaves it as it was (commlib.observe.flight)
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch

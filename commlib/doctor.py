@@ -28,13 +28,14 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlib.observe.findings import AttemptFinding
-from commlib.observe.position import RankPosition
-from commlib.observe.records import rank_ranges, ranks_text
 from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.findings import AttemptFinding
 from commlib.observe.log import RANK_FILE
 from commlib.observe.model import LogDirError, load
-from commlib.observe.replicas import group_dirs, main as replicas_main
+from commlib.observe.position import RankPosition
+from commlib.observe.records import rank_ranges, ranks_text
+from commlib.observe.replicas import group_dirs
+from commlib.observe.replicas import main as replicas_main
 from commlib.observe.tail import ReadInfo, verdict
 from commlib.observe.trace import TraceFile, TracePathError
 

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.communicator import Work
-from commlib.ops import to_reduction
-from commlib.ops import PremulSum, Reduction
+from commlib.ops import PremulSum, Reduction, to_reduction
 
 
 class CommlibWork(dist.Work):

@@ -69,7 +69,7 @@ class HookRegistry:
         return RemovableHandle(table, hook_id)
 
     @staticmethod
-    def process() -> "HookRegistry":
+    def process() -> HookRegistry:
         """The process-wide registry."""
         return _PROCESS_HOOKS
 

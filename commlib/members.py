@@ -19,7 +19,7 @@ class Members:
     global_ranks: tuple[int, ...]  # indexed by the communicator's own rank
 
     @classmethod
-    def of(cls, comm: str, size: int, global_ranks: Sequence[int] | None = None) -> "Members":
+    def of(cls, comm: str, size: int, global_ranks: Sequence[int] | None = None) -> Members:
         """`global_ranks` None: the communicator's ranks are the global ones (a world)."""
         ranks = tuple(range(size)) if global_ranks is None else tuple(global_ranks)
         if len(ranks) != size:

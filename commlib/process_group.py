@@ -103,7 +103,7 @@ def current(group: dist.ProcessGroup | None = None, device: torch.device | str |
     return group.communicator(device)
 
 
-def create(opts: Any, engine_options: EngineOptions | None) -> "CommlibProcessGroup":
+def create(opts: Any, engine_options: EngineOptions | None) -> CommlibProcessGroup:
     """c10d's creator for `backend="commlib"` (extended API: `_DistributedBackendOptions`)."""
     if engine_options is not None and not isinstance(engine_options, EngineOptions):
         raise TypeError(
@@ -148,7 +148,7 @@ def group_over_store(
     name: str,
     options: EngineOptions | None = None,
     global_ranks: Sequence[int] | None = None,
-) -> "CommlibProcessGroup":
+) -> CommlibProcessGroup:
     """A commlib process group over `store` that no `init_process_group` makes, for a library
     that makes and replaces its groups itself (torchft at each quorum: `commlib.replicas`).
     `global_ranks`: each member's global rank, by group rank, which errors and logs name (None:
@@ -221,7 +221,7 @@ def _set_engine_timeout(engine: Any, timeout: timedelta) -> None:
     getattr(setter, "engines_own", setter)(engine, timeout)
 
 
-def commlib_groups() -> list["CommlibProcessGroup"]:
+def commlib_groups() -> list[CommlibProcessGroup]:
     """Every commlib process group of this process that torch.distributed knows, default group first.
 
     Read from torch.distributed's own group registry (in creation order, which every rank

@@ -108,7 +108,7 @@ def _concatenated(call: Collective, big: torch.Tensor, small: torch.Tensor, big_
         )
 
 
-def check_call(call: Collective, unsupported: "callable") -> None:  # type: ignore[valid-type]
+def check_call(call: Collective, unsupported: callable) -> None:  # type: ignore[valid-type]
     """Raise TypeError/ValueError when `call` is malformed on this rank.
 
     `unsupported(device, reduce_op)` is the backend's `supports`: None if it can serve them.
@@ -219,7 +219,7 @@ class CallChecker:
 
     MAX_SIGNATURES = 4096
 
-    def __init__(self, unsupported: "callable") -> None:  # type: ignore[valid-type]
+    def __init__(self, unsupported: callable) -> None:  # type: ignore[valid-type]
         self._unsupported = unsupported
         self._passed: set[tuple[object, ...]] = set()
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 import commlib
 from commlib.ops import to_reduction
 from fsdp_overlap._fsdp_internals import AllGather, ReduceScatter

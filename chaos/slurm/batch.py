@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from chaos.plan import Plan
-from commlib.settings import env_integer, integer, text
 from commlib.observe.log import event_log, read_events
+from commlib.settings import env_integer, integer, text
 
 SETTINGS = "slurm.json"
 SCRIPT = "job.sbatch"

@@ -206,7 +206,7 @@ class Snapshot:
     rng: dict[str, torch.Tensor]
 
     @classmethod
-    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> "Snapshot":
+    def take(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Snapshot:
         optim = []
         for p in _optimizer_params(optimizer):
             optim.append(

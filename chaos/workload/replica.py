@@ -73,8 +73,8 @@ from chaos.workload.model import (
     set_deterministic,
     warm_up_attention,
 )
-from commlib.observe.log import attempt_number
 from commlib import settings
+from commlib.observe.log import attempt_number
 
 PGS = ("commlib", "torchft-gloo")
 MAX_REPLICAS = 1024

@@ -62,13 +62,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import commlib
 import fsdp_overlap
-from commlib import settings
-from commlib.initialize import BACKENDS
-from commlib.observe.log import attempt_number
 from chaos.inject import install_from_env
 from chaos.options import LARGEST_INDEX, LONGEST_S, MOST_FIRINGS, option
 from chaos.results import write_results
-from chaos.workload.checkpoint import CheckpointMismatch, Checkpointer, Snapshot, TrainState
+from chaos.workload.checkpoint import Checkpointer, CheckpointMismatch, Snapshot, TrainState
 from chaos.workload.data import DataConfig, batch_for
 from chaos.workload.model import (
     MASKS,
@@ -79,6 +76,9 @@ from chaos.workload.model import (
     set_deterministic,
     warm_up_attention,
 )
+from commlib import settings
+from commlib.initialize import BACKENDS
+from commlib.observe.log import attempt_number
 
 EXIT_OK = 0
 EXIT_ERROR = 1

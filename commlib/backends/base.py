@@ -69,7 +69,7 @@ class Backend(Protocol):
         """Stream-ordered engines: the engine lane `call` runs on, where ops run one after the
         other (None: the collectives'; a peer: its send/recv, where the engine has such lanes)."""
 
-    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "Backend | None":
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> Backend | None:
         """Collective over every member: a backend for `ranks`, None where not a member."""
 
     def supports(self, device: torch.device, op: Reduction | None) -> str | None:

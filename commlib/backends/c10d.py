@@ -181,7 +181,7 @@ class C10dBackend:
     @classmethod
     def create(
         cls, engine: str, *, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta
-    ) -> "C10dBackend":
+    ) -> C10dBackend:
         """A new engine of kind `engine` ("gloo" or "nccl") among `size` ranks meeting in `store`."""
         engine_store = dist.PrefixStore("engine/", store)
         if engine == "gloo":
@@ -338,7 +338,7 @@ class C10dBackend:
             return f"backend {self.name} serves tensors on {self.device}, the device it runs on"
         return None
 
-    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> C10dBackend | None:
         self._splits += 1
         if not self._owned:
             return self._split_through_torch(ranks, name, timeout)
@@ -352,7 +352,7 @@ class C10dBackend:
             engine, store=store, rank=ranks.index(self.rank), size=len(ranks), device=self.device, timeout=timeout
         )
 
-    def _split_through_torch(self, ranks: list[int], name: str, timeout: timedelta) -> "C10dBackend | None":
+    def _split_through_torch(self, ranks: list[int], name: str, timeout: timedelta) -> C10dBackend | None:
         """A split of a caller's process group: torch's `new_group`, so it is built the way
         the caller's group was (torchcomms-routed groups split through `TorchComm.split`)."""
         parent_ranks = dist.get_process_group_ranks(self.group)

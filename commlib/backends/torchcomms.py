@@ -102,7 +102,7 @@ _ABORTED_BY_TORCHCOMMS = "torchcomms communicator was aborted by torchcomms"
 class TorchcommsWork:
     work: Any  # torchcomms.TorchWork
     deadline_mono: float  # torchcomms times the op out (its per-op timeout) no earlier than this
-    backend: "TorchcommsBackend"
+    backend: TorchcommsBackend
 
     def wait(self, timeout: timedelta) -> bool:
         # TorchWork is not thread-safe: everything here runs on the caller's thread.
@@ -176,7 +176,7 @@ class TorchcommsBackend:
         device: torch.device,
         timeout: timedelta,
         engine: str | None = None,
-    ) -> "TorchcommsBackend":
+    ) -> TorchcommsBackend:
         tc = _torchcomms()
         engine = engine or ("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":  # stream-ordered: commlib's watchdog holds the deadline (module docstring)
@@ -249,7 +249,7 @@ class TorchcommsBackend:
             return f"backend {self.name} serves {self.device.type} tensors"
         return None
 
-    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "TorchcommsBackend | None":
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> TorchcommsBackend | None:
         if self.rank in ranks:
             return TorchcommsBackend(self.comm.split(ranks, name, timeout=timeout), self.device)
         # A non-member's split([]) returns before torchcomms' gloo advances its split counter,

@@ -200,7 +200,7 @@ class ProgressBoard:
 class _Publisher:
     """The process's one publishing thread: runs while any board is open (see the module docstring)."""
 
-    _boards: "weakref.WeakSet[ProgressBoard]" = weakref.WeakSet()
+    _boards: weakref.WeakSet[ProgressBoard] = weakref.WeakSet()
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
     _stop = threading.Event()

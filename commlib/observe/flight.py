@@ -270,7 +270,7 @@ def _copy(items: Any) -> list[Any]:
 
 # The registries this module owns: every live recorder of the process (for SIGUSR1 and the
 # process's lifecycle), the dump files it wrote, and what install_sigusr1 set up.
-_RECORDERS: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
+_RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _DUMPS = _DumpFiles()
 
 

@@ -203,7 +203,7 @@ class EventWriter:
 
     __slots__ = ("_file", "_reserved", "_tail", "info")
 
-    def __init__(self, sink: "_Sink", bound: dict[str, Any]) -> None:
+    def __init__(self, sink: _Sink, bound: dict[str, Any]) -> None:
         self._file = sink.writer.target
         renderer = sink.renderer
         # The line ends with the bound fields, then the process's (their values win, as in
@@ -225,7 +225,7 @@ def _write_nothing(event: str, fields: dict[str, Any]) -> None:
 
 
 # Every rank log this process writes, by path: loggers of one file share its LogFile.
-_FILES: "weakref.WeakValueDictionary[Path, LogFile]" = weakref.WeakValueDictionary()
+_FILES: weakref.WeakValueDictionary[Path, LogFile] = weakref.WeakValueDictionary()
 
 
 class _Descriptor:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.codec import decode
 from commlib.observe.files import open_regular
+from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.log import after_cut, rank_segments
 from commlib.observe.logfile import HEADER_EVENT, HEADER_START
 from commlib.observe.records import FileReport, JobInfo, MixedJobsError

@@ -39,7 +39,7 @@ class LogDirError(ValueError):
 class MixedJobsError(LogDirError):
     """The directory holds the logs of more than one job (`jobs`: job id -> what was seen of it)."""
 
-    def __init__(self, message: str, jobs: dict[str | None, "JobInfo"]) -> None:
+    def __init__(self, message: str, jobs: dict[str | None, JobInfo]) -> None:
         super().__init__(message)
         self.jobs = jobs
 
@@ -119,7 +119,7 @@ class Call:
         status: str = "started",
         source: str = "log",
         **fields: Any,
-    ) -> "Call":
+    ) -> Call:
         """A call from its fields (`bytes`, `shapes`, `dtype`, `root`, `deadline_s`, `step`, `phase`,
         `label`, `pid`, `start_mono_ns`, `async_op`, `duration_s`, `end_ns`, `end_mono_ns`, `stack`)."""
         after = {k: fields.pop(k) for k in ("duration_s", "end_ns", "stack") if k in fields}
@@ -260,7 +260,7 @@ class CommLog:
     p2p_calls: dict[tuple[int, int, int], Call] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)  # collectives' and send/recv's
     mismatches: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
-    parent: tuple["CommLog", list[int]] | None = None  # the communicator it was split from, and ranks
+    parent: tuple[CommLog, list[int]] | None = None  # the communicator it was split from, and ranks
     # Accumulated from settled calls: latency per (op, bytes), and the first seq whose ranks issued
     # different things, with their calls, and how many such seqs.
     latency: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # folded into sketches by stats

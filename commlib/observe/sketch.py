@@ -52,7 +52,7 @@ class Quantiles:
         self.count += n
         self.zeros += n
 
-    def merge(self, other: "Quantiles") -> None:
+    def merge(self, other: Quantiles) -> None:
         self.add_zeros(other.zeros)
         if other._exact is not None:
             for value in other._exact:
