@@ -527,7 +527,7 @@ def _join(job: Job, plan: Plan, run_dir: Path) -> None:
                 raise ValueError(
                     f"run_job: expected {path} to be this job's, to join it; found another "
                     f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)"
-                )
+                ) from None
         finally:
             partial.unlink()
     if (run_dir / "report.json").exists():

@@ -4,8 +4,9 @@ A trainer installs it at start with ``install_from_env(comm)``; that returns Non
 the harness set ``CHAOS_PLAN`` (so it costs nothing outside chaos runs). The trainer then
 calls ``on_step_start(step)`` at the start of every step,
 ``on_checkpoint_staged(step)`` once this rank's checkpoint shard is written but before the
-checkpoint is committed, and ``on_checkpoint_committed(step, directory)`` once it is. Everything else happens in a process-wide commlib pre-hook, so it
-covers every communicator of the rank, including ones split later.
+checkpoint is committed, and ``on_checkpoint_committed(step, directory)`` once it is.
+Everything else happens in a process-wide commlib pre-hook, so it covers every communicator
+of the rank, including ones split later.
 
 Faults acted here (the harness does ``kill`` and ``hang`` from outside, with signals):
 

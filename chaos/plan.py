@@ -432,7 +432,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         keys = [self.construct_object(k) for k, _ in own]
         if all(isinstance(k, collections.abc.Hashable) for k in keys) and len(set(keys)) < len(keys):
             _unique(
-                [(key, self.construct_object(v, deep=True)) for key, (_, v) in zip(keys, own)],
+                [(key, self.construct_object(v, deep=True)) for key, (_, v) in zip(keys, own, strict=True)],
                 f"{self.name}:{node.start_mark.line + 1}",
             )
         return super().construct_mapping(node, deep=True)  # refuses unhashable keys

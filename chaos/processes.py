@@ -6,8 +6,9 @@ Each agent starts in a session of its own (`JobProcesses.launch`), so its proces
 its pid and nothing it spawns can slip out of the job unseen. A worker is an agent's child,
 matched to its rank and attempt by its environment (``RANK``, and the attempt its torchrun's
 and Slurm's counts estimate: `commlib.attempt.attempt_number`), never by name; the agents'
-trees are scanned in one place (`_children`), and a worker's environment is read once. `JobProcesses.seen` is every pid of
-the job noticed so far: agents, workers, pids in the ranks' logs, and whatever `stop` finds.
+trees are scanned in one place (`_children`), and a worker's environment is read once.
+`JobProcesses.seen` is every pid of the job noticed so far: agents, workers, pids in the
+ranks' logs, and whatever `stop` finds.
 
 The job's life is tied to the harness's: every process of the job inherits the run's token
 (`JOB_ENV`), which finds it even once it is no one's descendant (torchrun starts each worker

@@ -9,6 +9,7 @@ resumes at the survivors' step. Imports matplotlib (the ``report`` extra) when c
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ def plot(proof: ReplicaProof, record: Record, path: Path) -> None:
         mine = sorted((c.ts_ns, c.step) for c in record.commits if c.replica == r and c.rank == 0)
         # A gap (a lost group's absence) is left open: NaN breaks the line there.
         xs, ys = [], []
-        for (t, s), (_, before) in zip(mine, [(0, None), *mine]):
+        for (_, before), (t, s) in itertools.pairwise([(0, None), *mine]):
             if before is not None and s != before + 1:
                 xs.append(float("nan"))
                 ys.append(float("nan"))

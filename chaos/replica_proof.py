@@ -29,6 +29,7 @@ and ``report.png`` (the members of each committed step, each group's commits ove
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from collections import defaultdict
@@ -297,7 +298,7 @@ def survivors_every_step_once(record: Record, survivors: list[int]) -> Check:
 def no_step_committed_twice(record: Record) -> Check:
     problems = []
     for (r, k), commits in _by_process(record).items():
-        for before, after in zip(commits, commits[1:]):
+        for before, after in itertools.pairwise(commits):
             if after.step <= before.step:
                 problems.append(
                     f"replica {r} rank {k} committed step {after.step} (pid {after.pid}, attempt "
@@ -475,5 +476,5 @@ def _step_periods(record: Record, survivors: list[int]) -> list[float]:
     periods = []
     for (r, _), commits in _by_process(record).items():
         if r in survivors:
-            periods += [(b.ts_ns - a.ts_ns) / 1e9 for a, b in zip(commits, commits[1:])]
+            periods += [(b.ts_ns - a.ts_ns) / 1e9 for a, b in itertools.pairwise(commits)]
     return periods

@@ -4,8 +4,8 @@
 - ``report.json`` (`Report.to_dict`): ``passed``, ``checks`` (name -> bool, only the
   checks that ran), ``bitwise_verified`` and, when false, ``bitwise_reason``, ``faults``
   (one entry per firing: ``type``, ``rank``, ``injected_at``, ``detected_after_s``,
-  ``first_step_after_s``, ``recovery`` ("in_job" or "restart"), ``diagnosis`` and more), the doctor's findings per attempt, the
-  job, the plan, and the step timeline;
+  ``first_step_after_s``, ``recovery`` ("in_job" or "restart"), ``diagnosis`` and more), the
+  doctor's findings per attempt, the job, the plan, and the step timeline;
 - ``report.png``: loss per step of the reference and of the faulted run (every execution,
   re-executed steps included, coloured by attempt), and the faulted run's progress on a
   time axis with faults, detections, restarts, first steps after them and the checkpoint

@@ -4,8 +4,9 @@
 them one per `SOAK_GAP` steps, each at the step after a checkpoint (`--ckpt-every` is
 `SOAK_CKPT_EVERY`), so that every fault hits a job that has just checkpointed. The gap is
 two checkpoints wide: a checkpoint fault armed at its step acts at the next checkpoint, and
-the job must be done with it (restarted) before the next fault fires. `soak_trainer_args(n)` is the reference trainer's command line that
-fits them: enough steps, small model, a short deadline (the timeout faults cost one each).
+the job must be done with it (restarted) before the next fault fires. `soak_trainer_args(n)`
+is the reference trainer's command line that fits them: enough steps, small model, a short
+deadline (the timeout faults cost one each).
 
 Kinds drawn (`SOAK_KINDS`): the process deaths, hangs, timeouts, in-step errors, checkpoint
 faults, preemption and the GIL hold. Left out: ``straggler`` (it stays slow for the rest of

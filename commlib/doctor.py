@@ -12,7 +12,8 @@ not pick one, or the trace cannot be written where --trace says (checked before 
 read, and again before it is moved there). A trace replaces only a regular file (or makes a
 new one): a FIFO, a device or a symlink to one (/dev/null, /dev/stdout) is refused, naming
 what it is; a symlink to a regular file is written through. Rank logs, flight dumps and
-stacks files that are not regular files are named as not read, never waited on. The analysis itself lives in `commlib.observe` (`model`: the logs read once;
+stacks files that are not regular files are named as not read, never waited on. The analysis
+itself lives in `commlib.observe` (`model`: the logs read once;
 `blame`: the rules; `stats`: the tables; `doctor`: the three composed; `trace`: the trace);
 this module only renders it. Neither imports torch: the logs copied from a cluster can be
 read on a machine without it.
@@ -55,12 +56,12 @@ def _secs(x: float | None) -> str:
 def _size(n: int) -> str:
     if n < 1024:
         return f"{n} B"
-    x = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        x /= 1024
+    x = float(n) / 1024
+    for unit in ("KiB", "MiB"):
         if x < 1024:
-            break
-    return f"{x:.1f} {unit}"
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"
 
 
 def _wrap(text: str, indent: str) -> str:

@@ -290,7 +290,7 @@ class Cluster:
         _ip("-n", ns, "link", "add", BRIDGE, "type", "bridge")
         _ip("-n", ns, "addr", "add", f"{self.ctl.address}/24", "dev", BRIDGE)
         _ip("-n", ns, "link", "set", BRIDGE, "up")
-        for i, m in enumerate(self.machines):
+        for m in self.machines:
             _ip("netns", "add", m.netns)
             _ip("-n", m.netns, "link", "set", "lo", "up")
             port = f"v{m.name}"

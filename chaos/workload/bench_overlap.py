@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     equal = all(
         torch.equal(a.to_local(), b.to_local())
         for run in runs[1:]
-        for a, b in zip(runs[0].sharded.model.parameters(), run.sharded.model.parameters())
+        for a, b in zip(runs[0].sharded.model.parameters(), run.sharded.model.parameters(), strict=True)
     )
     flag = torch.tensor([int(equal)])
     comm.all_reduce(flag, commlib.ReduceOp.MIN)

@@ -93,7 +93,8 @@ HEADER_ONLY = ("host", "size", "job")
 COMM_ONLY = ("backend",)
 RANK_FILE = re.compile(r"^rank(\d+)\.jsonl(?:\.(\d+))?$")
 
-_CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})
+# The default is shared, but never mutated: `context` sets a fresh dict, and readers only read.
+_CONTEXT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("commlib_context", default={})  # noqa: B039
 
 
 @contextlib.contextmanager
@@ -509,7 +510,8 @@ class LogTail:
             for ino, path in files[start:]:
                 offset = offset if ino == inode else 0
                 with contextlib.suppress(FileNotFoundError, NotRegularFile):
-                    for offset, event in scan(path, offset):
+                    for end, event in scan(path, offset):
+                        offset = end  # where the next read of this rank starts
                         if event is not None and (event := inflate(event)) is not None:
                             events.append(event)
                 self._at[rank] = (ino, offset)

@@ -26,6 +26,7 @@ a directory of replica groups' log dirs. Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -89,7 +90,7 @@ class ReplicaFindings:
             f"Replica groups {self.groups} in {self.root}: {len(self.quorums)} quorums, {len(self.lost)} group(s) lost."
         ]
         same = 0  # quorums in a row with the members of the one before (torchft's ids move on a failed commit too)
-        for q, after in zip(self.quorums, [*self.quorums[1:], None]):
+        for q, after in zip(self.quorums, [*self.quorums[1:], None], strict=True):
             if q.joined or q.left or q is self.quorums[0]:
                 change = "".join([f" +{q.joined}" if q.joined else "", f" -{q.left}" if q.left else ""])
                 lines.append(f"  quorum {q.quorum_id}: replicas {q.replicas}{change}")
@@ -169,7 +170,7 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
         before = members
     ends.sort()
     usual = _usual_interval(ends)
-    for (prev_id, prev), (next_id, nxt) in zip(ordered, ordered[1:]):
+    for (prev_id, prev), (next_id, nxt) in itertools.pairwise(ordered):
         for replica in sorted(set(prev["replicas"]) - set(nxt["replicas"])):
             findings.lost.append(
                 _lost(replica, prev_id, prev, next_id, nxt["replicas"], failures, starts, ends, usual, ordered)
@@ -234,7 +235,7 @@ def _usual_interval(ends: list[tuple[int, int, int, int]]) -> float | None:
     by_rank: dict[tuple[int, int], list[int]] = {}
     for ts, _, replica, rank in ends:
         by_rank.setdefault((replica, rank), []).append(ts)
-    gaps = [(b - a) / 1e9 for times in by_rank.values() for a, b in zip(times, times[1:])]
+    gaps = [(b - a) / 1e9 for times in by_rank.values() for a, b in itertools.pairwise(times)]
     return statistics.median(gaps) if gaps else None
 
 

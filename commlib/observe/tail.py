@@ -48,6 +48,7 @@ attempt numbers as the first's, whose `log.open` lines no window holds.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import re
@@ -133,7 +134,7 @@ class _Files:
     def read(self, lo: int, hi: int) -> bytes:
         parts = [
             os.pread(fd, min(hi, end) - max(lo, start), max(lo, start) - start)
-            for fd, (start, end) in zip(self.fds, self.spans)
+            for fd, (start, end) in zip(self.fds, self.spans, strict=False)  # close() empties fds only
             if start < hi and end > lo
         ]
         return b"".join(parts)
@@ -552,7 +553,7 @@ def _fold(
         if collecting:
             gc.enable()
     for rank, (_, segments) in ranks.items():
-        for before, s in zip(segments, segments[1:]):
+        for before, s in itertools.pairwise(segments):
             rl = fold.attempts[before.attempt].ranks.get(rank) if before.attempt in fold.attempts else None
             if s.glued and not s.whole and rl is not None:
                 rl.cut = True  # the line its process was killed writing is the one the next appended to
