@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ from commlib.ops import Collective, OpName, ReduceOp, Reduction
 from commlib.validation import CallChecker, deadline_timedelta, seconds
 from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp
+
+_E = TypeVar("_E", bound=BaseException)  # `_die` hands back the error it was given
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of the peers' abort announcements
@@ -91,7 +93,8 @@ class Work:
         (the op's deadline is the watchdog's).
         """
         if self._device_op is not None:
-            self._comm._device.order_after(self._device_op)
+            # A device op exists only on a communicator with DeviceOps.
+            self._comm._device.order_after(self._device_op)  # type: ignore[union-attr]
         elif not self.done:
             self._comm._complete(self.call, self._entry, self._backend_work, seconds(timeout), self)
 
@@ -465,7 +468,8 @@ class Communicator:
         self._check(call)
         p2p = call.peer is not None
         if p2p:  # numbered per peer: a pipeline's sends never shift the collective sequence
-            call.seq = self._p2p_seq[call.peer] = self._p2p_seq.get(call.peer, 0) + 1
+            # p2p: call.peer is not None.
+            call.seq = self._p2p_seq[call.peer] = self._p2p_seq.get(call.peer, 0) + 1  # type: ignore[index, arg-type]
         else:
             self._seq += 1
             call.seq = self._seq
@@ -503,7 +507,8 @@ class Communicator:
                 },
             )
         if start is not None:
-            op = self._device.launch(call, entry, start)
+            # A start mark comes only from a runtime, and a runtime comes with DeviceOps.
+            op = self._device.launch(call, entry, start)  # type: ignore[union-attr]
             return Work(self, call, op.work, entry, op) if call.async_op else None
         try:
             backend_work = self._backend.launch(call, deadline_timedelta(call.deadline_s))
@@ -529,7 +534,8 @@ class Communicator:
         left = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         # A caller's bound shorter than the deadline's rest is the caller's, not the op's (module docstring).
         callers = timeout is not None and timeout < left
-        budget = max(timeout if callers else left, 1e-3)
+        # `callers` holds only where timeout is not None.
+        budget: float = max(timeout if callers else left, 1e-3)  # type: ignore[type-var, assignment]
         try:  # in slices where the backend allows (module docstring)
             finished = (
                 self._wait_in_slices(backend_work.wait, budget, entry.start_mono_ns)
@@ -581,7 +587,8 @@ class Communicator:
                 "status": "ok",
             }
             if wait_from_ns is not None:
-                fields["wait_s"] = (entry.end_mono_ns - wait_from_ns) / 1e9
+                # FlightRecorder.end, above, set end_mono_ns.
+                fields["wait_s"] = (entry.end_mono_ns - wait_from_ns) / 1e9  # type: ignore[operator]
                 fields["done_before_wait"] = done_before_wait
             self._events.info("collective.end", fields)
 
@@ -628,8 +635,8 @@ class Communicator:
         return self._die(call, entry, self._judge.peer_left(call, entry, announced), deferred=deferred)
 
     def _die(
-        self, call: Collective, entry: FlightEntry, error: BaseException, *, hooks: bool = True, deferred: bool = False
-    ) -> Any:
+        self, call: Collective, entry: FlightEntry, error: _E, *, hooks: bool = True, deferred: bool = False
+    ) -> _E:
         """Record a failure everywhere, mark the communicator dead, and hand back the error to raise.
 
         `deferred`: on the watchdog's thread; the error and the failure hooks wait for the

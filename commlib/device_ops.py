@@ -108,7 +108,7 @@ class DeviceOps:
         self.abort_poll_s = comm.abort_poll_s  # the watchdog reads peers' announcements at a wait's pace
         self.in_flight = InFlight(self)
         # The watchdog's error that the caller has not been given yet, with the call it broke.
-        self.undelivered: tuple[Collective, CommError] | None = None
+        self.undelivered: tuple[Collective, BaseException] | None = None
         self._abort_thread: threading.Thread | None = None
         self._aborted = threading.Event()  # the engine's abort has returned: its ops have all ended
         self._barrier_tensor: torch.Tensor | None = None  # what a barrier all-reduces (module docstring)

@@ -572,14 +572,14 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._untagged("send", tag)
         if not t.is_contiguous():
             return self._restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
-        return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)
+        return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
         self._untagged("recv", tag)
         if not t.is_contiguous():
             return self._restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
-        return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)
+        return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(

@@ -112,6 +112,8 @@ def _group_class() -> type:
     class ReplicaGroup(ProcessGroupWrapper):
         """torchft's reconfigurable group, a commlib group inside (module docstring)."""
 
+        _pg: Any  # ProcessGroupWrapper's wrapped group (torchft has no types); None once aborted
+
         def __init__(self, timeout_s: float, options: Any) -> None:
             super().__init__(timeout=timedelta(seconds=timeout_s))
             self._options = options

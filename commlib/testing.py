@@ -95,11 +95,13 @@ class _Outcome:
     tb: str = ""
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """The fork server while this process's environment is `_SERVER_ENV` (module docstring;
     the server starts with the first rank it forks, so in that environment); fresh
     interpreters otherwise."""
-    return multiprocessing.get_context("forkserver" if _import_time_env() == _SERVER_ENV else "spawn")
+    if _import_time_env() == _SERVER_ENV:
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
 
 
 def _child(

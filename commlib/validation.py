@@ -16,17 +16,30 @@ whether or not good ones came before it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeAlias, overload
 
 import torch
 
-from commlib.ops import Collective, OpName, PremulSum, ReduceOp, reduction_kind
+from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
+
+# A backend's `supports`: None if it serves tensors on the device with the reduction, else why not.
+Unsupported: TypeAlias = Callable[[torch.device, Reduction | None], str | None]
 
 # The ops whose rules compare their two tensors' shapes (`_check_shapes`).
 _SIZED = frozenset({OpName.ALL_GATHER_SINGLE, OpName.REDUCE_SCATTER_SINGLE, OpName.ALL_TO_ALL_SINGLE})
 
 _INTEGER_ONLY = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _FLOAT_ONLY = {ReduceOp.AVG, ReduceOp.PREMUL_SUM}
+
+
+@overload
+def seconds(timeout: None, what: str = ...) -> None: ...
+@overload
+def seconds(timeout: float | timedelta, what: str = ...) -> float: ...
+@overload
+def seconds(timeout: float | timedelta | None, what: str = ...) -> float | None: ...
 
 
 def seconds(timeout: float | timedelta | None, what: str = "timeout") -> float | None:
@@ -108,7 +121,7 @@ def _concatenated(call: Collective, big: torch.Tensor, small: torch.Tensor, big_
         )
 
 
-def check_call(call: Collective, unsupported: callable) -> None:  # type: ignore[valid-type]
+def check_call(call: Collective, unsupported: Unsupported) -> None:
     """Raise TypeError/ValueError when `call` is malformed on this rank.
 
     `unsupported(device, reduce_op)` is the backend's `supports`: None if it can serve them.
@@ -154,6 +167,7 @@ def _check_shapes(call: Collective) -> None:
         _concatenated(call, call.input, call.output, "input", "output")
     elif op is OpName.ALL_TO_ALL_SINGLE:
         _same_dtype(call, call.output, call.input, "output and input")
+        assert call.input is not None and call.output is not None  # the API's all_to_all_single takes both
         if call.input.dim() == 0 or call.input.shape[0] % n:
             raise _fail(
                 call,
@@ -219,7 +233,7 @@ class CallChecker:
 
     MAX_SIGNATURES = 4096
 
-    def __init__(self, unsupported: callable) -> None:  # type: ignore[valid-type]
+    def __init__(self, unsupported: Unsupported) -> None:
         self._unsupported = unsupported
         self._passed: set[tuple[object, ...]] = set()
 
@@ -247,7 +261,8 @@ def _signature(call: Collective) -> tuple[object, ...] | None:
     red = call.reduce_op
     red_type = type(red)
     if red_type is PremulSum:
-        red = red.kind  # the factor is no rule's concern
+        # red_type is PremulSum: narrowed by type(), which mypy does not follow.
+        red = red.kind  # type: ignore[union-attr]  # the factor is no rule's concern
     elif red is not None and red_type is not ReduceOp:
         return None
     root, peer, t = call.root, call.peer, call.tensor

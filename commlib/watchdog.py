@@ -72,9 +72,13 @@ class Owner(Protocol):
     is its side of them): the verdicts are the watchdog's, what follows from them is the communicator's."""
 
     abort_poll_s: float
-    broken: bool
-    has_undelivered_error: bool
     runtime: Runtime
+
+    @property
+    def broken(self) -> bool: ...
+
+    @property
+    def has_undelivered_error(self) -> bool: ...
 
     def op_started(self, op: DeviceOp) -> None: ...
 

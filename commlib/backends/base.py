@@ -43,7 +43,9 @@ class BackendWork(Protocol):
         takes the NCCL communicator's lock, which an abort holds while the device drains)."""
 
     # Stream-ordered engines only:
-    end: Event | None  # completes once the op has ended on the device; None: commlib marks the end
+    @property
+    def end(self) -> Event | None:
+        """Completes once the op has ended on the device; None: commlib marks the end."""
 
     def order(self) -> None:
         """Make the caller's current stream wait for the op; the CPU does not wait."""
@@ -59,8 +61,10 @@ class Backend(Protocol):
     size: int
     device: torch.device
     resumable_wait: bool  # see BackendWork.wait: the Communicator may then wait in slices
-    # A stream-ordered engine's device runtime (`commlib.device`); None where the CPU waits for ops.
-    runtime: Runtime | None
+
+    @property
+    def runtime(self) -> Runtime | None:
+        """A stream-ordered engine's device runtime (`commlib.device`); None where the CPU waits for ops."""
 
     def launch(self, call: Collective, timeout: timedelta) -> BackendWork:
         """Start `call` without blocking on its completion."""

@@ -235,7 +235,8 @@ class C10dBackend:
 
     def _launch_reduce_scatter_single(self, call: Collective, timeout: timedelta) -> Any:
         # torchcomms' gloo (under torch's routing) overwrites the input with the full reduction.
-        source = call.input.clone() if self._routed and self.name == "gloo" else call.input
+        # reduce_scatter_single always has an input (Communicator's signature).
+        source = call.input.clone() if self._routed and self.name == "gloo" else call.input  # type: ignore[union-attr]
         return self._reduce_scatter_single(
             call.output, source, self._options(c10d_opts.ReduceScatterOptions, call, timeout)
         )
@@ -303,9 +304,10 @@ class C10dBackend:
         input now; AVG divides the result on completion (the step returned)."""
         if self._native_avg:
             return None
-        kind = reduction_kind(call.reduce_op)
+        # Only reductions come here (a reduce_op is set), and PREMUL_SUM is the kind of a PremulSum.
+        kind = reduction_kind(call.reduce_op)  # type: ignore[arg-type]
         if kind is ReduceOp.PREMUL_SUM:
-            self._prescale(call, call.reduce_op.factor)
+            self._prescale(call, call.reduce_op.factor)  # type: ignore[union-attr]
         elif kind is ReduceOp.AVG:
             outputs = call.outputs()
             size = self.size

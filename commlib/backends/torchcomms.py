@@ -216,7 +216,8 @@ class TorchcommsBackend:
         elif op is OpName.REDUCE_SCATTER:
             w = c.reduce_scatter(call.output, call.input_list, self._op(call.reduce_op), True, **kw)
         elif op is OpName.REDUCE_SCATTER_SINGLE:
-            source = call.input.clone() if self._copy_reduce_scatter_input else call.input
+            # reduce_scatter_single always has an input (Communicator's signature).
+            source = call.input.clone() if self._copy_reduce_scatter_input else call.input  # type: ignore[union-attr]
             w = c.reduce_scatter_single(call.output, source, self._op(call.reduce_op), True, **kw)
         elif op is OpName.ALL_TO_ALL_SINGLE:
             w = c.all_to_all_single(call.output, call.input, True, **kw)

@@ -296,10 +296,10 @@ def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tup
             k
             for k, calls in comm.calls.items()
             if k < seq
-            and r in calls
-            and calls[r].start_ns is not None
-            and calls[r].start_ns <= t
-            and (calls[r].end_ns is None or calls[r].end_ns > t)
+            and (c := calls.get(r)) is not None
+            and c.start_ns is not None
+            and c.start_ns <= t
+            and (c.end_ns is None or c.end_ns > t)
         ]
         if not inside:
             continue
@@ -314,7 +314,7 @@ def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tup
 def _timeout_problem(
     att: AttemptLog,
     comm: CommLog,
-    op: str,
+    op: str | None,
     seq: int,
     t: int,
     reporters: list[int],

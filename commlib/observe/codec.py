@@ -19,7 +19,7 @@ def _plain(obj: Any) -> Any:
 try:
     import orjson
 except ImportError:  # the doctor reads logs where commlib's dependencies may not all be
-    orjson = None
+    orjson = None  # type: ignore[assignment]  # absent: `encode` uses the stdlib's json
 
 # Built once: `json.dumps` with options builds a new encoder per call.
 _ENCODER = json.JSONEncoder(default=_plain, separators=(",", ":"))

@@ -51,7 +51,7 @@ def flight_dumps(
 def dump_calls(data: dict[str, Any]) -> list[Call]:
     """The entries of one flight-recorder dump as calls, as the dump names them: `rank` is the
     communicator rank, `comm` its name, `source` "flight"."""
-    status = {"completed": "ok", "started": "started"}
+    status: dict[Any, str] = {"completed": "ok", "started": "started"}  # looked up by the dump's own values
     calls = []
     for x in data.get("entries") or []:
         if not isinstance(x, dict) or not isinstance(x.get("seq"), int):
@@ -66,7 +66,7 @@ def dump_calls(data: dict[str, Any]) -> list[Call]:
             str(x.get("op")),
             x.get("start_ns"),
             peer=peer,
-            status=status.get(x.get("state"), x.get("state") or "started"),
+            status=status.get(x.get("state")) or x.get("state") or "started",
             source="flight",
             bytes=x.get("nbytes"),
             shapes=x.get("shapes"),
@@ -92,6 +92,7 @@ def _dump_owner(fold: Fold, data: dict[str, Any]) -> tuple[int, int] | None:
     and communicator rank: pids repeat across hosts, and a host may reuse one (a restarted
     container), so the process is its (host, pid), then the one of the dump's attempt, then the
     one whose communicator has the dump's rank."""
+    comm_rank: Any
     host, pid, comm_name, comm_rank = data.get("host"), data.get("pid"), str(data.get("comm")), data.get("rank")
     if not isinstance(pid, int):
         return None
@@ -195,6 +196,7 @@ def add_stacks(fold: Fold, directory: Path, skipped: list[tuple[str, str]] | Non
     for att in fold.attempts.values():
         for rl in att.ranks.values():
             # A file named by pid alone (written before files named their host) is any host's.
-            frames = stacks.get((safe_host(rl.host), rl.pid)) or stacks.get((None, rl.pid))
+            pid = rl.pid
+            frames = (stacks.get((safe_host(rl.host), pid)) or stacks.get((None, pid))) if pid is not None else None
             if frames:
                 rl.signal_stack = [f.traceback_line() for f in reversed(frames)]

@@ -153,6 +153,7 @@ class FlightRecorder:
 
     def start(self, call: Collective) -> FlightEntry:
         t = call.tensor
+        dtype: str | None
         if t is not None:  # the common case: one tensor, no list to build and scan
             shapes, dtype = [t.shape], _dtype_name(t.dtype)
         else:
@@ -317,7 +318,7 @@ class _Installed:
         self.directory_fn = directory_fn
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
-        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, STACKS_SIGNAL)}
+        self.handlers: dict[int, Any] = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, STACKS_SIGNAL)}
         for sig in self.handlers:
             signal.signal(sig, self._chain)
         self.forward_to = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)

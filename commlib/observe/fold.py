@@ -29,6 +29,7 @@ job was asked for, stops the fold (`MixedJobsError`).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from commlib.observe.log import HEADER_ONLY
@@ -99,7 +100,7 @@ class Fold:
         self.job_filter = job
         self.jobs: dict[str | None, JobInfo] = {}
         self._incarnation: dict[tuple[int, int, str], int] = defaultdict(int)  # (attempt, rank, name)
-        self._pending_split: dict[tuple[int, int], tuple[str, str, list[int]]] = {}
+        self._pending_split: dict[tuple[int, int], tuple[str, str | None, list[int]]] = {}
         # (host, pid) -> {(attempt, rank)}: more than one only where a host reuses a pid
         self.pids: dict[tuple[str | None, int], set[tuple[int, int]]] = defaultdict(set)
         self._first_timeout: dict[tuple[Any, ...], int] = {}  # a timeout's group -> its first ts_ns
@@ -108,7 +109,7 @@ class Fold:
 
     # -- the events ---------------------------------------------------------------------
     def add(self, e: dict[str, Any], context: Context) -> None:
-        get = e.get
+        get: Callable[..., Any] = e.get  # untyped JSON: every value is Any
         name = get("event", "")
         if (get("pid") != context.pid or name == HEADER_EVENT) and self._switch(e, context):
             return  # a log.open line, or a process of a job not asked for
@@ -143,10 +144,10 @@ class Fold:
                 rl.last_started = call  # type: ignore[union-attr]
         elif name == "collective.end":
             calls = comm.calls.get(get("seq"))
-            call = calls.get(rl.rank) if calls is not None else None  # type: ignore[union-attr]
-            if call is None:
-                call = self._call(context.att, comm, rl, e, ts)  # type: ignore[arg-type]
-            self._close(context.att, comm, rl, call, e, "ok", ts, get("bytes"))  # type: ignore[arg-type]
+            ended = calls.get(rl.rank) if calls is not None else None  # type: ignore[union-attr]
+            if ended is None:
+                ended = self._call(context.att, comm, rl, e, ts)  # type: ignore[arg-type]
+            self._close(context.att, comm, rl, ended, e, "ok", ts, get("bytes"))  # type: ignore[arg-type]
         else:
             self._other(e, context, name, ts)
 
@@ -442,7 +443,7 @@ class Fold:
         if theirs.status != "ok":
             return
         del comm.p2p_calls[(call.rank, call.peer, call.seq)]  # type: ignore[arg-type]
-        del comm.p2p_calls[(other, mine, call.seq)]  # type: ignore[arg-type]
+        del comm.p2p_calls[(other, mine, call.seq)]
         self._observe_pair(att, comm, call.seq, [call, theirs])
 
     def _observe_pair(self, att: AttemptLog, comm: CommLog, seq: int, calls: list[Call]) -> None:

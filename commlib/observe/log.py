@@ -282,7 +282,9 @@ def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, A
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
     sink = _Sink(LineWriter(target), _LineRenderer(static), level)
     wrapper = structlog.make_filtering_bound_logger(level)
-    return wrapper(sink.writer, processors=[sink.renderer], context={}), sink
+    # structlog types the class it makes as its FilteringBoundLogger protocol; the class itself is
+    # a BoundLoggerBase, built from (logger, processors, context).
+    return wrapper(sink.writer, processors=[sink.renderer], context={}), sink  # type: ignore[call-arg]
 
 
 def event_log(path: str | os.PathLike[str], **static: Any) -> Any:
@@ -320,18 +322,19 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
     target: LogFile | _Descriptor
     if log_dir is not None:
         directory = Path(log_dir)
-        path: Path | None = directory / f"rank{rank}.jsonl"
-        target = _FILES.get(path)  # type: ignore[assignment]
-        if target is None or target.header != fields:
+        file_path = directory / f"rank{rank}.jsonl"
+        path: Path | None = file_path
+        file = _FILES.get(file_path)
+        if file is None or file.header != fields:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                target = _FILES[path] = LogFile(path, max_bytes, keep, fields)  # type: ignore[index]
+                file = _FILES[file_path] = LogFile(file_path, max_bytes, keep, fields)
             except OSError as exc:
                 raise ValueError(
                     f"commlib log: expected {source} to be a directory where rank {rank} can write "
                     f"its log; found {exc.filename or directory}: {exc.strerror or exc}"
                 ) from None
-        level = logging.INFO
+        target, level = file, logging.INFO
     else:
         path, target, level = None, _Descriptor(sys.stderr.fileno()), logging.WARNING
     # Replacing the logger drops the previous writer: its file is closed once no logger

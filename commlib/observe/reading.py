@@ -18,7 +18,7 @@ import contextlib
 import operator
 import os
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,7 +178,7 @@ class WindowReader(RankReader):
         return False
 
 
-def stream(fold: Fold, readers: list[RankReader]) -> None:
+def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
     """Every rank's lines, window by window of wall-clock time: every line before the
     window's end from every rank, then the next window. The window is sized to hold about
     `BATCH` lines. Within a window, ranks are folded in one after the other (each rank's

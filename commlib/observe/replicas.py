@@ -134,7 +134,7 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
     quorums: dict[int, dict[str, Any]] = {}
     failures: list[dict[str, Any]] = []
     ends: list[tuple[int, int, int, int]] = []  # (ts_ns, quorum id, replica, group rank) of completed collectives
-    starts: dict[tuple[int, int, str, Any], int] = {}  # (replica, group rank, comm, seq) -> when it started
+    starts: dict[tuple[int, int, str | None, Any], int] = {}  # (replica, group rank, comm, seq) -> when it started
     groups = group_dirs(root)
     for replica, directory in groups.items():
         for rank, paths in rank_segments(directory).items():
@@ -185,7 +185,7 @@ def _lost(
     next_id: int,
     survivors: list[int],
     failures: list[dict[str, Any]],
-    starts: dict[tuple[int, int, str, Any], int],
+    starts: dict[tuple[int, int, str | None, Any], int],
     ends: list[tuple[int, int, int, int]],
     usual: float | None,
     ordered: list[tuple[int, dict[str, Any]]],
