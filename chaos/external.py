@@ -93,7 +93,7 @@ class ExternalFaults:
         self.errors_after: list[tuple[int, int]] = []  # (ts_ns, pid) of typed errors seen
         # (start ns, rank, step, step_time_s) of completed steps, but a process's first (it warms up)
         self.step_times: list[tuple[int, int, int, float]] = []
-        self._stepped: set[int] = set()  # pids that completed a step
+        self._stepped: set[object] = set()  # pids that completed a step (as the logs give them)
         # pid -> the attempt its log lines carry: the one every rank agreed, which a worker's
         # environment only estimates (its node's restart count; `commlib.attempt`)
         self.attempts: dict[int, int] = {}
@@ -232,7 +232,7 @@ class ExternalFaults:
                 preemptor = slurm.preempt(fault.partition or slurm.PREEMPTOR_PARTITION)
                 self.notes.info("chaos.preemptor", index=index, job_id=preemptor)
             elif fault.type is FaultType.TIME_LIMIT:
-                slurm.apply_time_limit(limit["limit_min"])
+                slurm.apply_time_limit(limit["limit_min"])  # type: ignore[arg-type]  # time_limit_change sets it
             else:
                 slurm.power_off()
         except slurm.SlurmFaultError as exc:

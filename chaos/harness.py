@@ -362,6 +362,7 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Netwo
         return [base + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
     rdzv_id = job.rdzv_id or uuid.uuid4().hex
     if network is None:
+        prefixes: list[list[str]]
         endpoint, prefixes, addresses = f"127.0.0.1:{free_port()}", [[]] * job.nnodes, ["127.0.0.1"] * job.nnodes
     else:
         endpoint = f"{network.address(0)}:{RDZV_PORT}"

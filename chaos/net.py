@@ -50,6 +50,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 DEVICE = "cnet0"  # the TUN device's name inside every node's namespace (GLOO_SOCKET_IFNAME)
 MTU = 9000  # jumbo frames, as in a datacenter; fewer packets through the Python forwarder
@@ -225,7 +226,9 @@ class Network:
     ) -> Impairment:
         """Change `node`'s link (unset arguments keep their value); returns the new impairment."""
         n = self.nodes[node]
-        changes = {k: v for k, v in (("delay_s", delay_s), ("loss", loss), ("cut", cut)) if v is not None}
+        changes: dict[str, Any] = {
+            k: v for k, v in (("delay_s", delay_s), ("loss", loss), ("cut", cut)) if v is not None
+        }
         if "loss" in changes and not 0.0 <= changes["loss"] <= 1.0:
             raise ValueError(f"Network.impair: expected a loss probability in [0, 1]; found {loss}")
         if "delay_s" in changes and not changes["delay_s"] >= 0.0:

@@ -491,7 +491,7 @@ def _checked(name: str, rule: Callable[..., Any], value: Any, why: str = "", **b
 
 
 def _seconds(name: str, value: Any, *, positive: bool = True) -> float:
-    bounds = {"above": 0.0} if positive else {"low": 0.0}
+    bounds: dict[str, Any] = {"above": 0.0} if positive else {"low": 0.0}
     return _checked(name, settings.number, value, high=LONGEST_S, unit="seconds", **bounds)
 
 

@@ -91,13 +91,14 @@ class JobProcesses:
         found = []
         for node, proc in self._children(recursive=False):
             self.seen.add(proc.pid)
-            identity = self._identities.get(proc)
+            identity: tuple[int | None, int] | None = self._identities.get(proc)
             if identity is None:
                 env = _environ(proc)
                 rank = int(env["RANK"]) if "RANK" in env else None
-                identity = (rank, attempt_number(env))
+                attempt = attempt_number(env)
+                identity = (rank, attempt)
                 if rank is not None:  # before its exec a child shows the agent's environment
-                    self._identities[proc] = identity
+                    self._identities[proc] = (rank, attempt)
             found.append(Worker(proc, node, *identity))
         return found
 

@@ -9,7 +9,6 @@ resumes at the survivors' step. Imports matplotlib (the ``report`` extra) when c
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,8 @@ def plot(proof: ReplicaProof, record: Record, path: Path) -> None:
         mine = sorted((c.ts_ns, c.step) for c in record.commits if c.replica == r and c.rank == 0)
         # A gap (a lost group's absence) is left open: NaN breaks the line there.
         xs, ys = [], []
-        for (_, before), (t, s) in itertools.pairwise([(0, None), *mine]):
+        # The second sequence is one longer: its last is no step's predecessor.
+        for (t, s), (_, before) in zip(mine, [(0, None), *mine], strict=False):
             if before is not None and s != before + 1:
                 xs.append(float("nan"))
                 ys.append(float("nan"))

@@ -75,7 +75,7 @@ def reference_key(job: Job, package_roots: Sequence[Path] | None = None) -> str:
 
 def package_dirs(names: Sequence[str] = KEYED_PACKAGES) -> list[Path]:
     """The directory of each package in `names`, as this interpreter imports it."""
-    dirs = []
+    dirs: list[Path] = []
     for name in names:
         spec = importlib.util.find_spec(name)
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -188,7 +188,7 @@ def names_rank(finding: dict[str, Any] | None, rank: int) -> bool:
 
 def names_straggler(finding: dict[str, Any] | None, rank: int) -> bool:
     """Whether a doctor finding has a straggler problem that names `rank`."""
-    return bool(finding) and any(
+    return finding is not None and any(
         p.get("kind") == "straggler" and rank in (p.get("ranks") or []) for p in finding.get("problems", [])
     )
 
@@ -473,10 +473,10 @@ def verify(
             checks["reference_run"] = False
             problems.append(f"reference_run: {exc}")
         else:
-            reference = load_results(reference_dir)
-            assert reference is not None
-            reference_losses = list(reference["losses"])
-            comparison = compare(mine, reference)
+            reference_results = load_results(reference_dir)
+            assert reference_results is not None
+            reference_losses = list(reference_results["losses"])
+            comparison = compare(mine, reference_results)
             checks.update(comparison.checks)
             problems += comparison.problems
 

@@ -124,21 +124,21 @@ def shard(
     # The root keeps its parameters after forward (FSDP's own default for roots): backward
     # needs them first thing, so resharding would only add an all-gather.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    fsdp_modules: list[FSDPModule] = [*block_list, model]  # type: ignore[list-item]
+    fsdp_modules: list[FSDPModule] = [*block_list, model]
 
     if mode is Mode.PLAIN:
         return Sharded(model, mode, mesh, None, None)
     if mode is Mode.NATIVE:
-        model.set_separate_reduce_scatter_group(True)  # type: ignore[operator]
+        model.set_separate_reduce_scatter_group(True)
     else:
         all_gather, reduce_scatter = CommlibAllGather(comm), CommlibReduceScatter(reduce_scatter_comm)
         for module in fsdp_modules:
             module.set_custom_all_gather(all_gather)
             module.set_custom_reduce_scatter(reduce_scatter)
     if prefetch:
-        _set_prefetch(model, block_list, prefetch)  # type: ignore[arg-type]
+        _set_prefetch(model, block_list, prefetch)
         if set_unshard_async_op is not None:
-            set_unshard_async_op(model, True)  # type: ignore[arg-type]
+            set_unshard_async_op(model, True)
     if mode is Mode.NATIVE:
         return Sharded(model, mode, mesh, None, None, native_groups=1)
     return Sharded(model, mode, mesh, comm, reduce_scatter_comm, created)

@@ -346,7 +346,8 @@ class Cluster:
             dead = [p for p in self._daemons if p.poll() is not None]
             if dead:
                 raise ClusterUnavailable(
-                    f"chaos.slurm.cluster: expected {what}; found `{' '.join(dead[0].args[:3])}"
+                    # `up` starts every daemon from an argument list.
+                    f"chaos.slurm.cluster: expected {what}; found `{' '.join(dead[0].args[:3])}"  # type: ignore[index, arg-type]
                     f" ...` exited {dead[0].returncode}"
                 )
             if time.monotonic() > deadline:

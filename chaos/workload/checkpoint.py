@@ -135,7 +135,7 @@ class Skipped:
 
 def find_latest(ckpt_dir: Path) -> tuple[int | None, list[Skipped]]:
     """The newest complete checkpoint's step (None: none), and the newer ones skipped."""
-    skipped = []
+    skipped: list[Skipped] = []
     for step in reversed(checkpoint_steps(ckpt_dir)):
         directory = ckpt_dir / step_dir_name(step)
         reason = verify(directory)

@@ -405,7 +405,8 @@ def train(
                 saved = checkpointer is not None and args.ckpt_every and step % args.ckpt_every == 0
                 if saved:
                     with commlib.context(phase="checkpoint"):
-                        checkpointer.save(model, optimizer, state)
+                        # `saved` holds only with a checkpointer.
+                        checkpointer.save(model, optimizer, state)  # type: ignore[union-attr]
                 if result.stopping_ranks:
                     if checkpointer is not None and not saved:
                         with commlib.context(phase="checkpoint"):
@@ -520,7 +521,7 @@ def reset_fsdp(model: torch.nn.Module) -> None:
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
         for group in getattr(state, "_fsdp_param_groups", None) or []:
             group._all_gather_result = None
-    model.reset_iter_state()  # type: ignore[operator]
+    model.reset_iter_state()
 
 
 def train_step(
