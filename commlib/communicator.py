@@ -527,9 +527,8 @@ class Communicator:
         if self._dead is not None:
             self._ensure_usable(call.op.value)
         wait_from_ns = done_before_wait = None
-        if (
-            call.async_op and _log.STATE.enabled
-        ):  # how long the caller's wait blocked, and whether the op was already done
+        # How long the caller's wait blocked, and whether the op was already done.
+        if call.async_op and _log.STATE.enabled:
             wait_from_ns, done_before_wait = time.monotonic_ns(), backend_work.is_completed()
         left = call.deadline_s - (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         # A caller's bound shorter than the deadline's rest is the caller's, not the op's (module docstring).
