@@ -52,7 +52,7 @@ from commlib.observe import log as _log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp, Reduction
-from commlib.validation import CallChecker, deadline_timedelta, seconds
+from commlib.validation import CallChecker, Deadline, deadline_timedelta, seconds
 from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp
 
@@ -84,7 +84,7 @@ class Work:
         self.done = False
         self._device_op = device_op
 
-    def wait(self, timeout: float | timedelta | None = None) -> None:
+    def wait(self, timeout: Deadline | None = None) -> None:
         """Block until complete: at most `timeout` (a `WaitTimeout` if it passes first and the
         op's deadline has not), else what is left of the op's deadline.
 
@@ -202,12 +202,12 @@ class Communicator:
         op: Reduction = ReduceOp.SUM,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(self._call(OpName.ALL_REDUCE, async_op, timeout, tensor=tensor, reduce_op=op))
 
     def broadcast(
-        self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+        self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Deadline | None = None
     ) -> Work | None:
         return self._issue(self._call(OpName.BROADCAST, async_op, timeout, tensor=tensor, root=root))
 
@@ -218,7 +218,7 @@ class Communicator:
         op: Reduction = ReduceOp.SUM,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(self._call(OpName.REDUCE, async_op, timeout, tensor=tensor, root=root, reduce_op=op))
 
@@ -228,17 +228,12 @@ class Communicator:
         tensor: torch.Tensor,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(self._call(OpName.ALL_GATHER, async_op, timeout, output_list=tensor_list, input=tensor))
 
     def all_gather_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, timeout: Deadline | None = None
     ) -> Work | None:
         return self._issue(self._call(OpName.ALL_GATHER_SINGLE, async_op, timeout, output=output, input=input))
 
@@ -249,7 +244,7 @@ class Communicator:
         op: Reduction = ReduceOp.SUM,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(
             self._call(OpName.REDUCE_SCATTER, async_op, timeout, output=output, input_list=input_list, reduce_op=op)
@@ -262,19 +257,14 @@ class Communicator:
         op: Reduction = ReduceOp.SUM,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(
             self._call(OpName.REDUCE_SCATTER_SINGLE, async_op, timeout, output=output, input=input, reduce_op=op)
         )
 
     def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, timeout: Deadline | None = None
     ) -> Work | None:
         return self._issue(self._call(OpName.ALL_TO_ALL_SINGLE, async_op, timeout, output=output, input=input))
 
@@ -285,7 +275,7 @@ class Communicator:
         root: int,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(
             self._call(OpName.GATHER, async_op, timeout, output_list=output_list, input=input, root=root)
@@ -298,26 +288,26 @@ class Communicator:
         root: int,
         *,
         async_op: bool = False,
-        timeout: float | timedelta | None = None,
+        timeout: Deadline | None = None,
     ) -> Work | None:
         return self._issue(
             self._call(OpName.SCATTER, async_op, timeout, output=output, input_list=input_list, root=root)
         )
 
     def send(
-        self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+        self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: Deadline | None = None
     ) -> Work | None:
         return self._issue(self._call(OpName.SEND, async_op, timeout, tensor=tensor, peer=dst))
 
     def recv(
-        self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None
+        self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: Deadline | None = None
     ) -> Work | None:
         return self._issue(self._call(OpName.RECV, async_op, timeout, tensor=tensor, peer=src))
 
-    def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
+    def barrier(self, *, async_op: bool = False, timeout: Deadline | None = None) -> Work | None:
         return self._issue(self._call(OpName.BARRIER, async_op, timeout))
 
-    def set_timeout(self, timeout: float | timedelta) -> None:
+    def set_timeout(self, timeout: Deadline) -> None:
         """The default deadline of later collectives (seconds or timedelta)."""
         value = seconds(timeout, f"set_timeout on {self.name!r} rank {self.rank}: timeout")
         assert value is not None
@@ -335,7 +325,7 @@ class Communicator:
         return self.hooks.register_failure_hook(fn)
 
     # -- lifecycle --------------------------------------------------------------------
-    def split(self, ranks: list[int], name: str, *, timeout: float | timedelta | None = None) -> Communicator | None:
+    def split(self, ranks: list[int], name: str, *, timeout: Deadline | None = None) -> Communicator | None:
         """A communicator of `ranks` (ranks of this one, in the new rank order), named `name`.
 
         Collective: every rank of this communicator calls it with the same arguments.
@@ -421,7 +411,7 @@ class Communicator:
         self,
         op: OpName,
         async_op: bool,
-        timeout: float | timedelta | None,
+        timeout: Deadline | None,
         *,
         tensor: torch.Tensor | None = None,
         input: torch.Tensor | None = None,

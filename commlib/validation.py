@@ -34,15 +34,19 @@ _INTEGER_ONLY = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _FLOAT_ONLY = {ReduceOp.AVG, ReduceOp.PREMUL_SUM}
 
 
+# A deadline as the API takes it: seconds, or a timedelta (`seconds` reads both).
+Deadline = float | timedelta
+
+
 @overload
 def seconds(timeout: None, what: str = ...) -> None: ...
 @overload
-def seconds(timeout: float | timedelta, what: str = ...) -> float: ...
+def seconds(timeout: Deadline, what: str = ...) -> float: ...
 @overload
-def seconds(timeout: float | timedelta | None, what: str = ...) -> float | None: ...
+def seconds(timeout: Deadline | None, what: str = ...) -> float | None: ...
 
 
-def seconds(timeout: float | timedelta | None, what: str = "timeout") -> float | None:
+def seconds(timeout: Deadline | None, what: str = "timeout") -> float | None:
     """A timeout given as seconds or timedelta, as positive seconds (None stays None)."""
     if timeout is None:
         return None
