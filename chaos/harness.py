@@ -161,10 +161,10 @@ def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s
     it runs in, or, with `notice_s` (its ``--signal`` notice), is submitted as (`chaos.slurm.faults.check`).
     Raises PlanError naming the fault. The reference trainer's arguments are checked by its own
     parser and, where the job launches here (no `notice_s`), its devices against this machine's
-    (`chaos.workload.train.check_devices`): ValueError naming the argument."""
+    (`chaos.workload.arguments.check_devices`): ValueError naming the argument."""
     args = _reference_args(job)
     if args is not None and notice_s is None:
-        from chaos.workload.train import check_devices
+        from chaos.workload.arguments import check_devices
 
         check_devices(args, job.nproc_per_node)
     steps, deadline = (None, None) if args is None else (args.steps, float(args.timeout))
@@ -194,7 +194,7 @@ def _reference_args(job: Job) -> Any:
     are refused here, before anything starts (ValueError naming the argument)."""
     if not job.is_reference_trainer:
         return None
-    from chaos.workload.train import ArgumentsRefused, check_args
+    from chaos.workload.arguments import ArgumentsRefused, check_args
 
     try:
         return check_args(job.trainer_argv(Path("{run_dir}"))[2:])
