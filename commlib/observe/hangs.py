@@ -13,6 +13,7 @@ communicator logged no failure of its own.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from commlib.observe.findings import Kind, Problem
 from commlib.observe.position import where, where_text
@@ -52,27 +53,8 @@ def collective_hang(
     else:
         message += "; every rank started it (the backend did not complete it)"
     seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
-    if seen:
-        message += (
-            f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-            f"{ranks_text(d.rank for d in seen)} alive and still in it"
-        )
-    return Problem(
-        Kind.HANG,
-        culprits,
-        comm.label,
-        op,
-        seq,
-        message + ".",
-        stuck,
-        t,
-        {
-            "stuck": stuck,
-            "missing": missing,
-            "where": where(att, missing or stuck, None),
-            "dumps": [d.path for d in seen],
-        },
-    )
+    details = {"stuck": stuck, "missing": missing, "where": where(att, missing or stuck, None)}
+    return _hang_problem(comm, op, seq, culprits, stuck, t, message, seen, details)
 
 
 def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
@@ -120,36 +102,41 @@ def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pro
                 for u in d.unfinished
             )
         ]
-        message = f"{head}; {body}"
-        if seen:
-            message += (
-                f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-                f"{ranks_text(d.rank for d in seen)} alive and still in it"
-            )
         t = min(c.start_ns or 0 for c in calls.values())
-        problems.append(
-            Problem(
-                Kind.HANG,
-                culprits,
-                comm.label,
-                op,
-                seq,
-                message + ".",
-                stuck,
-                t,
-                {
-                    "p2p": True,
-                    "pair": [lo, hi],
-                    "peer": peer,
-                    "stuck": stuck,
-                    "missing": [r for r in (lo, hi) if r not in calls],
-                    "where": where(att, culprits or stuck, None),
-                    "dumps": [d.path for d in seen],
-                },
-            )
-        )
+        details = {
+            "p2p": True,
+            "pair": [lo, hi],
+            "peer": peer,
+            "stuck": stuck,
+            "missing": [r for r in (lo, hi) if r not in calls],
+            "where": where(att, culprits or stuck, None),
+        }
+        problems.append(_hang_problem(comm, op, seq, culprits, stuck, t, f"{head}; {body}", seen, details))
     return problems
 
 
 def _ops_text(calls: dict[int, Call]) -> str:
     return "/".join(sorted({c.op for c in calls.values()})) or "?"
+
+
+def _hang_problem(
+    comm: CommLog,
+    op: str,
+    seq: int,
+    culprits: list[int],
+    stuck: list[int],
+    t: int,
+    message: str,
+    seen: list[DumpInfo],
+    details: dict[str, Any],
+) -> Problem:
+    """A hang's Problem, its reporters the ranks stuck in it: `message`, then what the dumps that
+    still show the op started (`seen`) say of those ranks, in the text and in the details."""
+    if seen:
+        message += (
+            f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
+            f"{ranks_text(d.rank for d in seen)} alive and still in it"
+        )
+    return Problem(
+        Kind.HANG, culprits, comm.label, op, seq, message + ".", stuck, t, {**details, "dumps": [d.path for d in seen]}
+    )
