@@ -5,12 +5,14 @@
     -> record end -> post-hooks
 
 "Record" means the flight recorder, the progress board and the structured log, together.
-Failures on that path become typed errors here and only here (worded by the communicator's
-`commlib.verdicts.Judge`): a deadline that expires is a `CollectiveTimeout` naming the
-ranks that never arrived, a peer's death a `PeerFailure`, and either leaves the
-communicator dead, so every later call raises `CommAborted` at once instead of blocking.
-Backends only launch. Beside this module: `commlib.consistency` (the check that every rank
-issues the same collective) and `commlib.device_ops` (the path's stream-ordered branch).
+Failures on that path become typed errors on it and only there (worded by the communicator's
+`commlib.verdicts.Judge`, recorded by its `commlib.lifecycle.Lifecycle`): a deadline that
+expires is a `CollectiveTimeout` naming the ranks that never arrived, a peer's death a
+`PeerFailure`, and either leaves the communicator dead, so every later call raises
+`CommAborted` at once instead of blocking. Backends only launch. Beside this module:
+`commlib.consistency` (the check that every rank issues the same collective),
+`commlib.device_ops` (the path's stream-ordered branch) and `commlib.lifecycle` (splits,
+failures recorded, abort and finalize).
 
 A CPU engine's wait blocks the caller, in slices: between two slices the communicator reads
 its peers' abort announcements (`commlib.verdicts`), so a rank that broke the communicator
@@ -33,11 +35,10 @@ communicator, `Work.wait()` or `commlib.check()`, with the failure hooks run jus
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,18 +46,16 @@ import torch.distributed as dist
 from commlib.backends.base import Backend, BackendWork, keep_until_done
 from commlib.consistency import ConsistencyCheck, agree_on_settings
 from commlib.device_ops import DeviceOps
-from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
+from commlib.lifecycle import Lifecycle
 from commlib.members import Members
 from commlib.observe import log as _log
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp, Reduction
 from commlib.validation import CallChecker, Deadline, deadline_timedelta, seconds
-from commlib.verdicts import Judge, report_side_failure
+from commlib.verdicts import Judge
 from commlib.watchdog import DeviceOp
-
-_E = TypeVar("_E", bound=BaseException)  # `_die` hands back the error it was given
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of the peers' abort announcements
@@ -142,11 +141,9 @@ class Communicator:
         self._check = CallChecker(backend.supports)
         self._seq = 0  # collectives
         self._p2p_seq: dict[int, int] = {}  # send/recv, per peer
-        self._splits = 0
-        self._dead: str | None = None  # why the communicator can no longer be used
+        self._dead: str | None = None  # why the communicator can no longer be used; only its lifecycle writes it
+        self._lifecycle = Lifecycle(self)
         self._runtime = backend.runtime  # a stream-ordered engine's device runtime (module docstring)
-        self._abort_lock = threading.Lock()
-        self._engine_aborting = False  # the engine's abort has been started (`_abort_engine`)
         # Before the board, whose publisher would outlive a failed creation.
         agree_on_settings(store, name, self.rank, self.size, timeout, check_consistency)
         self.recorder = FlightRecorder(name, self.rank, world_rank=self.world_rank)
@@ -170,7 +167,7 @@ class Communicator:
 
     @property
     def check_consistency(self) -> bool:
-        """Fixed at creation, and the same on every rank (`_agree_on_settings`)."""
+        """Fixed at creation, and the same on every rank (`commlib.consistency.agree_on_settings`)."""
         return self._check_consistency
 
     @property
@@ -331,31 +328,10 @@ class Communicator:
         Collective: every rank of this communicator calls it with the same arguments.
         Returns None on ranks not in `ranks`.
         """
-        self._ensure_usable("split")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"split on {self.name!r} rank {self.rank}: expected a non-empty name; found {name!r}")
-        ranks = list(ranks)
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.size]
-        if bad or len(set(ranks)) != len(ranks):
-            raise ValueError(
-                f"split on {self.name!r} rank {self.rank}: expected distinct ranks in [0, {self.size}); found {ranks}"
-            )
-        deadline = seconds(timeout) or self.timeout
-        self._splits += 1
-        store = dist.PrefixStore(f"{name}.{self._splits}/", self._store)
-        try:
-            backend = self._backend.split(ranks, name, timedelta(seconds=deadline)) if ranks else None
-        except Exception as exc:
-            self._log.error("comm.split_failed", new_comm=name, ranks=ranks, error=f"{type(exc).__name__}: {exc}")
-            raise CommError(
-                f"split of {self.name!r} into {name!r} failed on rank {self.rank}: {type(exc).__name__}: {exc}",
-                op="split",
-                comm=self.name,
-                rank=self.rank,
-            ) from exc
-        self._log.info("comm.split", new_comm=name, ranks=ranks, member=backend is not None)
-        if backend is None:
+        made = self._lifecycle.split(ranks, name, timeout)
+        if made is None:
             return None
+        backend, store, ranks = made
         return Communicator(backend, store, name, self.timeout, self.check_consistency, self.members.global_of(ranks))
 
     def abort(self, reason: str = "aborted") -> None:
@@ -364,22 +340,7 @@ class Communicator:
         Peers blocked in one of this communicator's collectives learn of it (see the module
         docstring) and fail with a PeerFailure naming this rank and `reason`.
         """
-        if self._dead is None:
-            self._dead = reason
-            self._judge.announce(reason)
-        device = self._device
-        if device is not None:  # the caller chose to abort: an error the watchdog found meanwhile is moot
-            device.undelivered = None
-        self._log.warning("comm.abort", reason=self._dead)
-        self._dump("abort")
-        self.board.close()
-        # The engine first: an op of a dropped engine work may only end once it is aborted.
-        self._abort_engine()
-        if device is not None:
-            with device.in_flight.lock:
-                device.in_flight.drop()
-            device.await_engine_abort()
-        self.recorder.aborted()  # in-job recovery may rebuild: the process keeps its signal handlers and log
+        self._lifecycle.abort(reason)
 
     def finalize(self) -> None:
         """Release the communicator after a clean run; later calls raise CommAborted.
@@ -388,14 +349,7 @@ class Communicator:
         by its deadline once it has started on the device): one the watchdog fails then is
         raised here, and the communicator is aborted instead.
         """
-        if self._dead is None and self._device is not None:
-            self._device.drain()
-        if self._dead is None:
-            self._dead = "finalized"
-            self.board.close()
-            self._backend.finalize()
-            self._log.info("comm.finalize", seq=self._seq)
-        self.recorder.close()  # the process's last one leaves it as it was (commlib.observe.flight)
+        self._lifecycle.finalize()
 
     def __enter__(self) -> Communicator:
         return self
@@ -454,7 +408,7 @@ class Communicator:
         # computed once (the deadline's timedelta, the checker) and what most calls lack
         # (hooks, a log dir, a dead communicator) costs a test, not a call.
         if self._dead is not None:
-            self._ensure_usable(call.op.value)
+            self._lifecycle.ensure_usable(call.op.value)
         self._check(call)
         p2p = call.peer is not None
         if p2p:  # numbered per peer: a pipeline's sends never shift the collective sequence
@@ -474,7 +428,7 @@ class Communicator:
                 # The number is spent and the peers will wait for it: record the call as failed
                 # and break the communicator, then let the hook's own exception through.
                 entry = self.recorder.start(call)
-                self._die(call, entry, exc, hooks=False)
+                self._lifecycle.die(call, entry, exc, hooks=False)
                 raise
         entry = self.recorder.start(call)
         if not p2p:
@@ -503,7 +457,7 @@ class Communicator:
         try:
             backend_work = self._backend.launch(call, deadline_timedelta(call.deadline_s))
         except Exception as exc:
-            raise self._fail(call, entry, exc) from exc
+            raise self._lifecycle.fail(call, entry, exc) from exc
         if call.async_op:
             return Work(self, call, backend_work, entry)
         self._complete(call, entry, backend_work, None, None)  # a sync call needs no Work
@@ -515,7 +469,7 @@ class Communicator:
         # An op still in flight when the communicator broke: its failure was recorded once
         # already, by whichever call broke it.
         if self._dead is not None:
-            self._ensure_usable(call.op.value)
+            self._lifecycle.ensure_usable(call.op.value)
         wait_from_ns = done_before_wait = None
         # How long the caller's wait blocked, and whether the op was already done.
         if call.async_op and _log.STATE.enabled:
@@ -532,7 +486,7 @@ class Communicator:
                 else backend_work.wait(timedelta(seconds=budget))
             )
         except Exception as exc:
-            raise self._fail(call, entry, exc) from exc
+            raise self._lifecycle.fail(call, entry, exc) from exc
         if finished is False and callers and (time.monotonic_ns() - entry.start_mono_ns) / 1e9 < call.deadline_s:
             self._log.debug(
                 "collective.wait_timeout",
@@ -546,8 +500,8 @@ class Communicator:
         if finished is not True:
             keep_until_done(backend_work, self._backend, backend_work.is_completed)
             if finished is False:
-                raise self._timed_out(call, entry, None)
-            raise self._peer_left(call, entry, finished)  # a peer's abort announcement, read between slices
+                raise self._lifecycle.timed_out(call, entry, None)
+            raise self._lifecycle.peer_left(call, entry, finished)  # a peer's abort announcement, read between slices
         if work is not None:
             work.done = True
         self._record_end(call, entry, wait_from_ns, done_before_wait)
@@ -599,119 +553,3 @@ class Communicator:
             waited_s = now - since_mono_ns / 1e9
             slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
         return True
-
-    # -- failures: recorded here, worded by the judge (`commlib.verdicts`) -----------------
-    def _fail(self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False) -> CommError:
-        """Break the communicator for an op whose engine raised `exc`; the error to raise."""
-        return self._die(call, entry, self._judge.engine_failure(call, entry, exc), deferred=deferred)
-
-    def _timed_out(
-        self,
-        call: Collective,
-        entry: FlightEntry,
-        cause: BaseException | None,
-        *,
-        deferred: bool = False,
-        running_s: float | None = None,
-    ) -> CommError:
-        """Break the communicator for an op whose deadline expired; the error to raise."""
-        return self._die(call, entry, self._judge.timeout(call, entry, cause, running_s=running_s), deferred=deferred)
-
-    def _peer_left(
-        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
-    ) -> CommError:
-        """Break the communicator for an op ended by a peer's abort announcement; the error to raise."""
-        return self._die(call, entry, self._judge.peer_left(call, entry, announced), deferred=deferred)
-
-    def _die(
-        self, call: Collective, entry: FlightEntry, error: _E, *, hooks: bool = True, deferred: bool = False
-    ) -> _E:
-        """Record a failure everywhere, mark the communicator dead, and hand back the error to raise.
-
-        `deferred`: on the watchdog's thread; the error and the failure hooks wait for the
-        caller (`DeviceOps.deliver_undelivered`). Nothing here may replace `error` or skip the
-        abort: a dump that cannot be written or a failure hook that raises is logged and passed over.
-        """
-        event, state = _EVENTS.get(type(error), ("collective.error", "failed"))
-        FlightRecorder.end(entry, state)
-        if deferred:
-            assert self._device is not None
-            self._device.undelivered = (call, error)  # before `_dead`, which the caller's thread reads first
-        self._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        self._judge.announce(self._dead, error, call)
-        try:
-            fields = _error_fields(error) if isinstance(error, CommError) else {}
-            self._log.error(
-                event,
-                op=call.op.value,
-                seq=call.seq,
-                peer=call.peer,
-                duration_s=entry.duration_s,
-                status=state,
-                error=str(error),
-                error_type=type(error).__name__,
-                **fields,
-            )
-            self._dump(event.replace(".", "_"))
-        except Exception as exc:  # a full disk, a closed log file: the error still has to reach the caller
-            report_side_failure(self._log, "dump", exc)
-        finally:
-            self.board.close_broken(type(error).__name__)
-            self._abort_engine()
-        if hooks and not deferred:
-            self._run_hooks_quietly("failure", call, error)
-        return error
-
-    def _dump(self, reason: str) -> None:
-        # Without a log dir the dump would flood stderr; SIGUSR1 still prints one on demand.
-        directory = _log.log_dir()
-        if directory is not None:
-            self.recorder.dump(directory, reason)
-
-    def _abort_engine(self) -> None:
-        """Abort the engine once: at once on a CPU engine, in a thread of its own on a
-        stream-ordered one, whose abort can hang on a wedged device (`DeviceOps.abort_engine`)."""
-        with self._abort_lock:
-            if self._engine_aborting:
-                return
-            self._engine_aborting = True
-        if self._device is None:
-            self._backend.abort()
-        else:
-            self._device.abort_engine()
-
-    def _ensure_usable(self, what: str) -> None:
-        if self._dead is not None:
-            if self._device is not None:
-                self._device.deliver_undelivered()
-            raise CommAborted(
-                f"{what} on {self.name!r} {self.members.name(self.rank)}: expected a live communicator; found it "
-                f"{self._dead}",
-                op=what,
-                seq=self._seq,
-                comm=self.name,
-                rank=self.world_rank,
-            )
-
-    def _run_hooks_quietly(self, kind: str, *args: Any) -> None:
-        """Hooks where one that raises must not replace the error being raised, nor stop the
-        watchdog's thread: its failure is logged and passed over."""
-        try:
-            run_hooks(self.hooks, kind, *args)
-        except Exception as exc:
-            report_side_failure(self._log, f"{kind} hook", exc)
-
-    def _run_post_hooks_quietly(self, call: Collective, entry: FlightEntry) -> None:
-        if _PROCESS_HOOKS.post or self.hooks.post:
-            self._run_hooks_quietly("post", call, entry.duration_s)
-
-
-# The log event and flight-recorder state of each kind of failure (`Communicator._die`).
-_EVENTS: dict[type, tuple[str, str]] = {
-    CollectiveTimeout: ("collective.timeout", "timed_out"),
-    PeerFailure: ("peer.failure", "failed"),
-}
-
-
-def _error_fields(error: CommError) -> dict[str, Any]:
-    return {k: v for k, v in error.fields().items() if k not in ("op", "seq", "comm", "rank")}

@@ -33,6 +33,7 @@ from commlib.backends.base import Backend, keep_until_done
 from commlib.errors import CollectiveMismatch, CommError
 from commlib.failures import Failure
 from commlib.hooks import HookRegistry, run_hooks
+from commlib.lifecycle import Lifecycle
 from commlib.members import Members
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
@@ -90,29 +91,12 @@ class CheckedComm(Protocol):
     _store: dist.Store
     _fingerprints_via_engine: bool
     _judge: Judge
+    _lifecycle: Lifecycle
     _log: Any
 
     def _wait_in_slices(
         self, wait: Callable[[timedelta], bool], budget_s: float, since_mono_ns: int
     ) -> bool | dict[str, Any]: ...
-
-    def _fail(
-        self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False
-    ) -> CommError: ...
-
-    def _timed_out(
-        self,
-        call: Collective,
-        entry: FlightEntry,
-        cause: BaseException | None,
-        *,
-        deferred: bool = False,
-        running_s: float | None = None,
-    ) -> CommError: ...
-
-    def _peer_left(
-        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
-    ) -> CommError: ...
 
 
 class ConsistencyCheck:
@@ -185,7 +169,7 @@ class ConsistencyCheck:
                 else work.wait(deadline_timedelta(call.deadline_s))
             )
         except Exception as exc:
-            raise comm._fail(call, self._entry(call, started), exc) from exc
+            raise comm._lifecycle.fail(call, self._entry(call, started), exc) from exc
         if outcome is not True:
             keep_until_done(work, backend, work.is_completed)
             self._failed(call, started, outcome)
@@ -235,7 +219,7 @@ class ConsistencyCheck:
         try:  # in slices, like an op's wait: a peer that aborted meanwhile ends it at once
             outcome = comm._wait_in_slices(every_rank_set, call.deadline_s, started[1])
         except Exception as exc:
-            raise comm._timed_out(call, self._entry(call, started), exc) from exc
+            raise comm._lifecycle.timed_out(call, self._entry(call, started), exc) from exc
         if outcome is not True:
             self._failed(call, started, outcome)
         return [v[len(tag) :].decode() for v in values]
@@ -251,6 +235,6 @@ class ConsistencyCheck:
         """Raise for a check's wait that ended without every rank: its deadline expired
         (False), or a peer's abort announcement was read (`Communicator._wait_in_slices`)."""
         if outcome is False:
-            raise self._comm._timed_out(call, self._entry(call, started), None)
+            raise self._comm._lifecycle.timed_out(call, self._entry(call, started), None)
         assert isinstance(outcome, dict)
-        raise self._comm._peer_left(call, self._entry(call, started), outcome)
+        raise self._comm._lifecycle.peer_left(call, self._entry(call, started), outcome)

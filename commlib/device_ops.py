@@ -45,7 +45,7 @@ import torch
 
 from commlib.backends.base import Backend, keep_until_done
 from commlib.device import CAPTURED, Event, Runtime, engine_timeout_s
-from commlib.errors import CommError
+from commlib.lifecycle import Lifecycle
 from commlib.observe.board import ProgressBoard
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
@@ -65,6 +65,7 @@ class DeviceComm(Protocol):
     board: ProgressBoard
     _backend: Backend
     _judge: Judge
+    _lifecycle: Lifecycle
     _log: Any
 
     @property
@@ -72,31 +73,7 @@ class DeviceComm(Protocol):
 
     def abort(self, reason: str = "aborted") -> None: ...
 
-    def _ensure_usable(self, what: str) -> None: ...
-
     def _record_end(self, call: Collective, entry: FlightEntry) -> None: ...
-
-    def _run_hooks_quietly(self, kind: str, *args: Any) -> None: ...
-
-    def _run_post_hooks_quietly(self, call: Collective, entry: FlightEntry) -> None: ...
-
-    def _fail(
-        self, call: Collective, entry: FlightEntry, exc: BaseException, *, deferred: bool = False
-    ) -> CommError: ...
-
-    def _timed_out(
-        self,
-        call: Collective,
-        entry: FlightEntry,
-        cause: BaseException | None,
-        *,
-        deferred: bool = False,
-        running_s: float | None = None,
-    ) -> CommError: ...
-
-    def _peer_left(
-        self, call: Collective, entry: FlightEntry, announced: dict[str, Any], *, deferred: bool = False
-    ) -> CommError: ...
 
 
 class DeviceOps:
@@ -139,7 +116,7 @@ class DeviceOps:
             else:  # it ran on the caller's stream: the point right after it is its end
                 end = self.runtime.mark()
         except Exception as exc:
-            raise comm._fail(call, entry, exc) from exc
+            raise comm._lifecycle.fail(call, entry, exc) from exc
         op = DeviceOp(call, entry, work, backend.lane(launched), start, end, work.end is None)
         if start is CAPTURED:
             self._captured(call, entry)
@@ -152,7 +129,7 @@ class DeviceOps:
     def order_after(self, op: DeviceOp) -> None:
         """`Work.wait()`: the caller's stream waits for the op; the CPU does not, but for a barrier."""
         if self.comm.broken:
-            self.comm._ensure_usable(op.call.op.value)
+            self.comm._lifecycle.ensure_usable(op.call.op.value)
         if op.call.op is OpName.BARRIER:
             self._host_waits(op)
         else:
@@ -162,7 +139,7 @@ class DeviceOps:
         """The CPU waits for a barrier to end, the watchdog holding its deadline (module docstring)."""
         self.in_flight.drain(float("inf"))
         if self.comm.broken:
-            self.comm._ensure_usable(op.call.op.value)
+            self.comm._lifecycle.ensure_usable(op.call.op.value)
 
     def _as_all_reduce(self, call: Collective) -> Collective:
         """What a barrier is launched as on the engine (module docstring)."""
@@ -192,7 +169,7 @@ class DeviceOps:
                 consequence="ops recorded into a CUDA graph run at its replays, which commlib neither times nor names",
             )
         self.comm._record_end(call, entry)
-        self.comm._run_post_hooks_quietly(call, entry)
+        self.comm._lifecycle.run_post_hooks_quietly(call, entry)
 
     def drain(self) -> None:
         """Block the CPU until every op issued so far has ended, or failed (then raised here)."""
@@ -205,7 +182,7 @@ class DeviceOps:
         if pending is None:
             return
         call, error = pending
-        self.comm._run_hooks_quietly("failure", call, error)
+        self.comm._lifecycle.run_hooks_quietly("failure", call, error)
         raise error
 
     # -- the watchdog's thread (`commlib.watchdog.Owner`) --------------------------------
@@ -218,23 +195,23 @@ class DeviceOps:
         comm, call, entry = self.comm, op.call, op.entry
         failure = op.work.failure()
         if failure is not None:  # the engine's own verdict on the op: its outputs are not to be used
-            comm._fail(call, entry, failure, deferred=True)
+            comm._lifecycle.fail(call, entry, failure, deferred=True)
             return
         comm._record_end(call, entry)
         self.runtime.release(op.start)
         if op.marked_end:
             self.runtime.release(op.end)
-        comm._run_post_hooks_quietly(call, entry)
+        comm._lifecycle.run_post_hooks_quietly(call, entry)
 
     def op_expired(self, op: DeviceOp, running_s: float) -> None:
-        self.comm._timed_out(op.call, op.entry, None, deferred=True, running_s=running_s)
+        self.comm._lifecycle.timed_out(op.call, op.entry, None, deferred=True, running_s=running_s)
 
     def peer_aborted(self, op: DeviceOp) -> bool:
         """Fail `op` if a peer announced it aborted the communicator; whether it did."""
         announced = self.comm._judge.announced()
         if announced is None:
             return False
-        self.comm._peer_left(op.call, op.entry, announced, deferred=True)
+        self.comm._lifecycle.peer_left(op.call, op.entry, announced, deferred=True)
         return True
 
     def op_dropped(self, op: DeviceOp) -> None:

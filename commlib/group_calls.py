@@ -5,7 +5,7 @@ A c10d collective method takes tensor lists and an option object and returns a c
 commlib `Work`. The helpers here translate, once per call: the one tensor of a list
 (`one_tensor`), an op's own deadline (`deadline_of`) and reduction (`reduction_of`, remembered
 per kind) from c10d's options, what goes back to torch (`handed_back`, `CommlibWork`), and the
-copies back into a caller's non-contiguous tensors (`copy_back`).
+copies back into a caller's non-contiguous tensors (`restaged`, `copy_back`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class CommlibWork(dist.Work):
         self._finish = finish  # copies out of a staged buffer, run once after completion
 
     def restaged(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The op ran on contiguous `copies` of the caller's tensors (`CommlibProcessGroup._restaged`):
+        """The op ran on contiguous `copies` of the caller's tensors (`restaged`):
         hand back the caller's tensors, each filled from its copy once the op completes."""
         assert self._finish is None  # only ops without a staging of their own are restaged
         originals = {id(copy): original for original, copy in copies}
@@ -71,7 +71,7 @@ def copy_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def strided(tensors: list[torch.Tensor]) -> bool:
-    """Whether any of `tensors` is not contiguous (`CommlibProcessGroup._restaged` then takes the call)."""
+    """Whether any of `tensors` is not contiguous (`restaged` then takes the call)."""
     return not all(t.is_contiguous() for t in tensors)
 
 
@@ -130,3 +130,34 @@ def one_tensor(tensors: list[Any], what: str) -> Any:
             f"commlib process group {what}: expected one tensor (one device per process); found {len(tensors)}"
         )
     return tensors[0]
+
+
+def restaged(
+    method: Callable[..., CommlibWork | None], args: tuple[Any, ...], writes: tuple[int, ...]
+) -> CommlibWork | None:
+    """`method(*args)` with a contiguous copy in place of every tensor that is not contiguous.
+
+    The copies in the arguments at `writes` (the op's outputs) are copied back into the
+    caller's tensors once the op completes: before a synchronous call returns, else when
+    its Work is waited on. A rare path: the methods take it only for such tensors.
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def staged(value: Any, written: bool) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.is_contiguous():
+                return value
+            copy = value.contiguous()
+            if written:
+                copies.append((value, copy))
+            return copy
+        if isinstance(value, list):
+            return [staged(v, written) for v in value]
+        return value
+
+    work = method(*(staged(arg, i in writes) for i, arg in enumerate(args)))
+    if work is None:
+        copy_back(copies)
+    else:
+        work.restaged(copies)
+    return work

@@ -25,11 +25,11 @@ its own stand-in, `default_pg_timeout` (30 min), so that value reads as "not giv
 ways of changing a group's timeout later reach commlib too: `ProcessGroup.set_timeout` (what
 2.14's `dist.set_timeout` calls) is this class's, and an engine's `_set_default_timeout`
 (what 2.13's `_set_pg_timeout` and callers of `group._get_backend(device)` call) also sets the
-deadline of the commlib communicator over that engine (`_follow_engine_timeouts`).
+deadline of the commlib communicator over that engine (`commlib.group_timeouts`).
 
 Tensors that are not contiguous, which gloo takes (`all_reduce(t.t())`, `broadcast(t[::2])`,
 strided outputs), go through a contiguous copy, copied back into the caller's tensors when
-the op completes (`_restaged`); the Communicator's own API keeps refusing them.
+the op completes (`commlib.group_calls.restaged`); the Communicator's own API keeps refusing them.
 
 The group object stays while the communicators under it can be replaced
 (`CommlibProcessGroup.replace_communicators`), which is what in-job recovery needs: FSDP2
@@ -51,7 +51,7 @@ Limits (see docs/torch-backend.md):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -62,9 +62,17 @@ from torch.distributed.constants import default_pg_timeout
 
 from commlib import attempt, compat
 from commlib.communicator import Communicator
-from commlib.device import engine_timeout_s
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
-from commlib.group_calls import CommlibWork, copy_back, deadline_of, handed_back, one_tensor, reduction_of, strided
+from commlib.group_calls import (
+    CommlibWork,
+    deadline_of,
+    handed_back,
+    one_tensor,
+    reduction_of,
+    restaged,
+    strided,
+)
+from commlib.group_timeouts import engine_timeout, follow_engine_timeouts, set_engine_timeout
 from commlib.observe import flight
 from commlib.observe import log as _log
 from commlib.validation import seconds
@@ -134,7 +142,7 @@ def create(opts: Any, engine_options: EngineOptions | None) -> CommlibProcessGro
         _deadline_of_new_group(opts.timeout, is_default),
         global_ranks,
     )
-    _follow_engine_timeouts()
+    follow_engine_timeouts(_communicators_over)
     group = CommlibProcessGroup(recipe.build(store), opts.group_rank, opts.group_size)
     group._recipe = recipe
     return group
@@ -179,46 +187,9 @@ def _deadline_of_new_group(timeout: timedelta, is_default: bool) -> float:
     return timeout_s
 
 
-def _follow_engine_timeouts() -> None:
-    """Make an engine's `_set_default_timeout` set the deadline of the commlib communicator over it.
-
-    torch 2.13's `_set_pg_timeout` (and code that sets a timeout on `group._get_backend(device)`)
-    calls that method of the engine c10d finds registered for each device, a C++ object that
-    commlib's group cannot stand in for, so the engine classes' method is wrapped, once per
-    process: the timeout becomes the deadline of the communicator over that engine (over any
-    engine the group ever registered for that device: a rebuilt group's retired ones stay
-    registered, `CommlibProcessGroup._register_engines`), and the engine's own timeout is the
-    one commlib gives that engine for it (`_engine_timeout`): never the raw deadline on a
-    stream-ordered engine, whose c10d watchdog counts from the enqueue. Engines no commlib
-    group holds are untouched.
-    """
-    for engine_class in (getattr(dist, "ProcessGroupGloo", None), getattr(dist, "ProcessGroupNCCL", None)):
-        setter = getattr(engine_class, "_set_default_timeout", None)
-        if setter is None or getattr(setter, "follows_commlib", False):
-            continue
-
-        def set_default_timeout(engine: Any, timeout: timedelta, _engine_setter: Any = setter) -> None:
-            over = [comm for group in commlib_groups() for comm in group._communicators_over(engine)]
-            _engine_setter(engine, _engine_timeout(over[0], timeout) if over else timeout)
-            for comm in over:
-                comm.set_timeout(timeout)
-
-        set_default_timeout.follows_commlib = True  # type: ignore[attr-defined]
-        set_default_timeout.engines_own = setter  # type: ignore[attr-defined]
-        engine_class._set_default_timeout = set_default_timeout  # type: ignore[union-attr]
-
-
-def _engine_timeout(comm: Communicator, deadline: timedelta) -> timedelta:
-    """The engine's own timeout for a communicator whose deadline is `deadline` (`engine_timeout_s`)."""
-    if not comm.stream_ordered:
-        return deadline
-    return timedelta(seconds=engine_timeout_s(deadline.total_seconds()))
-
-
-def _set_engine_timeout(engine: Any, timeout: timedelta) -> None:
-    """The engine's own timeout, set with its class's own setter (not `_follow_engine_timeouts`'s)."""
-    setter = type(engine)._set_default_timeout
-    getattr(setter, "engines_own", setter)(engine, timeout)
+def _communicators_over(engine: Any) -> list[Communicator]:
+    """The communicators over `engine`, in every commlib group of the process (`follow_engine_timeouts`)."""
+    return [comm for group in commlib_groups() for comm in group._communicators_over(engine)]
 
 
 def commlib_groups() -> list[CommlibProcessGroup]:
@@ -291,13 +262,13 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def set_timeout(self, timeout: timedelta) -> None:
         """torch's `ProcessGroup.set_timeout`: every communicator's deadline, and each engine's own
         timeout for it (c10d forwards the raw value to every registered engine first: a
-        stream-ordered engine's is put back to what commlib gives it, `_engine_timeout`)."""
+        stream-ordered engine's is put back to what commlib gives it, `engine_timeout`)."""
         super().set_timeout(timeout)
         for comm in self._comms.values():
             comm.set_timeout(timeout)
             engine = getattr(comm._backend, "engine", None)
             if engine is not None and comm.stream_ordered:
-                _set_engine_timeout(engine, _engine_timeout(comm, timeout))
+                set_engine_timeout(engine, engine_timeout(comm, timeout))
 
     def _communicators_over(self, engine: Any) -> list[Communicator]:
         """The communicators that `engine` stands for: of the device it was registered for."""
@@ -383,7 +354,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t = one_tensor(tensors, "allreduce")
         if not t.is_contiguous():
-            return self._restaged(self.allreduce, (tensors, opts), writes=(0,))
+            return restaged(self.allreduce, (tensors, opts), writes=(0,))
         work = self._on(t).all_reduce(t, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], tensors)
 
@@ -391,7 +362,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
         async_op = opts.asyncOp
         if strided(tensors):
-            return self._restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
+            return restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
         op, timeout = reduction_of(opts), deadline_of(opts)
         works = [self._on(t).all_reduce(t, op, async_op=async_op, timeout=timeout) for t in tensors]
         return handed_back(async_op, works, tensors)
@@ -401,7 +372,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t = one_tensor(tensors, "broadcast")
         if not t.is_contiguous():
-            return self._restaged(self.broadcast, (tensors, opts), writes=(0,))
+            return restaged(self.broadcast, (tensors, opts), writes=(0,))
         work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], tensors)
 
@@ -410,7 +381,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t = one_tensor(tensors, "reduce")
         if not t.is_contiguous():
-            return self._restaged(self.reduce, (tensors, opts), writes=(0,))
+            return restaged(self.reduce, (tensors, opts), writes=(0,))
         work = self._on(t).reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], tensors)
 
@@ -421,7 +392,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t, outputs = one_tensor(inputs, "allgather"), one_tensor(output_lists, "allgather")
         if strided([t, *outputs]):
-            return self._restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
+            return restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
         work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs)
 
@@ -431,7 +402,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if strided([*inputs, *(o for outs in output_lists for o in outs)]):
-            return self._restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
+            return restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
         timeout = deadline_of(opts)
         works = [
             self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
@@ -443,7 +414,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
-            return self._restaged(self.all_gather_single, (output, input, opts), writes=(0,))
+            return restaged(self.all_gather_single, (output, input, opts), writes=(0,))
         work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], [output])
 
@@ -453,7 +424,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
-            return self._restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
+            return restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
         timeout = deadline_of(opts)
         works = [
             self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
@@ -468,7 +439,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         async_op = opts.asyncOp
         t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
         if strided([t, *inputs]):
-            return self._restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
+            return restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
         work = self._on(t).reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs)
 
@@ -476,7 +447,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
-            return self._restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
+            return restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
         work = self._on(input).reduce_scatter_single(
             output, input, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts)
         )
@@ -488,7 +459,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.ReduceScatterOptions()
         async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
-            return self._restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
+            return restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
         op, timeout = reduction_of(opts), deadline_of(opts)
         works = [
             self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
@@ -515,7 +486,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
                     f"{role} splits {[even] * n}; found {list(splits)} (commlib's all_to_all_single has no splits)"
                 )
         if not (output.is_contiguous() and input.is_contiguous()):
-            return self._restaged(
+            return restaged(
                 self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes, opts), writes=(0,)
             )
         work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=deadline_of(opts))
@@ -551,7 +522,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t = one_tensor(inputs, "gather")
         outputs = one_tensor(output_lists, "gather") if output_lists else None
         if strided([t, *(outputs or [])]):
-            return self._restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
+            return restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
         work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs or [])
 
@@ -563,7 +534,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t = one_tensor(outputs, "scatter")
         inputs = one_tensor(input_lists, "scatter") if input_lists else None
         if strided([t, *(inputs or [])]):
-            return self._restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
+            return restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
         work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
         return handed_back(async_op, [work], outputs)
 
@@ -571,14 +542,14 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t = one_tensor(tensors, "send")
         self._untagged("send", tag)
         if not t.is_contiguous():
-            return self._restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
+            return restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
         return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
         self._untagged("recv", tag)
         if not t.is_contiguous():
-            return self._restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
+            return restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
         return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
@@ -602,36 +573,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
     # -- helpers -----------------------------------------------------------------------
-    def _restaged(
-        self, method: Callable[..., CommlibWork | None], args: tuple[Any, ...], writes: tuple[int, ...]
-    ) -> CommlibWork | None:
-        """`method(*args)` with a contiguous copy in place of every tensor that is not contiguous.
-
-        The copies in the arguments at `writes` (the op's outputs) are copied back into the
-        caller's tensors once the op completes: before a synchronous call returns, else when
-        its Work is waited on. A rare path: the methods take it only for such tensors.
-        """
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def staged(value: Any, written: bool) -> Any:
-            if isinstance(value, torch.Tensor):
-                if value.is_contiguous():
-                    return value
-                copy = value.contiguous()
-                if written:
-                    copies.append((value, copy))
-                return copy
-            if isinstance(value, list):
-                return [staged(v, written) for v in value]
-            return value
-
-        work = method(*(staged(arg, i in writes) for i, arg in enumerate(args)))
-        if work is None:
-            copy_back(copies)
-        else:
-            work.restaged(copies)
-        return work
-
     def _untagged(self, what: str, tag: int) -> None:
         if tag:
             raise NotImplementedError(

@@ -64,6 +64,7 @@ import fsdp_overlap
 from chaos.inject import Injector, install_from_env
 from chaos.options import LONGEST_S, option
 from chaos.workload import train
+from chaos.workload.arguments import RefusingParser
 from chaos.workload.data import DataConfig, batch_for
 from chaos.workload.model import (
     ModelConfig,
@@ -90,9 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(argv: list[str]) -> argparse.Namespace:
-    """The same reading as `parse_args`, or `chaos.workload.train.ArgumentsRefused` saying what it
+    """The same reading as `parse_args`, or `chaos.workload.arguments.ArgumentsRefused` saying what it
     refuses: for a launcher (`chaos.replicas`) to check a job before it starts one."""
-    return _parsed(argv, train._Refusing, train.check_args)
+    return _parsed(argv, RefusingParser, train.check_args)
 
 
 def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser], trainer: Any) -> argparse.Namespace:

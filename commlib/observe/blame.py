@@ -4,7 +4,7 @@
 (`commlib.observe.records`) and returns its `AttemptFinding` (`commlib.observe.findings`):
 a status, the problems found (each a `Problem` of one `Kind`, with its culprits in `ranks`
 and a message saying why), and where each rank's log ends. The mismatch rule lives in
-`commlib.observe.mismatch`.
+`commlib.observe.mismatch`, the hang rules (no deadline expired yet) in `commlib.observe.hangs`.
 
 Culprits: for a timeout, the ranks that had not arrived when the deadline expired (the
 progress board's `missing_ranks`, plus ranks with no `collective.start` before the timeout,
@@ -29,8 +29,9 @@ from typing import Any
 
 from commlib.failures import Failure, classify
 from commlib.observe.findings import AttemptFinding, Kind, Problem
+from commlib.observe.hangs import MATCHING_P2P, collective_hang, p2p_hangs
 from commlib.observe.mismatch import first_mismatch
-from commlib.observe.position import position
+from commlib.observe.position import position, where, where_text
 from commlib.observe.records import (
     AttemptLog,
     Call,
@@ -45,7 +46,6 @@ from commlib.observe.records import (
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
-_MATCHING_P2P = {"send": "recv", "recv": "send"}
 # A rank inside a collective that fails elsewhere logs its own outcome by its own deadline;
 # one that has not, this long after, was stopped or dead (SIGSTOP, a kill mid-collective).
 FROZEN_GRACE_S = 1.0
@@ -167,10 +167,6 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
     return problems
 
 
-def _ops_text(calls: dict[int, Call]) -> str:
-    return "/".join(sorted({c.op for c in calls.values()})) or "?"
-
-
 def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> list[Problem]:
     """Timeouts, peer failures and errors logged on `comm` (collectives' and send/recv's), or
     else the oldest unfinished collective and, per pair of ranks, the oldest unfinished send/recv."""
@@ -194,27 +190,15 @@ def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], du
     for (key, event), events in sorted(by_pair.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
         problems.append(_p2p_failure(att, comm, key, event, events))
     if not comm.failures:
-        hang = _hang(att, comm, mismatches, dumps)
+        hang = collective_hang(att, comm, mismatches, dumps)
         if hang is not None:
             problems.append(hang)
-        problems += _p2p_hangs(att, comm, dumps)
+        problems += p2p_hangs(att, comm, dumps)
     return problems
 
 
 def _arrivals(comm: CommLog, seq: int) -> dict[int, int | None]:
     return {r: c.start_ns for r, c in comm.calls.get(seq, {}).items()}
-
-
-def _where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, Any]:
-    return {str(r): asdict(position(att, r, at_ns)) for r in ranks}
-
-
-def _where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
-    """Where `ranks` were, ranks in the same place said once: "ranks 0-5, 7: last started ..."."""
-    places: dict[str, list[int]] = defaultdict(list)
-    for r in ranks:
-        places[position(att, r, at_ns).describe()].append(r)
-    return "; ".join(f"{ranks_text(rs)}: {text}" for text, rs in places.items())
 
 
 def _timeout(
@@ -324,10 +308,10 @@ def _timeout_problem(
 ) -> Problem:
     """A timeout's Problem (collective or send/recv): `message`, then where the culprits were
     at the deadline, in the text and in the details."""
-    where = _where(att, culprits, t)
+    places = where(att, culprits, t)
     if culprits:
-        message += f" Where they were at the deadline: {_where_text(att, culprits, t)}."
-    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": where})
+        message += f" Where they were at the deadline: {where_text(att, culprits, t)}."
+    return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": places})
 
 
 def _frozen(att: AttemptLog, calls: dict[int, Call], t: int) -> list[int]:
@@ -373,7 +357,7 @@ def _peer_failure(
     if silent:
         message = (
             f"{head}: {ranks_text(silent)} had stopped logging before, without reporting an error "
-            f"(killed or crashed). {_where_text(att, silent, None)}."
+            f"(killed or crashed). {where_text(att, silent, None)}."
         )
     elif gone:
         message = (
@@ -399,7 +383,7 @@ def _peer_failure(
         message,
         reporters,
         t,
-        {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}), "where": _where(att, gone, None)},
+        {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}), "where": where(att, gone, None)},
     )
 
 
@@ -415,58 +399,6 @@ def _error(
     if mismatch is not None:
         message += f" (ranks disagree on this collective: {mismatch.message})"
     return Problem(Kind.ERROR, culprits, comm.label, op, seq, message, reporters, t, {"errors": errors})
-
-
-def _hang(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], dumps: list[DumpInfo]) -> Problem | None:
-    """The oldest collective of `comm` that some rank started and never left (no deadline expired).
-
-    Flight-recorder dumps (SIGUSR1 on a live job) that still show it started confirm the
-    rank was alive and in it when dumped.
-    """
-    unfinished = [seq for seq, calls in comm.calls.items() if any(c.status == "started" for c in calls.values())]
-    if not unfinished:
-        return None
-    seq = min(unfinished)
-    calls = comm.calls[seq]
-    members = comm.member_ranks()
-    stuck = sorted(r for r, c in calls.items() if c.status == "started")
-    missing = sorted(r for r in members if r not in calls)
-    mismatch = mismatches.get(seq)
-    culprits = missing or (mismatch.ranks if mismatch else [])
-    t = min(c.start_ns or 0 for c in calls.values())
-    op = _ops_text(calls)
-    message = (
-        f"{op} #{seq} on {comm.label!r} never finished and no deadline expired: {ranks_text(stuck)} still "
-        f"in it at the end of their logs (hung, or killed while in it)"
-    )
-    if missing:
-        message += f"; {ranks_text(missing)} never started it. Where they were: {_where_text(att, missing, None)}"
-    elif mismatch is not None:
-        message += f"; every rank started it, but: {mismatch.message}"
-    else:
-        message += "; every rank started it (the backend did not complete it)"
-    seen = [d for d in dumps if {"comm": comm.label, "op": op, "seq": seq} in d.unfinished]
-    if seen:
-        message += (
-            f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-            f"{ranks_text(d.rank for d in seen)} alive and still in it"
-        )
-    return Problem(
-        Kind.HANG,
-        culprits,
-        comm.label,
-        op,
-        seq,
-        message + ".",
-        stuck,
-        t,
-        {
-            "stuck": stuck,
-            "missing": missing,
-            "where": _where(att, missing or stuck, None),
-            "dumps": [d.path for d in seen],
-        },
-    )
 
 
 def _p2p_failure(
@@ -503,7 +435,7 @@ def _p2p_timeout(
 ) -> Problem:
     t = min(e["ts_ns"] for e in events)
     reporters = sorted({e["rank"] for e in events})
-    want = _MATCHING_P2P.get(op, "?")
+    want = MATCHING_P2P.get(op, "?")
     deadline = events[0].get("deadline")
     head = (
         f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
@@ -548,82 +480,6 @@ def _p2p_timeout(
             "deadline_s": deadline,
         },
     )
-
-
-def _p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
-    """Per pair of ranks, the oldest send/recv that a side started and never left (no deadline expired)."""
-    by_pair: dict[tuple[int, int], dict[int, dict[int, Call]]] = defaultdict(dict)
-    for (lo, hi, seq), calls in comm.pairs().items():
-        by_pair[(lo, hi)][seq] = calls
-    problems = []
-    for (lo, hi), by_seq in sorted(by_pair.items()):
-        unfinished = [seq for seq, calls in by_seq.items() if any(c.status == "started" for c in calls.values())]
-        if not unfinished:
-            continue
-        seq = min(unfinished)
-        calls = by_seq[seq]
-        stuck = sorted(r for r, c in calls.items() if c.status == "started")
-        rank = stuck[0]
-        peer = hi if rank == lo else lo
-        op = calls[rank].op
-        theirs = calls.get(peer)
-        head = (
-            f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: "
-            f"{ranks_text(stuck)} in it at the end of their logs (hung, or killed while in it)"
-        )
-        if theirs is None:
-            culprits = [peer]
-            body = (
-                f"rank {peer} never posted the matching {p2p_name(_MATCHING_P2P.get(op, '?'), seq, rank)}. "
-                f"Where it was: {_where_text(att, [peer], None)}"
-            )
-        elif theirs.op == op:
-            culprits = [lo, hi]
-            body = f"both sides issued {op} as their point-to-point op #{seq} with each other"
-        else:
-            culprits = []
-            body = "both sides posted it (the backend did not complete it)"
-        seen = [
-            d
-            for d in dumps
-            if d.rank in stuck
-            and any(
-                u.get("comm") == comm.label
-                and u.get("op") == calls[d.rank].op
-                and u.get("seq") == seq
-                and u.get("peer") == (hi if d.rank == lo else lo)
-                for u in d.unfinished
-            )
-        ]
-        message = f"{head}; {body}"
-        if seen:
-            message += (
-                f". Flight-recorder dumps ({', '.join(sorted({d.reason for d in seen}))}) show "
-                f"{ranks_text(d.rank for d in seen)} alive and still in it"
-            )
-        t = min(c.start_ns or 0 for c in calls.values())
-        problems.append(
-            Problem(
-                Kind.HANG,
-                culprits,
-                comm.label,
-                op,
-                seq,
-                message + ".",
-                stuck,
-                t,
-                {
-                    "p2p": True,
-                    "pair": [lo, hi],
-                    "peer": peer,
-                    "stuck": stuck,
-                    "missing": [r for r in (lo, hi) if r not in calls],
-                    "where": _where(att, culprits or stuck, None),
-                    "dumps": [d.path for d in seen],
-                },
-            )
-        )
-    return problems
 
 
 def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:

@@ -2,15 +2,17 @@
 
 `position(att, rank, at_ns)` reads it from the log model (`commlib.observe.records`): the
 fold keeps, per rank, its last event, step and phase and its last started and finished
-calls, and, at the moment each deadline expired, the same of every rank then.
+calls, and, at the moment each deadline expired, the same of every rank then. `where` and
+`where_text` say it of several ranks, as the doctor's findings carry and print it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from commlib.observe.records import AttemptLog, Call, p2p_name
+from commlib.observe.records import AttemptLog, Call, p2p_name, ranks_text
 
 
 @dataclass
@@ -104,3 +106,16 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
         stack=last_started.stack if last_started and last_started.stack else rl.signal_stack,
         cut=rl.cut and at_ns is None,
     )
+
+
+def where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, Any]:
+    """Each rank's position, as a finding's details hold it (by rank, as text)."""
+    return {str(r): asdict(position(att, r, at_ns)) for r in ranks}
+
+
+def where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
+    """Where `ranks` were, ranks in the same place said once: "ranks 0-5, 7: last started ..."."""
+    places: dict[str, list[int]] = defaultdict(list)
+    for r in ranks:
+        places[position(att, r, at_ns).describe()].append(r)
+    return "; ".join(f"{ranks_text(rs)}: {text}" for text, rs in places.items())
