@@ -20,10 +20,10 @@ the cost of starting the job is paid once per event and once for the verdict:
   SIGKILLed); Slurm declares it down, requeues the job onto the spare, and it resumes from the
   last checkpoint.
 
-Between the first two, a restart inside a requeued launch, begun on one node (torchrun counts
-it on that node only; every rank agrees on the attempt all the same: `commlib.attempt`): rank 1
-killed at step 3. A step completes after each fault before the next. (Restarts begun on the
-other node, and a hang across nodes: tests/chaos/test_multinode.py, without Slurm.)
+After each of them, a restart inside the launch, begun on one node (torchrun counts it on that
+node only; every rank agrees on the attempt all the same: `commlib.attempt`): rank 1 killed at
+step 3, rank 0 killed at step 6, rank 1 hung at step 8 (on the spare); a step completes after
+each fault before the next.
 """
 
 import json
@@ -94,12 +94,13 @@ def test_a_crashed_owners_cluster_is_swept_and_down_leaves_nothing(tmp_path):
     assert orphan.leftovers() == []
 
 
-def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_a_restart_in_between(
-        cluster, tmp_path, tiny_args, reference_dir, leftovers):
+def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in_between(cluster, tmp_path, tiny_args,
+                                                                                         reference_dir, leftovers):
     run_dir = tmp_path / "run"
     # A completed step after each fault, before the next: each one's recovery is checked.
-    done = _sbatch(cluster, run_dir, ["preempt:step=1", "kill:rank=1,step=3", "time_limit:step=4",
-                                      "node_loss:rank=1,step=7"], tiny_args, reference_dir)
+    done = _sbatch(cluster, run_dir, ["preempt:step=1", "kill:rank=1,step=3", "time_limit:step=4", "kill:rank=0,step=6",
+                                      "node_loss:rank=1,step=7", "hang:rank=1,step=8,duration_s=15"], tiny_args,
+                   reference_dir)
     report = json.loads((run_dir / "report.json").read_text())
     assert done.returncode == 0 and report["passed"], done.stdout + done.stderr
     assert report["bitwise_verified"], report["bitwise_reason"]
@@ -108,8 +109,9 @@ def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_a_restart_i
     by_type = {}
     for f in report["faults"]:
         by_type.setdefault(f["type"], []).append(f)
-    [preempt], [time_limit], [lost], [kill] = (by_type[t] for t in ("preempt", "time_limit", "node_loss", "kill"))
-    assert (kill["rank"], kill["step"]) == (1, 3), kill
+    [preempt], [time_limit], [lost], kills, [hang] = (by_type[t] for t in ("preempt", "time_limit", "node_loss",
+                                                                            "kill", "hang"))
+    assert [(f["rank"], f["step"]) for f in kills] == [(1, 3), (0, 6)] and (hang["rank"], hang["step"]) == (1, 8)
 
     # Each whole-job stop: every rank stopped after the very step, checkpointed, and Slurm ran
     # the job again, which resumed from that step.
@@ -124,8 +126,7 @@ def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_a_restart_i
     # Each stopped launch was requeued: by the driver, or by Slurm once a preemption's grace ran
     # out (a loaded machine's stop can outlast it; then the driver's own request fails, and
     # Slurm's SIGTERM says so at once: `chaos.slurm.batch.requeue_job`, `driver`).
-    said = [(e["requeue"], e["event"], e["requeued"]) for e in batch
-            if e["event"] in ("batch.requeue", "batch.sigterm")]
+    said = [(e["requeue"], e["event"], e["requeued"]) for e in batch if e["event"] in ("batch.requeue", "batch.sigterm")]
     assert {r for r, _, requeued in said if requeued} >= {0, 1}, said
     assert all(requeued for _, event, requeued in said if event == "batch.requeue"), said
     [lowered] = [f for f in Ledger(run_dir / "chaos_state").firings() if f.type == "time_limit"]
@@ -149,12 +150,12 @@ def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_a_restart_i
     assert sorted({e["first_attempt"] for e in read_events(run_dir / "harness0.jsonl")
                    if e["event"] == "harness.launch"}) == launches
     logged = [sorted({e["attempt"] for e in read_events(run_dir / "logs" / f"rank{r}.jsonl")}) for r in range(2)]
-    rounds = [launches[0], launches[1], launches[1] + 1, launches[2], launches[3]]  # the kill: a second round
+    rounds = [launches[0], *(n + r for n in launches[1:] for r in (0, 1))]  # a kill or a hang in each later launch
     assert logged[0] == logged[1] == rounds, (logged, launches)
     firings = {f.type: f.attempt for f in Ledger(run_dir / "chaos_state").firings() if f.type != "kill"}
     kill_attempts = [f.attempt for f in Ledger(run_dir / "chaos_state").firings() if f.type == "kill"]
-    assert firings == {"preempt": launches[0], "time_limit": launches[1] + 1, "node_loss": launches[2]} and \
-        kill_attempts == [launches[1]], (firings, kill_attempts)
+    assert firings == {"preempt": launches[0], "time_limit": launches[1] + 1, "node_loss": launches[2] + 1,
+                       "hang": launches[3]} and kill_attempts == [launches[1], launches[2]], (firings, kill_attempts)
     assert leftovers(run_dir) == []
     print("slurm timings:", json.dumps(timings(run_dir)))
 
