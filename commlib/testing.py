@@ -12,9 +12,9 @@ timeout: ranks still running then are killed and `RankTimeout` says which.
 Ranks fork from a server process that imported torch once (multiprocessing's forkserver),
 so a rank costs a fork, not a fresh interpreter importing torch (about 2 s of CPU each,
 most of a small test's time). torch reads part of the environment when it is imported
-(whether to route through torchcomms, and whether torchcomms imports from PYTHONPATH), so
-the server is used only while the variables read at import (`_READ_AT_IMPORT`) are as they
-were when this module was imported (the server starts with them); a call made under others
+(whether to route through torchcomms, and whether torchcomms is importable), so the server
+is used only while the variables read at import (`_READ_AT_IMPORT`, less `_READ_LATER`) are as
+they were when this module was imported (the server starts with them); a call made under others
 (a test that set one) spawns fresh interpreters, as before. Each rank gets the caller's
 whole environment either way. A forked rank's stdout and stderr are the server's, those
 of the call that started it (under pytest, that test's captured output): a rank's
@@ -43,8 +43,13 @@ import torch.distributed as dist
 # made of them then.
 _READ_AT_IMPORT = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "LD_")
 # Except inductor's: the server does not import inductor (a rank that does reads them from
-# its own environment), and torch.compile writes its cache dir into this process's.
-_READ_LATER = ("TORCHINDUCTOR_",)
+# its own environment), and torch.compile writes its cache dir into this process's. And
+# PYTHONPATH: the interpreter reads it only to build sys.path, and a forked rank gets the
+# caller's sys.path as it is at the call (multiprocessing sends it with each process), so a
+# test that puts a package on both (the torchcomms stand-in) still forks. torch's one
+# import-time look at what is importable (distributed_c10d's probe for torchcomms) counts only
+# under TORCH_DISTRIBUTED_USE_TORCHCOMMS, a TORCH variable, which still sends a call to spawn.
+_READ_LATER = ("TORCHINDUCTOR_", "PYTHONPATH")
 
 
 def _import_time_env() -> dict[str, str]:

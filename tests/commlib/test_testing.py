@@ -37,8 +37,11 @@ def test_never_outlives_its_timeout() -> None:
 
 
 def _started_how() -> dict[str, object]:
+    import sys
+
     return {"parent": os.getppid(), "rank": os.environ["RANK"],
-            "vars": [os.environ.get("COMMLIB_TESTING_PROBE"), os.environ.get("TORCH_COMMLIB_TESTING_PROBE")]}
+            "vars": [os.environ.get("COMMLIB_TESTING_PROBE"), os.environ.get("TORCH_COMMLIB_TESTING_PROBE")],
+            "path": sys.path[:1]}
 
 
 def test_ranks_fork_from_the_server_unless_an_import_time_variable_changed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,6 +50,12 @@ def test_ranks_fork_from_the_server_unless_an_import_time_variable_changed(monke
     forked = testing.run(_started_how, 2, backend=None)
     assert [r["rank"] for r in forked] == ["0", "1"]
     assert all(r["parent"] != os.getpid() and r["vars"] == ["read at run time", None] for r in forked), forked
+    # A package put on sys.path and PYTHONPATH (as the torchcomms stand-in is): still forked, and
+    # importable there (the caller's sys.path goes with each rank).
+    monkeypatch.syspath_prepend("/nonexistent/probe")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, ["/nonexistent/probe", os.environ.get("PYTHONPATH")])))
+    on_path = testing.run(_started_how, 2, backend=None)
+    assert all(r["parent"] != os.getpid() and r["path"] == ["/nonexistent/probe"] for r in on_path), on_path
     # One torch might read at import: fresh interpreters, children of this process.
     monkeypatch.setenv("TORCH_COMMLIB_TESTING_PROBE", "read at import")
     spawned = testing.run(_started_how, 2, backend=None)
