@@ -1,6 +1,9 @@
 """The reference trainer under real torchrun (2 ranks, gloo, tiny model), and its results file.
 
-`torchrun_train` is also what test_checkpoint.py launches the trainer with.
+`torchrun_train` is also what test_checkpoint.py launches the trainer with. Two launches
+giving the same bits, a resume equal to the uninterrupted run and a NaN stopped before the
+optimizer are what every chaos run verifies against its fault-free reference (tests/chaos:
+test_chaos_faults.py's `corrupt` is the NaN), so they are not launched again here.
 """
 
 from __future__ import annotations
@@ -62,15 +65,6 @@ def _same_training(a: dict, b: dict) -> None:
     assert a["state_digest"] == b["state_digest"]
 
 
-def test_two_runs_are_bitwise_equal(reference: Path, tmp_path: Path) -> None:
-    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
-                   "--results", tmp_path / "results.json")
-    first, second = read_results(reference / "results.json"), read_results(tmp_path / "results.json")
-    _same_training(first, second)
-    assert first["steps"] == 4 and len(first["losses"]) == 4 and all(math.isfinite(x) for x in first["losses"])
-    assert len(first["state_digest"]["tensors"]) > 16  # model and optimizer tensors
-
-
 STANDIN = REPO / "tests" / "torchcomms_standin"
 
 
@@ -87,22 +81,10 @@ def test_torchcomms_engine_trains_fsdp2_and_dcp_like_gloo(reference: Path, tmp_p
     assert {e["backend"] for e in starts} == {"torchcomms:gloo"}
 
 
-def test_resumed_run_equals_uninterrupted_run(reference: Path, tmp_path: Path) -> None:
-    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    torchrun_train(tmp_path, "--steps", "2", "--ckpt-every", "2", "--ckpt-dir", ckpt)
-    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", ckpt,
-                   "--results", tmp_path / "results.json", "--log-dir", logs)
-    resumed = read_results(tmp_path / "results.json")
-    _same_training(resumed, read_results(reference / "results.json"))
-    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
-    for rank in (0, 1):
-        events = list(read_events(logs / f"rank{rank}.jsonl"))
-        assert [e["step"] for e in events if e["event"] == "ckpt.resume"] == [2]
-        assert [e["step"] for e in events if e["event"] == "train.step"] == [3, 4]
-
-
 def test_log_has_train_step_events(reference: Path) -> None:
     results = read_results(reference / "results.json")
+    assert results["steps"] == 4 and len(results["losses"]) == 4 and all(math.isfinite(x) for x in results["losses"])
+    assert len(results["state_digest"]["tensors"]) > 16  # model and optimizer tensors
     for rank in (0, 1):
         events = list(read_events(reference / "logs" / f"rank{rank}.jsonl"))
         steps = [e for e in events if e["event"] == "train.step"]
@@ -116,28 +98,6 @@ def test_log_has_train_step_events(reference: Path) -> None:
         assert [(e["event"], e["step"]) for e in events if e["event"] in ("ckpt.start", "ckpt.end")] == [
             ("ckpt.start", 2), ("ckpt.end", 2), ("ckpt.start", 4), ("ckpt.end", 4)]
     assert sorted(p.name for p in (reference / "ckpt").iterdir()) == ["step000002", "step000004"]
-
-
-def test_nan_is_caught_before_the_optimizer_and_the_restart_recovers(reference: Path, tmp_path: Path) -> None:
-    """A `corrupt` fault writes NaN into rank 1's input of step 3's first collective (a forward
-    all-gather, so both ranks' losses turn NaN): every rank stops with exit code 4 before the
-    optimizer step, torchrun restarts the job, it resumes from step 2, and the result is
-    bitwise the uninterrupted run's. The restart path on purpose (`--no-in-job-recovery`): the
-    in-job one has tests/chaos/test_in_job_recovery.py."""
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"faults": [{"type": "corrupt", "rank": 1, "step": 3}]}))
-    logs = tmp_path / "logs"
-    torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
-                   "--results", tmp_path / "results.json", "--log-dir", logs, "--no-in-job-recovery",
-                   torchrun_args=("--max-restarts", "1"), extra_env={"CHAOS_PLAN": str(plan)})
-    resumed = read_results(tmp_path / "results.json")
-    _same_training(resumed, read_results(reference / "results.json"))
-    assert resumed["history"] == [{"step": 1, "attempt": 0}, {"step": 2, "attempt": 0},
-                                  {"step": 3, "attempt": 1}, {"step": 4, "attempt": 1}]
-    for rank in (0, 1):
-        errors = [e for e in read_events(logs / f"rank{rank}.jsonl") if e["event"] == "train.error"]
-        assert [(e["error_type"], e["exit_code"], e["step"], e["ranks"], e["attempt"]) for e in errors] == [
-            ("NonFiniteError", 4, 3, [0, 1], 0)]
 
 
 # -- results file (single process) --------------------------------------------------------
