@@ -247,6 +247,12 @@ class DeviceOps:
         self._abort_thread = threading.Thread(target=abort, name=f"commlib-abort-{comm.name}", daemon=True)
         self._abort_thread.start()
 
+    def drop_in_flight(self) -> None:
+        """Forget every op in flight (the caller aborted): their tensors are kept by the aborted
+        engine's works until `await_engine_abort` returns."""
+        with self.in_flight.lock:
+            self.in_flight.drop()
+
     def await_engine_abort(self) -> None:
         thread = self._abort_thread
         if thread is None or not thread.is_alive():

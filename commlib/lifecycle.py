@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -42,9 +42,6 @@ from commlib.ops import Collective
 from commlib.validation import Deadline, seconds
 from commlib.verdicts import Judge, report_side_failure
 
-if TYPE_CHECKING:  # only a type here: device_ops reaches this module through its communicator
-    from commlib.device_ops import DeviceOps
-
 _E = TypeVar("_E", bound=BaseException)  # `die` hands back the error it was given
 
 _PROCESS_HOOKS = HookRegistry.process()
@@ -54,6 +51,26 @@ _EVENTS: dict[type, tuple[str, str]] = {
     CollectiveTimeout: ("collective.timeout", "timed_out"),
     PeerFailure: ("peer.failure", "failed"),
 }
+
+
+class EndsDeviceOps(Protocol):
+    """What `Lifecycle` needs of a stream-ordered communicator's device side
+    (`commlib.device_ops.DeviceOps` is one): the failure the watchdog found and the caller has
+    not been given yet, and the device side's own ways to drain, deliver and abort. A protocol,
+    not an import: device_ops reaches this module through its communicator, so the two never
+    import each other."""
+
+    undelivered: tuple[Collective, BaseException] | None
+
+    def drain(self) -> None: ...
+
+    def deliver_undelivered(self) -> None: ...
+
+    def abort_engine(self) -> None: ...
+
+    def drop_in_flight(self) -> None: ...
+
+    def await_engine_abort(self) -> None: ...
 
 
 class LifecycleComm(Protocol):
@@ -76,7 +93,7 @@ class LifecycleComm(Protocol):
     _log: Any
     _seq: int
     _dead: str | None
-    _device: DeviceOps | None
+    _device: EndsDeviceOps | None
 
 
 class Lifecycle:
@@ -199,8 +216,7 @@ class Lifecycle:
         # The engine first: an op of a dropped engine work may only end once it is aborted.
         self.abort_engine()
         if device is not None:
-            with device.in_flight.lock:
-                device.in_flight.drop()
+            device.drop_in_flight()
             device.await_engine_abort()
         comm.recorder.aborted()  # in-job recovery may rebuild: the process keeps its signal handlers and log
 
