@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--rdzv-port", default=DEFAULT_RDZV_PORT, help="the rendezvous port on node 0")
     b.add_argument("--no-wait", action="store_true", help="submit and return (the job writes its verdict)")
     b.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then the trainer's arguments")
-    from chaos.replicas import add_command  # python -m chaos replicas: replica groups under torchft
+    from chaos.replicas_cli import add_command  # python -m chaos replicas: replica groups under torchft
 
     add_command(sub)
     return p
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     if args.command == "replicas":
-        from chaos.replicas import command
+        from chaos.replicas_cli import command
 
         return command(args)
     trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args

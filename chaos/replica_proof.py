@@ -131,13 +131,9 @@ class ReplicaProof:
             )
         return "\n".join(lines + ["", self.doctor_text] if self.doctor_text else lines)
 
-    def write(self, png: bool = True) -> None:
-        run_dir = Path(self.run_dir)
-        (run_dir / REPORT).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        if png:
-            from chaos.replica_plot import plot
-
-            plot(self, read_record(run_dir), run_dir / PNG)
+    def write(self) -> None:
+        """``report.json`` in the run dir (``report.png`` is `chaos.replica_plot.plot`'s)."""
+        (Path(self.run_dir) / REPORT).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
 
 def _s(x: float | None) -> str:

@@ -53,7 +53,7 @@ def measure(fault: str, pg: str, heartbeat_ms: int, deadline: float, out: Path) 
     job = ReplicaJob(replicas=2, trainer_args=args, replica_pg=pg, heartbeat_timeout_ms=heartbeat_ms)
     outcome = run_replicas(job, Plan((parse_shorthand(FAULTS[fault]),)), run_dir, timeout_s=900)
     proof = prove(run_dir, replay=pg == "commlib")
-    proof.write(png=False)
+    proof.write()
     record = read_record(run_dir)
     cost = proof.faults[0] if proof.faults else {}
     survivors_failed = [d for d in record.discarded if d["replica"] == 0]

@@ -27,6 +27,7 @@ import pytest
 from chaos.harness import journal
 from chaos.net import namespaces
 from chaos.plan import Plan, parse_shorthand
+from chaos.replica_plot import plot
 from chaos.replica_proof import PNG, REPORT, prove, read_record
 from chaos.replicas import ReplicaJob, run_replicas
 
@@ -51,6 +52,7 @@ def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwis
     outcome = run_replicas(job, plan, run_dir, timeout_s=900)
     proof = prove(run_dir)
     proof.write()
+    plot(proof, read_record(run_dir), run_dir / PNG)
     assert outcome.ok, outcome
     assert proof.passed, proof.summary()
     assert [c.name for c in proof.checks] == ["finished", "survivors_never_restarted", "survivors_every_step_once",
