@@ -39,6 +39,15 @@ def _dump_number(path: Path) -> int:
     return int(re.search(r"_(\d+)_sigusr1\.json$", path.name).group(1))  # type: ignore[union-attr]
 
 
+def _dumped_after(path: Path, mono_ns: int) -> bool:
+    """Whether the dump at `path` was taken after `mono_ns`; False where the recorder has
+    rotated it away since it was listed (it keeps only the newest while it writes more)."""
+    try:
+        return json.loads(path.read_text())["dumped_mono_ns"] > mono_ns
+    except FileNotFoundError:
+        return False
+
+
 def _storm_under_sigusr1(comm: commlib.Communicator, log_dir: str) -> dict[str, Any]:
     directory = Path(log_dir)
     stop = threading.Event()
@@ -51,8 +60,8 @@ def _storm_under_sigusr1(comm: commlib.Communicator, log_dir: str) -> dict[str, 
             time.sleep(STORM_GAP_S)
         storm["last_mono_ns"] = time.monotonic_ns()
         # The signals of the storm's last interval are owed one dump, taken after them.
-        wait_for(lambda: any(json.loads(p.read_text())["dumped_mono_ns"] > storm["last_mono_ns"]
-                              for p in _sigusr1_dumps(directory, 0)), DUMP_WAIT_S)
+        wait_for(lambda: any(_dumped_after(p, storm["last_mono_ns"]) for p in _sigusr1_dumps(directory, 0)),
+                 DUMP_WAIT_S)
         stop.set()
 
     t = torch.ones(1)
