@@ -58,8 +58,15 @@ def directory_problem(path: str | os.PathLike[str], what: str, *, empty: bool) -
         return f"{what} {path}: expected a directory to create it in; found {missing[-1].parent}, a file"
     try:
         path.mkdir(parents=True)
+    except FileExistsError:
+        # Made meanwhile by another process: the harness of another node of the same run, which
+        # checks the same directory at the same moment. Judged as the directory it now is.
+        return directory_problem(path, what, empty=empty)
     except OSError as exc:
         return f"{what} {path}: expected a directory this process can create; could not ({exc.strerror})"
     for made in missing:  # deepest first: each is empty once the one below it is gone
-        made.rmdir()
+        try:
+            made.rmdir()
+        except OSError:  # another node's harness has begun writing in it: it is the run's now
+            break
     return None

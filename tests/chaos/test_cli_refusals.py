@@ -131,3 +131,22 @@ def test_the_cluster_command_refuses_before_bringing_anything_up(tmp_path, capsy
 def test_the_batch_commands_refuse_a_directory_that_is_not_a_jobs(tmp_path, capsys, command, needed):
     assert batch_cli([command, str(tmp_path)]) == 2
     assert f"expected the run directory of a chaos sbatch job (with {needed}); found no" in capsys.readouterr().err
+
+
+def test_a_run_dir_another_nodes_harness_makes_meanwhile_is_no_refusal(tmp_path, monkeypatch):
+    """Two harnesses of one multi-node run check their shared --run-dir at the same moment: the
+    one whose probe finds it just made by the other takes it as the directory it now is."""
+    from pathlib import Path
+
+    from chaos.options import directory_problem
+
+    target, real_mkdir = tmp_path / "run", Path.mkdir
+
+    def other_node_first(self, *args, **kwargs):
+        if self == target and not target.exists():
+            real_mkdir(self)  # the other node's harness, a moment earlier
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", other_node_first)
+    assert directory_problem(target, "--run-dir", empty=True) is None
+    assert directory_problem(tmp_path / "ref", "--reference-dir", empty=False) is None
