@@ -210,27 +210,20 @@ def main(argv: list[str] | None = None) -> int:
                 sbatch_args=tuple(args.sbatch_arg),
                 max_requeues=args.max_requeues,
             )
-            job = Job(
-                trainer=args.trainer,
-                trainer_args=tuple(trainer_args),
-                nproc_per_node=args.nproc_per_node,
-                nnodes=args.nnodes,
-                backend=args.backend,
-                rdzv_endpoint=f"{{first node}}:{submitted.rdzv_port}",
-                node_rank=0,
-                rdzv_id="{SLURM_JOB_ID}",
-            )
+            rendezvous = (f"{{first node}}:{submitted.rdzv_port}", 0, "{SLURM_JOB_ID}")
         else:
-            job = Job(
-                trainer=args.trainer,
-                trainer_args=tuple(trainer_args),
-                nproc_per_node=args.nproc_per_node,
-                nnodes=args.nnodes,
-                backend=args.backend,
-                rdzv_endpoint=args.rdzv_endpoint,
-                node_rank=args.node_rank,
-                rdzv_id=args.rdzv_id,
-            )
+            rendezvous = (args.rdzv_endpoint, args.node_rank, args.rdzv_id)
+        endpoint, node_rank, rdzv_id = rendezvous
+        job = Job(
+            trainer=args.trainer,
+            trainer_args=tuple(trainer_args),
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            backend=args.backend,
+            rdzv_endpoint=endpoint,
+            node_rank=node_rank,
+            rdzv_id=rdzv_id,
+        )
         # Fail here, before anything starts.
         check_plan(job, plan.resolve(job.world_size), args.job_timeout, notice_s=submitted.notice_s if slurm else None)
         if job.rdzv_endpoint is not None and not args.run_dir and not slurm:
