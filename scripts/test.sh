@@ -11,7 +11,9 @@ cd "$root"
 .venv/bin/ruff check --quiet
 .venv/bin/ruff format --check --quiet
 .venv/bin/mypy
-# One pytest-xdist worker more than the cores: tests spend part of their time waiting out
-# deadlines and hangs on purpose, and a third worker on two cores fills that time (the CPU
-# was idle a third of a two-worker run; 2% of a three-worker one: docs/testing.md).
-exec .venv/bin/python -m pytest -n "$(( $(nproc) + 1 ))" -q "$@"
+# Two pytest-xdist workers more than the cores: tests spend part of their time waiting out
+# deadlines, hangs and Slurm on purpose, and the extra workers fill that time (with one more
+# worker than the cores, other work at the lowest priority still got a fifth of the CPU; with
+# two more, almost none). Tests are handed out one at a time (`--maxschedchunk 1`) in the order
+# they are collected, heaviest first (tests/conftest.py's HEAVY_FIRST): docs/testing.md.
+exec .venv/bin/python -m pytest -n "$(( $(nproc) + 2 ))" --maxschedchunk 1 -q "$@"

@@ -6,31 +6,49 @@ import os
 os.environ.setdefault("TORCHCOMM_TIMEOUT_SECONDS", "60")
 
 
-# The modules whose tests hold a worker for a minute or more (chaos runs with restarts, the
-# Slurm job, FSDP and trainer launches), heaviest first, by their test time in a full run
-# (`./scripts/test.sh --durations=0`: docs/testing.md). pytest-xdist hands the first quarter
-# of the collected tests out round-robin and the rest as workers free up, so collecting these
-# first spreads them over the workers instead of leaving one worker the longest at the end.
+
+# The tests that hold a worker longest (chaos runs with restarts, the Slurm job, FSDP and
+# trainer launches), heaviest first, by their time in a full run (`./scripts/test.sh
+# --durations=0`, four workers: docs/testing.md). The test command hands tests out one at a
+# time (`--maxschedchunk 1`) in collection order, so collecting these first starts the longest
+# at once on every worker and leaves the short ones to fill in at the end, instead of one
+# worker still running a long test when the others are done (the wall time is the latest
+# worker's). A module fixture may then be computed once on each worker that runs the module's
+# tests (pytest-xdist's `loadgroup`, which would keep them together, does not group under
+# pytest 9.2: it renames `item._nodeid`, which pytest no longer reads).
 HEAVY_FIRST = (
-    "tests/chaos/test_slurm.py",
-    "tests/chaos/test_chaos_faults.py",
-    "tests/chaos/test_multinode.py",
-    "tests/chaos/test_chaos_cluster_faults.py",
-    "tests/chaos/test_replica_faults.py",
-    "tests/workload/test_model.py",
-    "tests/fsdp/test_shard.py",
-    "tests/chaos/test_chaos_resume_proof.py",
-    "tests/chaos/test_soak.py",
-    "tests/chaos/test_chaos_net_faults.py",
-    "tests/chaos/test_harness_cleanup.py",
-    "tests/chaos/test_in_job_recovery.py",
-    "tests/workload/test_checkpoint.py",
+    "tests/chaos/test_slurm.py::test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in_between",
+    "tests/chaos/test_soak.py::test_three_drawn_faults_in_one_run_recover_bitwise",
+    "tests/chaos/test_chaos_faults.py::test_timeouts_name_the_faulted_rank_and_recover_bitwise",
+    "tests/chaos/test_multinode.py::test_two_harnesses_recover_from_kills_on_either_node_and_a_hang",
+    "tests/chaos/test_chaos_faults.py::test_process_deaths_recover_bitwise",
+    "tests/chaos/test_chaos_faults.py::test_in_rank_errors_recover_bitwise",
+    "tests/chaos/test_chaos_cluster_faults.py::test_straggler_corrupted_checkpoint_and_preemption",
+    "tests/chaos/test_replica_faults.py::test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwise",
+    "tests/commlib/test_process_group.py::test_unmodified_trainer_over_commlib_matches_plain_gloo",
+    "tests/chaos/test_chaos_resume_proof.py::test_correct_resume_passes",
+    "tests/workload/test_model.py::test_ranks_of_one_host_compile_a_cold_kernel_once",
+    "tests/fsdp/test_shard.py::test_modes_bitwise_equal_4_ranks",
+    "tests/chaos/test_chaos_resume_proof.py::test_wrong_resume_fails",
+    "tests/chaos/test_multinode.py::test_plain_torchrun_restarts_begun_on_one_node_with_commlib_init_and_the_commlib_backend",
+    "tests/chaos/test_chaos_net_faults.py::test_a_long_partition_is_detected_and_recovered_and_a_short_one_survived",
+    "tests/chaos/test_chaos_net_faults.py::test_latency_and_loss_are_ridden_out_bitwise",
+    "tests/workload/test_model.py::test_same_seed_is_bitwise_deterministic_in_process_and_across_processes",
+    "tests/fsdp/test_shard.py::test_two_ranks",
+    "tests/workload/test_checkpoint.py::test_torchrun_resume_skips_torn_and_corrupt_checkpoints",
+    "tests/chaos/test_in_job_recovery.py::test_in_job_for_live_ranks_restart_for_a_dead_one_all_bitwise",
+    "tests/chaos/test_replica_faults.py::test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step",
+    "tests/chaos/test_chaos_cluster_faults.py::test_a_rank_stuck_holding_the_gil_is_named_with_its_stack",
+    "tests/workload/test_train.py::test_torchcomms_engine_trains_fsdp2_and_dcp_like_gloo",
+    "tests/commlib/test_process_group.py::test_rank_stopped_before_dcp_save_is_named_by_a_collective_timeout",
+    "tests/chaos/test_harness_cleanup.py::test_a_second_signal_never_cuts_short_the_stop_of_a_network_fault_run",
+    "tests/chaos/test_chaos_cluster_faults.py::test_a_full_disk_fails_the_save_cleanly_and_the_job_goes_on",
 )
 
 
 def pytest_collection_modifyitems(items):
     def heaviness(item):
-        path = item.nodeid.split("::", 1)[0]
-        return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
+        test = item.nodeid.split("[", 1)[0]  # a parametrized test's cases share its place
+        return HEAVY_FIRST.index(test) if test in HEAVY_FIRST else len(HEAVY_FIRST)
 
-    items.sort(key=heaviness)  # stable: each module's tests keep their order
+    items.sort(key=heaviness)  # stable: the rest keep pytest's order

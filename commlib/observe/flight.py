@@ -335,8 +335,11 @@ class _Installed:
     def _watch(self) -> None:
         last_round = -float("inf")
         pending = False  # a SIGUSR1 came within the interval: its dump is due when the interval is over
-        said = None  # the last failure logged: one that repeats is logged once
+        # The last failure logged, wherever it was met (a recorder's dump, or the turn itself: a
+        # setting read in both fails in both): one that repeats is logged once.
+        said = None
         while True:
+            failed = None  # what a recorder's dump met this turn
             try:
                 interval = dump_budget()[1]
                 wait = max(0.0, last_round + interval - time.monotonic()) if pending else None
@@ -356,8 +359,10 @@ class _Installed:
                         try:
                             recorder.dump(directory, "sigusr1")
                         except Exception as exc:  # the other recorders still dump
-                            _dump_failed(exc, recorder.comm)
-                said = None
+                            failed = repr(exc)
+                            if failed != said:
+                                _dump_failed(exc, recorder.comm)
+                said = failed
             except Exception as exc:  # one failure must not silence every later SIGUSR1
                 if repr(exc) != said:
                     said = repr(exc)

@@ -64,8 +64,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from commlib import settings
 
 # This process's attempt, as every rank of the job agreed it at init (`commlib.attempt`); with
@@ -280,6 +278,10 @@ STATE = _State()
 
 def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
+    # Imported here, not with the module: the doctor reads logs through this module and never
+    # writes one, and structlog (with the asyncio it imports) was a third of its imports.
+    import structlog
+
     sink = _Sink(LineWriter(target), _LineRenderer(static), level)
     wrapper = structlog.make_filtering_bound_logger(level)
     # structlog types the class it makes as its FilteringBoundLogger protocol; the class itself is
