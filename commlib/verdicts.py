@@ -299,9 +299,15 @@ class Judge:
         while True:
             try:
                 board = self.board.read(store)
+                gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
+                if gone:
+                    # A rank marks itself broken on the board before it exits: one that met the
+                    # failure too, said so and exited between the read above and /proc's answer
+                    # would be named. Read again, now that /proc has answered, and spare those.
+                    again = self.board.read(store)
+                    gone = [r for r in gone if (e := again.get(r)) is None or e.broken is None]
             except Exception as exc:  # the store went with the dead rank's host
                 return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
-            gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
             if gone:
                 return gone, how
             if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
