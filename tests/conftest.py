@@ -1,6 +1,14 @@
 """Shared test setup: every test runs real processes over gloo on loopback."""
 
+import fcntl
 import os
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Ranks spawned by tests inherit this: they must never wait on a real job's default timeout.
 os.environ.setdefault("TORCHCOMM_TIMEOUT_SECONDS", "60")
@@ -13,9 +21,10 @@ os.environ.setdefault("TORCHCOMM_TIMEOUT_SECONDS", "60")
 # time (`--maxschedchunk 1`) in collection order, so collecting these first starts the longest
 # at once on every worker and leaves the short ones to fill in at the end, instead of one
 # worker still running a long test when the others are done (the wall time is the latest
-# worker's). A module fixture may then be computed once on each worker that runs the module's
-# tests (pytest-xdist's `loadgroup`, which would keep them together, does not group under
-# pytest 9.2: it renames `item._nodeid`, which pytest no longer reads).
+# worker's). A module's tests then land on several workers: what they share is made once for
+# the session (`once`), not once per worker (pytest-xdist's `loadgroup`, which would keep a
+# module's tests together, does not group under pytest 9.2: it renames `item._nodeid`, which
+# pytest no longer reads).
 HEAVY_FIRST = (
     "tests/chaos/test_slurm.py::test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in_between",
     "tests/chaos/test_soak.py::test_three_drawn_faults_in_one_run_recover_bitwise",
@@ -52,3 +61,35 @@ def pytest_collection_modifyitems(items):
         return HEAVY_FIRST.index(test) if test in HEAVY_FIRST else len(HEAVY_FIRST)
 
     items.sort(key=heaviness)  # stable: the rest keep pytest's order
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's base temporary directory: the same for every pytest-xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if base.name.startswith("popen-gw") else base
+
+
+@pytest.fixture(scope="session")
+def once(session_dir: Path) -> Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]:
+    """once(name, make) -> (directory, value): `make(directory)` run once in the whole session,
+    by whichever pytest-xdist worker asks first, the others waiting on a file lock and reading
+    what it left: its directory and its value (pickled). For what a module's tests only read
+    (a job's logs, its results): each worker that runs one of its tests used to launch the job
+    again. A `make` that raises leaves nothing, and the next caller tries again."""
+    root = session_dir / "once"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, make: Callable[[Path], Any]) -> tuple[Path, Any]:
+        directory, value = root / name, root / f"{name}.pickle"
+        with open(root / f"{name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not value.exists():
+                shutil.rmtree(directory, ignore_errors=True)  # what a make that raised left
+                directory.mkdir()
+                made = pickle.dumps(make(directory))
+                value.with_suffix(".tmp").write_bytes(made)
+                os.replace(value.with_suffix(".tmp"), value)
+        return directory, pickle.loads(value.read_bytes())
+
+    return get

@@ -430,8 +430,8 @@ def _two_rank_worker(rank: int, size: int, port: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> dict[int, dict[str, Any]]:
-    return _run_ranks(_two_rank_worker, 2, killed=frozenset({1}))
+def two_ranks(once: Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]) -> dict[int, dict[str, Any]]:
+    return once("standin-two-ranks", lambda _: _run_ranks(_two_rank_worker, 2, killed=frozenset({1})))[1]
 
 
 def _no_errors(res: dict[str, Any], *sections: str) -> None:

@@ -32,13 +32,10 @@ def deadline_s():
 
 
 @pytest.fixture(scope="session")
-def reference_dir(tmp_path_factory):
+def reference_dir(session_dir):
     """One reference cache for the whole session, shared by pytest-xdist workers (a file
     lock in `chaos.verify.ensure_reference` makes the first caller compute it, the rest wait)."""
-    base = tmp_path_factory.getbasetemp()
-    if base.name.startswith("popen-gw"):
-        base = base.parent
-    path = base / "chaos-reference"
+    path = session_dir / "chaos-reference"
     path.mkdir(exist_ok=True)
     return path
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,11 @@ def _job_b(comm: commlib.Communicator) -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("budget")
+def runs(once: Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]) -> dict[str, Any]:
+    return once("doctor-budget", _runs)[1]
+
+
+def _runs(root: Path) -> dict[str, Any]:
     logs = root / "run" / "logs"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(log.MAX_MB_ENV, str(MAX_MB))

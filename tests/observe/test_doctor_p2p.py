@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +84,12 @@ def _program(world: commlib.Communicator, root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("p2p") / "logs"
-    results = run(_program, world_size=3, timeout=180, args=(str(root),), log_dir=root / "init")
-    return root, results
+def logs(once: Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]) -> tuple[Path, list[dict[str, Any]]]:
+    return once("doctor-p2p", _logs)
+
+
+def _logs(root: Path) -> list[dict[str, Any]]:
+    return run(_program, world_size=3, timeout=180, args=(str(root),), log_dir=root / "init")
 
 
 def test_rank_skipping_a_collective_after_send_recv_is_named(logs: tuple[Path, list[dict[str, Any]]],

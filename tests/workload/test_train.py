@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,12 +54,14 @@ def torchrun_train(workdir: Path, *args: object, extra_env: dict[str, str] | Non
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(once: Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]) -> Path:
     """An uninterrupted 4-step run, checkpointing at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("reference")
+    return once("train-reference", _reference)[0]
+
+
+def _reference(run: Path) -> None:
     torchrun_train(run, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", run / "ckpt",
                    "--results", run / "results.json", "--log-dir", run / "logs")
-    return run
 
 
 def _same_training(a: dict, b: dict) -> None:
