@@ -299,20 +299,28 @@ class Judge:
         while True:
             try:
                 board = self.board.read(store)
-                gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
-                if gone:
-                    # A rank marks itself broken on the board before it exits: one that met the
-                    # failure too, said so and exited between the read above and /proc's answer
-                    # would be named. Read again, now that /proc has answered, and spare those.
-                    again = self.board.read(store)
-                    gone = [r for r in gone if (e := again.get(r)) is None or e.broken is None]
             except Exception as exc:  # the store went with the dead rank's host
                 return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
+            gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
+            gone = self._not_broken_since(store, gone)
             if gone:
                 return gone, how
             if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
                 return [], f"which one could not be told: {how}"
             time.sleep(0.02)
+
+    def _not_broken_since(self, store: dist.Store, gone: list[int]) -> list[int]:
+        """`gone` but the ranks the board, read again, says broke. A rank marks itself broken on
+        the board before it exits: one that met the failure too, said so and exited between the
+        board's read and /proc's answer would be named gone. Where the store does not answer
+        this second read, what /proc answered stands."""
+        if not gone:
+            return gone
+        try:
+            again = self.board.read(store)
+        except Exception:  # the store went meanwhile (with the dead rank's host)
+            return gone
+        return [r for r in gone if (e := again.get(r)) is None or e.broken is None]
 
 
 def _explain_p2p_timeout(
