@@ -176,7 +176,10 @@ class Lifecycle:
             assert comm._device is not None
             comm._device.undelivered = (call, error)  # before `_dead`, which the caller's thread reads first
         comm._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        comm._judge.announce(comm._dead, error, call)
+        # The failure's line before the announcement: a peer can only react to this rank's
+        # failure (its own op ending in a `peer.failure`) after this line's clock, so the
+        # doctor, folding the ranks' lines in clock order, sees every rank where it was when
+        # this one gave up, not already moved on by the abort it caused.
         try:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             comm._log.error(
@@ -190,8 +193,12 @@ class Lifecycle:
                 error_type=type(error).__name__,
                 **fields,
             )
+        except Exception as exc:  # a full disk, a closed log file: the peers still have to hear
+            report_side_failure(comm._log, "log", exc)
+        comm._judge.announce(comm._dead, error, call)
+        try:
             self.dump(event.replace(".", "_"))
-        except Exception as exc:  # a full disk, a closed log file: the error still has to reach the caller
+        except Exception as exc:  # the error still has to reach the caller
             report_side_failure(comm._log, "dump", exc)
         finally:
             comm.board.close_broken(type(error).__name__)

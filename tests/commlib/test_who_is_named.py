@@ -3,8 +3,9 @@
 Real processes over gloo. A SIGKILLed rank is named by every survivor (its process is gone
 on this host), also by a survivor that reads the announcement of the peer that met the broken
 connection first; a root waiting inside a gather for a late rank is not blamed by a peer that
-left the gather and timed out in the next op; a `Work.wait(timeout)` shorter than the op's
-deadline raises `WaitTimeout` and leaves the op and the communicator alive.
+left the gather and timed out in the next op (also where that peer's timeout line comes late);
+a `Work.wait(timeout)` shorter than the op's deadline raises `WaitTimeout` and leaves the op
+and the communicator alive.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import commlib
-from commlib import testing
+from commlib import lifecycle, testing
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 
@@ -53,7 +55,16 @@ def test_a_killed_rank_is_the_one_every_survivor_names() -> None:
             assert r["elapsed"] < 5.0, r
 
 
-def _root_waits_in_gather(comm: commlib.Communicator) -> dict[str, object]:
+def _root_waits_in_gather(comm: commlib.Communicator, slow_timeout_line: bool = False) -> dict[str, object]:
+    if slow_timeout_line and comm.rank == 1:
+        # A loaded host: rank 1's timeout line is written a second after its deadline expired.
+        fields = lifecycle._error_fields
+
+        def late(error: commlib.CommError) -> dict[str, object]:
+            time.sleep(1.0)
+            return fields(error)
+
+        lifecycle._error_fields = late  # this rank's process only
     t = torch.full((2,), float(comm.rank))
     comm.all_reduce(t)
     if comm.rank == 2:
@@ -71,8 +82,13 @@ def _root_waits_in_gather(comm: commlib.Communicator) -> dict[str, object]:
     return {"missing": None, "message": "no error"}
 
 
-def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(tmp_path: Path) -> None:
-    _, r1, _ = testing.run(_root_waits_in_gather, 3, backend="gloo", timeout=90, log_dir=str(tmp_path))
+@pytest.mark.parametrize("slow_timeout_line", [False, True], ids=["", "timeout-line-late"])
+def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(tmp_path: Path, slow_timeout_line: bool) -> None:
+    """Also where the timing-out rank's line comes late: the root's gather, ended by that
+    rank's abort, must not end before the line (the doctor takes where every rank was there)."""
+    _, r1, _ = testing.run(
+        _root_waits_in_gather, 3, backend="gloo", timeout=90, log_dir=str(tmp_path), args=(slow_timeout_line,)
+    )
     # The doctor, reading the logs, blames the same rank and says why rank 0 is not one.
     timeouts = [p for p in diagnose(tmp_path).final.problems if p.kind is Kind.TIMEOUT]
     assert [(p.seq, p.ranks, p.details["waiting"]) for p in timeouts] == [(3, [2], [0])], timeouts
