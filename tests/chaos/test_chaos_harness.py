@@ -60,7 +60,9 @@ def test_ctrl_c_with_a_stopped_rank_leaves_nothing(tmp_path, leftovers):
 def test_harness_timeout_stops_the_job(tmp_path, leftovers):
     run_dir = tmp_path / "run"
     job = Job(trainer=TOY, trainer_args=("--steps", "2", "--step-time", "1000"))
-    outcome = run_job(job, Plan(), run_dir, timeout_s=20)
+    # 45 s: the agent and its workers must be up when it expires. A loaded machine took over
+    # 20 s to start them once (the agent's and each worker's imports: seconds of CPU each).
+    outcome = run_job(job, Plan(), run_dir, timeout_s=45)
     assert outcome.timed_out and not outcome.ok and outcome.exit_codes == [None]
     assert len(outcome.pids) > 1  # the agent and its workers were running when the timeout hit
     assert leftovers(run_dir) == []
