@@ -214,7 +214,7 @@ def _timeout(
     members = comm.member_ranks()
     late = sorted(r for r, ts in arrivals.items() if r not in reporters and ts is not None and ts > t)
     never = sorted(r for r in members if r not in arrivals and r not in reporters)
-    waiting = _held_up(comm, sorted(board_missing | set(late) | set(never)), seq, t)
+    waiting = _held_up(comm, sorted(board_missing | set(late) | set(never)), seq, t, reporters)
     missing = sorted((board_missing | set(late) | set(never)) - set(waiting))
     arrived = sorted(r for r in members if r not in missing and r not in waiting)
     deadline = events[0].get("deadline")
@@ -270,9 +270,12 @@ def _timeout(
     )
 
 
-def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tuple[int, list[int]]]:
+def _held_up(
+    comm: CommLog, ranks: list[int], seq: int, t: int, reporters: list[int]
+) -> dict[int, tuple[int, list[int]]]:
     """Of `ranks`, which had not arrived at collective `seq`, those inside an earlier collective k
-    of `comm` at `t` that ranks had not started by then: {rank: (k, those ranks)}."""
+    of `comm` at `t` (when the deadline of `reporters` expired) that ranks had not started by
+    then: {rank: (k, those ranks)}."""
     out = {}
     members = comm.member_ranks()
     for r in ranks:
@@ -283,7 +286,7 @@ def _held_up(comm: CommLog, ranks: list[int], seq: int, t: int) -> dict[int, tup
             and (c := calls.get(r)) is not None
             and c.start_ns is not None
             and c.start_ns <= t
-            and (c.end_ns is None or c.end_ns > t)
+            and c.open_at(t, reporters)
         ]
         if not inside:
             continue

@@ -169,6 +169,16 @@ class Call:
     def async_op(self) -> bool:
         return bool(self._start.get("async_op"))
 
+    def open_at(self, t: int, aborters: Iterable[int] = ()) -> bool:
+        """Whether it was still in progress at `t`: not ended by then, or ended by the abort of
+        one of `aborters` (a `peer.failure` naming them), the ranks whose deadline expired at `t`.
+        Their abort came after their deadline, so such a call was open then, whatever the two
+        hosts' clocks say of when it ended."""
+        if self.end_ns is None or self.end_ns > t:
+            return True
+        failed = self._end.get("failed_ranks") if self.status == "failed" else None
+        return isinstance(failed, list) and any(r in failed for r in aborters)
+
     def signature(self) -> tuple[Any, ...]:
         """What every rank must agree on at one collective seq."""
         shapes = None if self.op in ROOT_ONLY_SHAPES else json.dumps(self.shapes)

@@ -366,7 +366,7 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
             by_comm[p.comm] |= {
                 k
                 for k, calls in att.comms[p.comm].calls.items()
-                if k < p.seq and any(c.end_ns is None or c.end_ns > p.ts_ns for c in calls.values())
+                if k < p.seq and any(c.open_at(p.ts_ns, p.reporters) for c in calls.values())
             }
     for label, seqs in by_comm.items():
         comm, first = att.comms[label], min(seqs)

@@ -16,7 +16,7 @@ import commlib
 from commlib.doctor import main
 from commlib.observe import log
 from commlib.observe.doctor import diagnose
-from doctor_logs import Job
+from doctor_logs import Job, same_verdict
 
 _STACKS = """Thread 0x00007f0000000001 (most recent call first):
   File "/app/threading.py", line 320 in wait
@@ -59,6 +59,38 @@ def test_processes_of_two_hosts_with_one_pid_are_told_apart(tmp_path: Path) -> N
     [dump] = d.dumps
     assert (dump.rank, dump.attempt, dump.host, dump.pid) == (1, 0, "node-b", 7)
     assert where[1].last_started is not None and where[1].last_started.describe() == "all_reduce #1 on 'node'"
+
+
+def test_a_call_its_abort_ended_is_one_the_timed_out_rank_waited_behind_whatever_the_clocks(tmp_path: Path) -> None:
+    # Rank 0, the root, waits in gather #2 for rank 2, which never starts it; rank 1 has done its
+    # part and times out in broadcast #3 (rank 0 has not started it). Rank 1's abort then ends
+    # rank 0's gather (a `peer.failure` naming rank 1). Their hosts' clocks differ by 5 ms, so by
+    # the clocks that failure comes before rank 1's timeout line, though it followed it.
+    job = Job(tmp_path, size=3)
+    for rank, host in ((0, "node-a"), (1, "node-b"), (2, "node-b")):
+        job.start(rank, host, pid=10 + rank)
+        job.comm(rank)
+    for rank in (0, 1, 2):
+        job.collective(rank, 1, step=0, phase="forward")
+    job.event(2, "train.step", step=1, phase="data")
+    gather = {"comm": "world", "comm_size": 3, "op": "gather", "seq": 2, "step": 1, "phase": "forward"}
+    job.collective(0, 2, op="gather", end=False, step=1, phase="forward")
+    job.collective(1, 2, op="gather", step=1, phase="forward")
+    job.comm(1, "solo", comm_rank=0, size=1)
+    for seq in range(1, 41):  # lines enough that the verdict from the end must look back for the gather
+        job.collective(1, seq, comm="solo", comm_rank=0, comm_size=1, step=1, phase="forward")
+    job.collective(1, 3, op="broadcast", end=False, deadline_s=1.5, step=1, phase="forward")
+    job.tick(1500)
+    job.now -= 5_000_000  # rank 0's line, on node-a's clock (5 ms behind node-b's)
+    job.event(0, "peer.failure", **gather, comm_rank=0, peer=None, failed_ranks=[1], level="error",
+              status="failed", error_type="PeerFailure", duration_s=1.5)
+    job.now += 5_000_000
+    job.event(1, "collective.timeout", comm="world", comm_rank=1, comm_size=3, op="broadcast", seq=3, peer=None,
+              deadline=1.5, missing_ranks=[0, 2], level="error", status="timed_out", duration_s=1.5)
+
+    [timeout] = [p for p in same_verdict(tmp_path).final.problems if p.kind.value == "timeout"]
+    assert (timeout.seq, timeout.ranks, timeout.details["waiting"]) == (3, [2], [0]), timeout.message
+    assert "rank 0 was still in gather #2, waiting for rank 2" in timeout.message, timeout.message
 
 
 def _hang(directory: Path) -> Path:
