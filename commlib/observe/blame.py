@@ -311,9 +311,9 @@ def _timeout_problem(
 ) -> Problem:
     """A timeout's Problem (collective or send/recv): `message`, then where the culprits were
     at the deadline, in the text and in the details."""
-    places = where(att, culprits, t)
+    places = where(att, culprits, t, reporters)
     if culprits:
-        message += f" Where they were at the deadline: {where_text(att, culprits, t)}."
+        message += f" Where they were at the deadline: {where_text(att, culprits, t, reporters)}."
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": places})
 
 

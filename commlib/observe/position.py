@@ -9,6 +9,7 @@ calls, and, at the moment each deadline expired, the same of every rank then. `w
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,9 +70,10 @@ class RankPosition:
         return "; ".join(parts)
 
 
-def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPosition:
+def position(att: AttemptLog, rank: int, at_ns: int | None = None, aborters: Collection[int] = ()) -> RankPosition:
     """Where `rank` was at `at_ns`: the end of its log in this attempt (None), or a moment a
-    deadline expired (the model keeps where every rank was at each)."""
+    deadline expired (the model keeps where every rank was at each); `aborters`: the ranks whose
+    deadline it was (a call their abort ended was still open then: `Call.open_at`)."""
     rl = att.ranks.get(rank)
     if rl is None:
         return RankPosition(rank, None, None, None, None, None, None, None, None, None)
@@ -87,7 +89,7 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
     def ref(c: Call | None) -> CallRef | None:
         if c is None:
             return None
-        status = c.status if c.end_ns is not None and c.end_ns <= t else "started"  # still in it at t
+        status = "started" if c.open_at(t, aborters) else c.status  # "started": still in it at t
         comm = att.comms.get(c.comm)
         peer = None if c.peer is None else comm.global_rank(c.peer) if comm is not None else c.peer
         return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer)
@@ -108,14 +110,14 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None) -> RankPositi
     )
 
 
-def where(att: AttemptLog, ranks: list[int], at_ns: int | None) -> dict[str, Any]:
+def where(att: AttemptLog, ranks: list[int], at_ns: int | None, aborters: Collection[int] = ()) -> dict[str, Any]:
     """Each rank's position, as a finding's details hold it (by rank, as text)."""
-    return {str(r): asdict(position(att, r, at_ns)) for r in ranks}
+    return {str(r): asdict(position(att, r, at_ns, aborters)) for r in ranks}
 
 
-def where_text(att: AttemptLog, ranks: list[int], at_ns: int | None) -> str:
+def where_text(att: AttemptLog, ranks: list[int], at_ns: int | None, aborters: Collection[int] = ()) -> str:
     """Where `ranks` were, ranks in the same place said once: "ranks 0-5, 7: last started ..."."""
     places: dict[str, list[int]] = defaultdict(list)
     for r in ranks:
-        places[position(att, r, at_ns).describe()].append(r)
+        places[position(att, r, at_ns, aborters).describe()].append(r)
     return "; ".join(f"{ranks_text(rs)}: {text}" for text, rs in places.items())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +169,7 @@ class Call:
     def async_op(self) -> bool:
         return bool(self._start.get("async_op"))
 
-    def open_at(self, t: int, aborters: Iterable[int] = ()) -> bool:
+    def open_at(self, t: int, aborters: Collection[int] = ()) -> bool:
         """Whether it was still in progress at `t`: not ended by then, or ended by the abort of
         one of `aborters` (a `peer.failure` naming them), the ranks whose deadline expired at `t`.
         Their abort came after their deadline, so such a call was open then, whatever the two

@@ -16,6 +16,8 @@ import commlib
 from commlib.doctor import main
 from commlib.observe import log
 from commlib.observe.doctor import diagnose
+from commlib.observe.model import load
+from commlib.observe.position import position
 from doctor_logs import Job, same_verdict
 
 _STACKS = """Thread 0x00007f0000000001 (most recent call first):
@@ -91,6 +93,10 @@ def test_a_call_its_abort_ended_is_one_the_timed_out_rank_waited_behind_whatever
     [timeout] = [p for p in same_verdict(tmp_path).final.problems if p.kind.value == "timeout"]
     assert (timeout.seq, timeout.ranks, timeout.details["waiting"]) == (3, [2], [0]), timeout.message
     assert "rank 0 was still in gather #2, waiting for rank 2" in timeout.message, timeout.message
+    # Where rank 0 was at rank 1's deadline, as a finding says it: still in the gather.
+    att = load(tmp_path).attempts[0]
+    at_deadline = position(att, 0, timeout.ts_ns, timeout.reporters).last_started
+    assert at_deadline is not None and (at_deadline.op, at_deadline.status) == ("gather", "started"), at_deadline
 
 
 def _hang(directory: Path) -> Path:
