@@ -355,13 +355,20 @@ def _peer_failure(
     if others is None:
         others = [r for r in comm.member_ranks() if r not in reporters]
     gone = _gone_before(att, others, t)
-    silent = [r for r in gone if r not in att.ranks or not att.ranks[r].failed_before(t)]
+    # Of those: the ranks that had aborted on purpose (saying why), and the ones that said nothing.
+    aborted = [
+        r for r in gone if r in att.ranks and att.ranks[r].aborted_before(t) and not att.ranks[r].failed_before(t)
+    ]
+    silent = [r for r in gone if r not in aborted and (r not in att.ranks or not att.ranks[r].failed_before(t))]
     head = f"{ranks_text(reporters)} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
     if silent:
         message = (
             f"{head}: {ranks_text(silent)} had stopped logging before, without reporting an error "
             f"(killed or crashed). {where_text(att, silent, None)}."
         )
+    elif aborted:
+        reasons = "; ".join(sorted({str((att.ranks[r].aborted or {}).get("reason")) for r in aborted}))
+        message = f"{head}: {ranks_text(aborted)} had aborted the communicator on purpose ({reasons}) and left."
     elif gone:
         message = (
             f"{head}: {ranks_text(gone)} had already failed and left: a consequence of their failure "
@@ -379,14 +386,19 @@ def _peer_failure(
         )
     return Problem(
         Kind.PEER_FAILURE,
-        silent,
+        silent or aborted,
         comm.label,
         op,
         seq,
         message,
         reporters,
         t,
-        {"gone": gone, "errors": sorted({str(e.get("error"))[:300] for e in events}), "where": where(att, gone, None)},
+        {
+            "gone": gone,
+            "aborted": [] if silent else aborted,
+            "errors": sorted({str(e.get("error"))[:300] for e in events}),
+            "where": where(att, gone, None),
+        },
     )
 
 
@@ -491,6 +503,8 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
     for p in problems:
         if p.kind is Kind.PEER_FAILURE:
             for r in p.ranks:
+                if r in p.details.get("aborted", ()):
+                    continue  # it said why it left
                 evidence[r].append(f"{ranks_text(p.reporters)} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
         elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
             quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))

@@ -214,6 +214,8 @@ class Fold:
         notice = name in NOTICE_EVENTS or e.get("level") in NOTICE_LEVELS
         if name == "recovery.in_job" and type(e.get("epoch")) is int:
             rl.recovered = e
+        elif name == "comm.abort" and rl.aborted is None:
+            rl.aborted = e
         if not isinstance(comm_name, str):
             if notice:
                 self._notice(att, rl, e, None)

@@ -207,6 +207,7 @@ class RankLog:
     last_finished: Call | None = None  # the ok call with the latest end
     first_failure_ns: int | None = None  # its first failure or mismatch event
     recovered: dict[str, Any] | None = None  # its last `recovery.in_job` event
+    aborted: dict[str, Any] | None = None  # its first `comm.abort`: it ended a communicator on purpose, saying why
     cut: bool = False  # its log ends in a line cut short: its process was killed (or is) writing it
 
     @property
@@ -219,6 +220,9 @@ class RankLog:
 
     def failed_before(self, ts_ns: int) -> bool:
         return self.first_failure_ns is not None and self.first_failure_ns <= ts_ns
+
+    def aborted_before(self, ts_ns: int) -> bool:
+        return self.aborted is not None and self.aborted["ts_ns"] <= ts_ns
 
     def place(self) -> Place:
         return (

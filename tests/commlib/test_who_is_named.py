@@ -24,6 +24,7 @@ import commlib
 from commlib import lifecycle, testing
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
+from commlib.observe.tail import verdict
 
 
 def _rank_killed_mid_collective(comm: commlib.Communicator, victim: int) -> dict[str, object]:
@@ -97,6 +98,31 @@ def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(tmp_path: Path
     assert "broadcast #3 on 'world' timed out" in r1["message"], r1
     assert "rank 0 has not started it: it is still in gather #2, waiting for rank(s) [2]" in r1["message"], r1
     assert "rank 2 never started it (last reported finishing all_reduce #1" in r1["message"], r1
+
+
+def _abort_and_leave(comm: commlib.Communicator) -> dict[str, object]:
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if comm.rank == 0:
+        time.sleep(0.5)  # rank 1 is in all_reduce #2 by now
+        comm.abort("the operator stopped it")
+        return {}  # and the process ends
+    try:
+        comm.all_reduce(t, timeout=20)
+    except commlib.PeerFailure as exc:
+        return {"failed": exc.failed_ranks}
+    return {"failed": None}
+
+
+def test_a_rank_that_aborted_on_purpose_and_left_is_named_for_its_abort_not_as_dead(tmp_path: Path) -> None:
+    _, r1 = testing.run(_abort_and_leave, 2, backend="gloo", timeout=60, log_dir=str(tmp_path))
+    assert r1["failed"] == [0], r1
+    for final in (diagnose(tmp_path).final, verdict(tmp_path).final):
+        assert final is not None and final.culprits == [0], final
+        kinds = [p.kind for p in final.problems]
+        assert Kind.DEAD_RANK not in kinds, final.problems
+        [failure] = [p for p in final.problems if p.kind is Kind.PEER_FAILURE]
+        assert "rank 0 had aborted the communicator on purpose (the operator stopped it)" in failure.message, failure
 
 
 def _short_wait(comm: commlib.Communicator) -> dict[str, object]:
