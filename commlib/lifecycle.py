@@ -211,13 +211,18 @@ class Lifecycle:
     def abort(self, reason: str) -> None:
         """`Communicator.abort`: tear down at once, the peers told (`Judge.announce`)."""
         comm = self._comm
-        if comm._dead is None:
+        first = comm._dead is None
+        if first:
             comm._dead = reason
-            comm._judge.announce(reason)
         device = comm._device
         if device is not None:  # the caller chose to abort: an error the watchdog found meanwhile is moot
             device.undelivered = None
-        comm._log.warning("comm.abort", reason=comm._dead)
+        try:  # the line before the announcement, as `die` writes a failure's
+            comm._log.warning("comm.abort", reason=comm._dead)
+        except Exception as exc:  # a closed log file: the peers still have to hear, the engine to stop
+            report_side_failure(comm._log, "log", exc)
+        if first:
+            comm._judge.announce(reason)
         self.dump("abort")
         comm.board.close()
         # The engine first: an op of a dropped engine work may only end once it is aborted.

@@ -100,10 +100,19 @@ def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(tmp_path: Path
     assert "rank 2 never started it (last reported finishing all_reduce #1" in r1["message"], r1
 
 
-def _abort_and_leave(comm: commlib.Communicator) -> dict[str, object]:
+def _abort_and_leave(comm: commlib.Communicator, slow_abort_line: bool = False) -> dict[str, object]:
     t = torch.ones(2)
     comm.all_reduce(t)
     if comm.rank == 0:
+        if slow_abort_line:  # a loaded host: rank 0's comm.abort line is written a second late
+            warning = comm._log.warning
+
+            def late(event: str, **fields: object) -> None:
+                if event == "comm.abort":
+                    time.sleep(1.0)
+                warning(event, **fields)
+
+            comm._log.warning = late
         time.sleep(0.5)  # rank 1 is in all_reduce #2 by now
         comm.abort("the operator stopped it")
         return {}  # and the process ends
@@ -114,8 +123,14 @@ def _abort_and_leave(comm: commlib.Communicator) -> dict[str, object]:
     return {"failed": None}
 
 
-def test_a_rank_that_aborted_on_purpose_and_left_is_named_for_its_abort_not_as_dead(tmp_path: Path) -> None:
-    _, r1 = testing.run(_abort_and_leave, 2, backend="gloo", timeout=60, log_dir=str(tmp_path))
+@pytest.mark.parametrize("slow_abort_line", [False, True], ids=["", "abort-line-late"])
+def test_a_rank_that_aborted_on_purpose_and_left_is_named_for_its_abort_not_as_dead(
+    tmp_path: Path, slow_abort_line: bool
+) -> None:
+    """Also where its comm.abort line comes late: no peer may log the abort's consequence first."""
+    _, r1 = testing.run(
+        _abort_and_leave, 2, backend="gloo", timeout=60, log_dir=str(tmp_path), args=(slow_abort_line,)
+    )
     assert r1["failed"] == [0], r1
     for final in (diagnose(tmp_path).final, verdict(tmp_path).final):
         assert final is not None and final.culprits == [0], final
