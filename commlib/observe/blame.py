@@ -357,7 +357,7 @@ def _peer_failure(
     gone = _gone_before(att, others, t)
     # Of those: the ranks that had aborted on purpose (saying why), and the ones that said nothing.
     aborted = [
-        r for r in gone if r in att.ranks and att.ranks[r].aborted_before(t) and not att.ranks[r].failed_before(t)
+        r for r in gone if r in att.ranks and att.ranks[r].left_after_abort(t) and not att.ranks[r].failed_before(t)
     ]
     silent = [r for r in gone if r not in aborted and (r not in att.ranks or not att.ranks[r].failed_before(t))]
     head = f"{ranks_text(reporters)} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"

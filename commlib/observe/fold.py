@@ -214,7 +214,7 @@ class Fold:
         notice = name in NOTICE_EVENTS or e.get("level") in NOTICE_LEVELS
         if name == "recovery.in_job" and type(e.get("epoch")) is int:
             rl.recovered = e
-        elif name == "comm.abort" and rl.aborted is None:
+        elif name == "comm.abort":
             rl.aborted = e
         if not isinstance(comm_name, str):
             if notice:

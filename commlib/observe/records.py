@@ -207,7 +207,7 @@ class RankLog:
     last_finished: Call | None = None  # the ok call with the latest end
     first_failure_ns: int | None = None  # its first failure or mismatch event
     recovered: dict[str, Any] | None = None  # its last `recovery.in_job` event
-    aborted: dict[str, Any] | None = None  # its first `comm.abort`: it ended a communicator on purpose, saying why
+    aborted: dict[str, Any] | None = None  # its last `comm.abort`: it ended a communicator on purpose, saying why
     cut: bool = False  # its log ends in a line cut short: its process was killed (or is) writing it
 
     @property
@@ -221,8 +221,13 @@ class RankLog:
     def failed_before(self, ts_ns: int) -> bool:
         return self.first_failure_ns is not None and self.first_failure_ns <= ts_ns
 
-    def aborted_before(self, ts_ns: int) -> bool:
-        return self.aborted is not None and self.aborted["ts_ns"] <= ts_ns
+    def left_after_abort(self, ts_ns: int) -> bool:
+        """Whether its last deed by `ts_ns` was an abort on purpose: it aborted then, and started
+        no call after it (a rank that aborts and goes on, an in-job recovery, is not one)."""
+        if self.aborted is None or self.aborted["ts_ns"] > ts_ns:
+            return False
+        started = self.last_started
+        return started is None or (started.start_ns or 0) <= self.aborted["ts_ns"]
 
     def place(self) -> Place:
         return (

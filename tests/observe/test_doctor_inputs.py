@@ -99,6 +99,27 @@ def test_a_call_its_abort_ended_is_one_the_timed_out_rank_waited_behind_whatever
     assert at_deadline is not None and (at_deadline.op, at_deadline.status) == ("gather", "started"), at_deadline
 
 
+def test_a_rank_that_aborted_went_on_and_was_then_killed_is_dead_not_aborted(tmp_path: Path) -> None:
+    # Rank 0 aborts a communicator on purpose and goes on (an in-job recovery's abort, say): it
+    # starts all_reduce #2. Then it is killed mid-op; rank 1's all_reduce #2 fails without it.
+    job = Job(tmp_path, size=2)
+    for rank in (0, 1):
+        job.start(rank, "vm", pid=10 + rank)
+        job.comm(rank)
+        job.collective(rank, 1, step=0, phase="forward")
+    job.event(0, "comm.abort", comm="world", comm_rank=0, comm_size=2, reason="rebuilding", level="warning")
+    job.collective(0, 2, end=False, step=1, phase="forward")
+    job.collective(1, 2, end=False, step=1, phase="forward")
+    job.event(1, "peer.failure", comm="world", comm_rank=1, comm_size=2, op="all_reduce", seq=2, peer=None,
+              failed_ranks=[0], level="error", status="failed", error_type="PeerFailure", duration_s=0.5)
+
+    final = same_verdict(tmp_path).final
+    assert final is not None and final.culprits == [0], final
+    assert "dead_rank" in [p.kind.value for p in final.problems], final.problems
+    [failure] = [p for p in final.problems if p.kind.value == "peer_failure"]
+    assert "stopped logging before, without reporting an error" in failure.message, failure.message
+
+
 def _hang(directory: Path) -> Path:
     """Two ranks: rank 0 waits in all_reduce #2, which rank 1 never starts."""
     job = Job(directory, size=2)
