@@ -4,8 +4,9 @@ Real processes over gloo. A SIGKILLed rank is named by every survivor (its proce
 on this host), also by a survivor that reads the announcement of the peer that met the broken
 connection first; a root waiting inside a gather for a late rank is not blamed by a peer that
 left the gather and timed out in the next op (also where that peer's timeout line comes late);
-a `Work.wait(timeout)` shorter than the op's deadline raises `WaitTimeout` and leaves the op
-and the communicator alive.
+a rank that aborts on purpose and leaves is named for its abort, not as dead; a
+`Work.wait(timeout)` shorter than the op's deadline raises `WaitTimeout` and leaves the op and
+the communicator alive.
 """
 
 from __future__ import annotations
