@@ -183,8 +183,25 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     Static shapes: the trainer's shapes are fixed, and each new shape or mask_mod costs
     seconds of compile (3-4 s with a warm inductor cache, 12 s to minutes with a cold one;
     scripts/bench_attention.py). A new document mask of the same shape does not recompile.
+
+    Two of inductor's options are set for this function alone. Both concern CPU kernels only,
+    and both cut what a warm start costs: every torchrun restart after a fault starts each
+    rank afresh, and before inductor looks in its warm cache it would run two child
+    processes, about 1 s of CPU per rank (0.9 s less per start, measured in docs/testing.md):
+    - ``cpp_cache_precompile_headers``: off, so that the C++ preprocessor is not run over
+      inductor's whole prefix header (to key a precompiled header) at every start. A cold
+      compile takes a few seconds longer without the precompiled header; it happens once
+      per host and shape (``one_cold_compile_per_host``).
+    - ``cpp.vec_isa_ok``: inductor takes the vector ISA the CPU reports instead of proving
+      it at every start with a child Python that loads a probe library. A compiler that
+      cannot build for that ISA then fails the compile with its error, loudly, rather than
+      falling back to scalar code.
     """
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(
+        flex_attention,
+        dynamic=False,
+        options={"cpp_cache_precompile_headers": False, "cpp.vec_isa_ok": True},
+    )
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
