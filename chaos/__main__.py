@@ -192,13 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     slurm = args.command == "sbatch"
     try:
         plan, trainer_args = _plan(args, trainer_args)
+        # What the job runs, on one node here or on every node of a Slurm job.
+        shape = {
+            "trainer": args.trainer,
+            "trainer_args": tuple(trainer_args),
+            "nnodes": args.nnodes,
+            "nproc_per_node": args.nproc_per_node,
+            "backend": args.backend,
+        }
         if slurm:  # the job each node's harness will run (chaos.slurm.batch.node)
             submitted = Settings(
-                trainer=args.trainer,
-                trainer_args=tuple(trainer_args),
-                nnodes=args.nnodes,
-                nproc_per_node=args.nproc_per_node,
-                backend=args.backend,
+                **shape,
                 max_restarts=args.max_restarts,
                 job_timeout_s=args.job_timeout,
                 verify=not args.no_verify,
@@ -215,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             rendezvous = (args.rdzv_endpoint, args.node_rank, args.rdzv_id)
         endpoint, node_rank, rdzv_id = rendezvous
         job = Job(
-            trainer=args.trainer,
-            trainer_args=tuple(trainer_args),
-            nproc_per_node=args.nproc_per_node,
-            nnodes=args.nnodes,
-            backend=args.backend,
+            **shape,
             rdzv_endpoint=endpoint,
             node_rank=node_rank,
             rdzv_id=rdzv_id,
