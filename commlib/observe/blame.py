@@ -139,18 +139,21 @@ def _app_errors(att: AttemptLog) -> list[Problem]:
         if classify(first.get("error_type"), str(what)) in (Failure.TIMEOUT, Failure.PEER):
             # A torch.distributed call commlib did not issue (DCP's collectives, say) timed out
             # or lost a peer: its reporters are victims, and the suspects are the ranks that
-            # had gone quiet before it without an error of their own.
+            # had gone quiet before it without an error of their own; failing those, the ranks
+            # that had aborted on purpose and left (named for that, not as dead).
+            t = first["ts_ns"]
             others = sorted(set(att.ranks) - set(reporters))
-            quiet = [
-                r for r in _gone_before(att, others, first["ts_ns"]) if not att.ranks[r].failed_before(first["ts_ns"])
-            ]
-            culprits, details["quiet"] = quiet, quiet
-            message += (
-                f" (a backend failure in a torch.distributed call outside commlib; {ranks_text(quiet)} had "
-                f"stopped logging before it)"
-                if quiet
-                else " (a backend failure in a torch.distributed call outside commlib)"
-            )
+            gone = [r for r in _gone_before(att, others, t) if not att.ranks[r].failed_before(t)]
+            aborted = [r for r in gone if _left_after_abort(att, r, t)]
+            quiet = [r for r in gone if r not in aborted]
+            culprits, details["quiet"], details["aborted"] = quiet or aborted, quiet, [] if quiet else aborted
+            if quiet:
+                why = f"; {ranks_text(quiet)} had stopped logging before it"
+            elif aborted:
+                why = f"; {_abort_text(att, aborted)}"
+            else:
+                why = ""
+            message += f" (a backend failure in a torch.distributed call outside commlib{why})"
         problems.append(
             Problem(
                 Kind.ERROR,
@@ -312,6 +315,9 @@ def _timeout_problem(
     """A timeout's Problem (collective or send/recv): `message`, then where the culprits were
     at the deadline, in the text and in the details."""
     places = where(att, culprits, t, reporters)
+    if aborted := [r for r in culprits if _left_after_abort(att, r, t)]:
+        said = _abort_text(att, aborted)
+        message += f" {said[0].upper()}{said[1:]}."
     if culprits:
         message += f" Where they were at the deadline: {where_text(att, culprits, t, reporters)}."
     return Problem(Kind.TIMEOUT, culprits, comm.label, op, seq, message, reporters, t, {**details, "where": places})
@@ -340,6 +346,23 @@ def _gone_before(att: AttemptLog, ranks: list[int], t: int) -> list[int]:
     return [r for r in ranks if r not in att.ranks or att.ranks[r].last_ns <= t]
 
 
+def _left_after_abort(att: AttemptLog, rank: int, t: int) -> bool:
+    """Whether `rank` had left by `t` saying why: it had aborted on purpose, its last deed, and
+    reported no failure of its own. Such a rank is named for its abort, never as dead."""
+    log = att.ranks.get(rank)
+    return log is not None and log.left_after_abort(t) and not log.failed_before(t)
+
+
+def _abort_text(att: AttemptLog, ranks: list[int]) -> str:
+    """What `ranks` did before they left: which communicator they aborted (maybe not the one a
+    peer then failed on) and why."""
+    aborts = [att.ranks[r].aborted or {} for r in ranks]
+    comms = sorted({str(a.get("comm")) for a in aborts})
+    reasons = "; ".join(sorted({str(a.get("reason")) for a in aborts}))
+    which = f"communicator {comms[0]!r}" if len(comms) == 1 else f"communicators {', '.join(map(repr, comms))}"
+    return f"{ranks_text(ranks)} had aborted {which} on purpose ({reasons}) and left"
+
+
 def _peer_failure(
     att: AttemptLog,
     comm: CommLog,
@@ -356,9 +379,7 @@ def _peer_failure(
         others = [r for r in comm.member_ranks() if r not in reporters]
     gone = _gone_before(att, others, t)
     # Of those: the ranks that had aborted on purpose (saying why), and the ones that said nothing.
-    aborted = [
-        r for r in gone if r in att.ranks and att.ranks[r].left_after_abort(t) and not att.ranks[r].failed_before(t)
-    ]
+    aborted = [r for r in gone if _left_after_abort(att, r, t)]
     silent = [r for r in gone if r not in aborted and (r not in att.ranks or not att.ranks[r].failed_before(t))]
     head = f"{ranks_text(reporters)} saw a peer fail during {what or f'{op} #{seq}'} on {comm.label!r}"
     if silent:
@@ -367,8 +388,7 @@ def _peer_failure(
             f"(killed or crashed). {where_text(att, silent, None)}."
         )
     elif aborted:
-        reasons = "; ".join(sorted({str((att.ranks[r].aborted or {}).get("reason")) for r in aborted}))
-        message = f"{head}: {ranks_text(aborted)} had aborted the communicator on purpose ({reasons}) and left."
+        message = f"{head}: {_abort_text(att, aborted)}."
     elif gone:
         message = (
             f"{head}: {ranks_text(gone)} had already failed and left: a consequence of their failure "
@@ -509,6 +529,8 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
         elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
             quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
             for r in _gone_before(att, quiet, p.ts_ns):
+                if _left_after_abort(att, r, p.ts_ns):
+                    continue  # it said why it left
                 if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
                     evidence[r].append(
                         f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "

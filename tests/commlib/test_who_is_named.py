@@ -138,7 +138,7 @@ def test_a_rank_that_aborted_on_purpose_and_left_is_named_for_its_abort_not_as_d
         kinds = [p.kind for p in final.problems]
         assert Kind.DEAD_RANK not in kinds, final.problems
         [failure] = [p for p in final.problems if p.kind is Kind.PEER_FAILURE]
-        assert "rank 0 had aborted the communicator on purpose (the operator stopped it)" in failure.message, failure
+        assert "rank 0 had aborted communicator 'world' on purpose (the operator stopped it)" in failure.message, failure
 
 
 def _short_wait(comm: commlib.Communicator) -> dict[str, object]:

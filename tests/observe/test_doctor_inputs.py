@@ -120,6 +120,55 @@ def test_a_rank_that_aborted_went_on_and_was_then_killed_is_dead_not_aborted(tmp
     assert "stopped logging before, without reporting an error" in failure.message, failure.message
 
 
+def _aborted_and_left(job: Job, comm: str = "world") -> None:
+    """Rank 1 aborts communicator `comm` on purpose, saying why, and its process ends there."""
+    for rank in (0, 1):
+        job.start(rank, "vm", pid=10 + rank)
+        job.comm(rank)
+        job.collective(rank, 1, step=0, phase="forward")
+    job.event(1, "comm.abort", comm=comm, comm_rank=1, comm_size=2, reason="the operator stopped it",
+              level="warning")
+
+
+def test_a_rank_that_aborted_and_left_before_a_timeout_is_named_for_its_abort_not_as_dead(tmp_path: Path) -> None:
+    # Rank 0's all_reduce #2 times out (the abort's news did not reach it: a store gone, say);
+    # rank 1, which never started it, had stopped sending heartbeats because it had left.
+    job = Job(tmp_path, size=2)
+    _aborted_and_left(job)
+    job.collective(0, 2, end=False, step=1, phase="forward")
+    job.tick(1000)
+    job.event(0, "collective.timeout", comm="world", comm_rank=0, comm_size=2, op="all_reduce", seq=2,
+              deadline=1.0, missing_ranks=[1], stale_ranks=[1], level="error", status="timed_out", duration_s=1.0)
+
+    final = same_verdict(tmp_path).final
+    assert final is not None and final.culprits == [1], final
+    assert [p.kind.value for p in final.problems] == ["timeout"], final.problems
+    [timeout] = final.problems
+    assert "Rank 1 had aborted communicator 'world' on purpose (the operator stopped it) and left." in \
+        timeout.message, timeout.message
+
+
+def test_a_rank_that_aborted_and_left_before_a_failure_outside_commlib_is_named_for_its_abort(
+    tmp_path: Path,
+) -> None:
+    # Rank 0's own gloo call (DCP's, not commlib's) times out after rank 1 left; what rank 1
+    # aborted was another communicator of its own (its node's), which the verdict names.
+    job = Job(tmp_path, size=2)
+    _aborted_and_left(job, comm="node")
+    job.tick(1000)
+    job.event(0, "train.error", level="error", error_type="RuntimeError", exit_code=1,
+              error="[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 1000ms for send operation "
+                    "to complete")
+
+    final = same_verdict(tmp_path).final
+    assert final is not None and final.culprits == [1], final
+    assert [p.kind.value for p in final.problems] == ["error"], final.problems
+    [error] = final.problems
+    assert error.details["quiet"] == [] and error.details["aborted"] == [1], error.details
+    assert "rank 1 had aborted communicator 'node' on purpose (the operator stopped it) and left" in \
+        error.message, error.message
+
+
 def _hang(directory: Path) -> Path:
     """Two ranks: rank 0 waits in all_reduce #2, which rank 1 never starts."""
     job = Job(directory, size=2)
