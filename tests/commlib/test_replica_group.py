@@ -35,6 +35,14 @@ def _replica(lighthouse: str, log_root: str) -> dict:
                       store_port=store.port, lighthouse_addr=lighthouse, replica_id=f"replica{replica}",
                       init_sync=False, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
                       connect_timeout=timedelta(seconds=20))
+    # Both groups ask for their first quorum together. Under load one process can start a
+    # second or more before the other, and a lighthouse that has seen only it heartbeat gives
+    # it quorums alone: the group that dies at step 4 then ran every step before it alone.
+    Path(log_root, f"ready{replica}").touch()
+    give_up = time.monotonic() + 60
+    while not all(Path(log_root, f"ready{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < give_up, "the other replica group never started"
+        time.sleep(0.01)
     errors = []
     while manager.current_step() < STEPS:
         manager.start_quorum()
