@@ -25,7 +25,7 @@ A split checks its arguments and splits the engine here; the communicator builds
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -45,6 +45,11 @@ from commlib.verdicts import Judge, report_side_failure
 _E = TypeVar("_E", bound=BaseException)  # `die` hands back the error it was given
 
 _PROCESS_HOOKS = HookRegistry.process()
+
+# The longest a failure's or an abort's log line may hold back the news to the peers
+# (`Lifecycle._line_then_news`): a log on a filesystem that stops answering must not keep
+# them waiting out their own deadlines, nor keep this rank's engine from being aborted.
+LINE_BEFORE_NEWS_S = 5.0
 
 # The log event and flight-recorder state of each kind of failure (`Lifecycle.die`).
 _EVENTS: dict[type, tuple[str, str]] = {
@@ -175,12 +180,9 @@ class Lifecycle:
         if deferred:
             assert comm._device is not None
             comm._device.undelivered = (call, error)  # before `_dead`, which the caller's thread reads first
-        comm._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
-        # The failure's line before the announcement: a peer can only react to this rank's
-        # failure (its own op ending in a `peer.failure`) after this line's clock, so the
-        # doctor, folding the ranks' lines in clock order, sees every rank where it was when
-        # this one gave up, not already moved on by the abort it caused.
-        try:
+        dead = comm._dead = f"broken by {type(error).__name__} in {call.op} #{call.seq}"
+
+        def line() -> None:
             fields = _error_fields(error) if isinstance(error, CommError) else {}
             comm._log.error(
                 event,
@@ -193,9 +195,8 @@ class Lifecycle:
                 error_type=type(error).__name__,
                 **fields,
             )
-        except Exception as exc:  # a full disk, a closed log file: the peers still have to hear
-            report_side_failure(comm._log, "log", exc)
-        comm._judge.announce(comm._dead, error, call)
+
+        self._line_then_news(line, lambda: comm._judge.announce(dead, error, call))
         try:
             self.dump(event.replace(".", "_"))
         except Exception as exc:  # the error still has to reach the caller
@@ -217,12 +218,12 @@ class Lifecycle:
         device = comm._device
         if device is not None:  # the caller chose to abort: an error the watchdog found meanwhile is moot
             device.undelivered = None
-        try:  # the line before the announcement, as `die` writes a failure's
-            comm._log.warning("comm.abort", reason=comm._dead)
-        except Exception as exc:  # a closed log file: the peers still have to hear, the engine to stop
-            report_side_failure(comm._log, "log", exc)
-        if first:
+        dead = comm._dead  # the line and the news as `die` gives them: the line first, the news once
+
+        def news() -> None:
             comm._judge.announce(reason)
+
+        self._line_then_news(lambda: comm._log.warning("comm.abort", reason=dead), news if first else None)
         self.dump("abort")
         comm.board.close()
         # The engine first: an op of a dropped engine work may only end once it is aborted.
@@ -245,6 +246,35 @@ class Lifecycle:
         comm.recorder.close()  # the process's last one leaves it as it was (commlib.observe.flight)
 
     # -- the pieces ------------------------------------------------------------------------
+    def _line_then_news(self, line: Callable[[], None], news: Callable[[], None] | None) -> None:
+        """Write the log line of a failure or an abort, then tell the peers (`news`).
+
+        The line goes first: a peer can only react to the news (its own op ending in a
+        `peer.failure`) after this line's clock, so the doctor, folding the ranks' lines in
+        clock order, sees every rank where it was when this one gave up, not already moved on
+        by the abort it caused. But a line that does not come within `LINE_BEFORE_NEWS_S` (a
+        log on a filesystem that stopped answering) does not hold the news back any longer:
+        it is written by its own thread whenever the filesystem lets it. A line that cannot
+        be written (a full disk, a closed file) is reported as a side failure.
+        """
+        written = threading.Event()
+
+        def write() -> None:
+            try:
+                line()
+            except Exception as exc:
+                report_side_failure(self._comm._log, "log", exc)
+            finally:
+                written.set()
+
+        try:
+            threading.Thread(target=write, name="commlib-failure-line", daemon=True).start()
+        except RuntimeError:  # no new thread while the interpreter shuts down: written here
+            write()
+        written.wait(LINE_BEFORE_NEWS_S)
+        if news is not None:
+            news()
+
     def dump(self, reason: str) -> None:
         # Without a log dir the dump would flood stderr; SIGUSR1 still prints one on demand.
         directory = _log.log_dir()

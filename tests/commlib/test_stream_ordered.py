@@ -118,6 +118,50 @@ def test_the_watchdogs_error_is_raised_at_the_next_call() -> None:
     assert r0["after"]["type"] == "CommAborted"
 
 
+def _rank0s_log_stalls_as_it_fails() -> dict[str, object]:
+    """Rank 0's #2 times out (rank 1 never issues it in time) while rank 0's log is on a
+    filesystem that has stopped answering: the line of its failure never comes."""
+    from commlib import lifecycle
+
+    comm = _init()
+    rank, rt = comm.rank, device()
+    if rank == 0:
+        fields = lifecycle._error_fields
+
+        def stalled(error: commlib.CommError) -> dict[str, object]:
+            time.sleep(60.0)
+            return fields(error)
+
+        lifecycle._error_fields = stalled  # this rank's process only
+    t = torch.ones(4)
+    comm.all_reduce(t, timeout=DEADLINE_S)
+    rt.synchronize()
+    if rank == 0:
+        issued = time.monotonic()
+        comm.all_reduce(t, timeout=DEADLINE_S)
+        error = None
+        while error is None and time.monotonic() - issued < 10:
+            error = _raised(commlib.check)
+            time.sleep(0.01)
+        return {"error": error}
+    # Rank 1 issues #2 once rank 0's watchdog has given up on it, and past the longest the
+    # failure's line may hold back the news (LINE_BEFORE_NEWS_S).
+    time.sleep(DEADLINE_S + lifecycle.LINE_BEFORE_NEWS_S + 2.0)
+    comm.all_reduce(t, timeout=30.0)
+    return {"error": _raised(lambda: (time.sleep(1.0), commlib.check()))}
+
+
+def test_a_failure_whose_log_line_stalls_is_still_announced_and_aborted_in_seconds() -> None:
+    """The failure's line goes before the announcement (commlib/lifecycle.py), but a line that
+    never comes must not hold back the news, nor the engine's abort: otherwise rank 1's late
+    #2 would complete against rank 0's half of an op rank 0 had already declared failed, and
+    rank 0's watchdog thread would sit in the write."""
+    r0, r1 = testing.run(_rank0s_log_stalls_as_it_fails, 2, backend=None, timeout=90)
+    assert r0["error"]["type"] == "CollectiveTimeout", r0  # raised at once: the line is not waited for
+    assert r1["error"] is not None and r1["error"]["type"] == "PeerFailure", r1
+    assert r1["error"]["failed_ranks"] == [0], r1
+
+
 def _hang_then_recover() -> dict[str, object]:
     """Rank 1's device hangs in op #2 after its start (a long kernel behind the start event, as
     chaos's device hang does): rank 0's #2 times out; both recover in-job and go on."""
