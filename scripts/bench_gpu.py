@@ -417,6 +417,45 @@ def hang_while_the_host_waits(gpu: Gpu) -> tuple[bool, str]:
     return ok, "; ".join(said)
 
 
+def stalled_failure_line(gpu: Gpu) -> tuple[bool, str]:
+    """A hang whose failure line never comes (a log on a filesystem that stopped answering):
+    the watchdog's thread goes on to announce and abort the engine after `LINE_BEFORE_NEWS_S`,
+    not when the line is written (`commlib.lifecycle.Lifecycle._line_then_news`), and the
+    caller's `commlib.check()`, which waits for that thread's verdict, has its error by then;
+    then in-job recovery."""
+    from commlib import lifecycle
+
+    x = torch.ones(KIB4, device=gpu.device)
+    torch.cuda.synchronize()
+    fields = lifecycle._error_fields
+
+    def stalled(error: commlib.CommError) -> dict[str, Any]:
+        time.sleep(30.0)
+        return fields(error)
+
+    lifecycle._error_fields = stalled
+    ends, hook = gpu.comm._lifecycle, _hang_next_op(gpu, 8.0)
+    start = time.perf_counter()
+    try:
+        gpu.comm.all_reduce(x, timeout=1.0)
+        error: BaseException | None = None
+        while error is None and time.perf_counter() - start < 10:
+            error = _error_of(commlib.check)
+            time.sleep(0.005)
+        detected_s = time.perf_counter() - start
+        while not ends._engine_aborting and time.perf_counter() - start < 20:
+            time.sleep(0.005)
+        aborted_s = time.perf_counter() - start
+    finally:
+        hook.remove()
+        lifecycle._error_fields = fields
+    recovered, what = recover(gpu, error)
+    bound_s = 1.0 + lifecycle.LINE_BEFORE_NEWS_S + 1.5
+    ok = isinstance(error, commlib.CollectiveTimeout) and max(detected_s, aborted_s) <= bound_s and recovered
+    return ok, (f"{type(error).__name__ if error else 'nothing'} after {detected_s:.2f} s, the engine's abort "
+                f"begun after {aborted_s:.2f} s (both <= {bound_s:g}), the line still unwritten; then {what}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -465,7 +504,8 @@ def main() -> int:
                         ("deadline set later to 1 s, op behind 3 s of GPU work", timeout_set_later),
                         ("ops captured in a CUDA graph", captured),
                         ("hang, 1 s deadline, 20 times", lambda g: hangs_in_a_row(g, 20)),
-                        ("hang while the host waits", hang_while_the_host_waits)):
+                        ("hang while the host waits", hang_while_the_host_waits),
+                        ("hang whose failure line stalls 30 s", stalled_failure_line)):
         try:
             passed, what = check(gpu)
         except Exception as exc:  # a check that breaks is a failed check, and the others still run

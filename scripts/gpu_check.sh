@@ -7,7 +7,7 @@
 #      counted from the device start, a hang detected within 1.5 s (twenty times, and while the
 #      host waits in synchronize() and .item()), in-job recovery and its rebuild time, a barrier
 #      bounded by its deadline, a deadline set later that never reaches NCCL raw, ops captured
-#      in a CUDA graph;
+#      in a CUDA graph, a hang whose failure line stalls (the engine aborted all the same);
 #   3. the reference trainer on CUDA (1 rank, nccl) for a few steps, where torch has
 #      nn.LinearCrossEntropyLoss (>= 2.13); otherwise it says so.
 # Uses whatever python/torch the machine has (PYTHON=...); it does not bootstrap .venv. The lent
