@@ -492,6 +492,20 @@ def _from_the_end(
                 s = next(s for s in segments if s.attempt == a)  # straight back to when it began
                 reach = s.end - _first_line(files, _clock, began - WAIT_MARGIN_NS, s.start, s.end)
                 sizes[(rank, a)] = max(sizes[(rank, a)], reach // GROWTH)
+        # A failure or an abort of an attempt that its flight dumps date before a rank's window:
+        # an in-job recovery, say, that every window began after (whether the attempt recovered
+        # depends on it). That window reaches back to it.
+        for d in dumps:
+            if d.reason == "sigusr1" or d.attempt is None or d.dumped_ns is None:
+                continue
+            for rank, (files, segments) in ranks.items():
+                seg = next((x for x in segments if x.attempt == d.attempt and not x.whole and x.lines), None)
+                window_from = _clock(seg.lines[0]) if seg is not None else None
+                if seg is None or window_from is None or window_from <= d.dumped_ns:
+                    continue
+                grow.add((rank, d.attempt))
+                reach = seg.end - _first_line(files, _clock, d.dumped_ns - WAIT_MARGIN_NS, seg.start, seg.end)
+                sizes[(rank, d.attempt)] = max(sizes[(rank, d.attempt)], reach // GROWTH)
         for a, att in fold.attempts.items():
             open_ranks = {
                 r

@@ -125,6 +125,32 @@ def test_a_send_never_matched_is_the_full_reads(tmp_path: Path) -> None:
     assert ("hang", (1,)) in kinds, kinds
 
 
+def test_an_in_job_recovery_every_window_begins_after_is_found_by_its_flight_dumps(tmp_path: Path) -> None:
+    # Every rank recovers in-job at step 40 (each writes its abort's flight dump then), and the
+    # job then runs 20 more steps: every window begins long after the recovery. The attempt
+    # recovered all the same (exit 3, not 0), as the full read says.
+    job = _job(tmp_path)
+    _steps(job, range(40))
+    for r in range(RANKS):  # step 40: the culprit never starts the world all_reduce; rank 0 times out
+        if r != CULPRIT:
+            job.collective(r, 81, end=False, step=40, phase="forward")
+    job.event(0, "collective.timeout", comm="world", comm_rank=0, comm_size=RANKS, op="all_reduce", seq=81,
+              deadline=1.0, missing_ranks=[CULPRIT], level="error", status="timed_out", duration_s=1.0)
+    for r in range(RANKS):  # every rank aborts (writing its dump), recovers and rebuilds its groups
+        job.event(r, "comm.abort", comm="world", comm_rank=r, comm_size=RANKS, reason="in-job recovery",
+                  level="warning")
+        name = f"flight_rank{r}_world_node{r // TP}_{100 + r}_1_abort.json"
+        path = job.flight_dump(r, f"node{r // TP}", "world", r, [], name)
+        path.write_text(json.dumps({**json.loads(path.read_text()), "reason": "abort"}))
+        job.event(r, "recovery.in_job", epoch=1, trigger="CollectiveTimeout", level="warning")
+        job.comm(r)
+        job.comm(r, f"tp{r // TP}", comm_rank=r % TP, size=TP)
+    _steps(job, range(40, STEPS))
+    tail = same_verdict(tmp_path)
+    assert tail.exit_code == 3 and tail.final is not None and tail.final.status == "recovered", tail.final
+    assert "recovered in-job" in (tail.read.full_read_because or ""), tail.read
+
+
 def test_where_the_tail_cannot_decide_it_reads_in_full_and_says_why(tmp_path: Path) -> None:
     recovered = tmp_path / "recovered"
     job = _job(recovered)
