@@ -494,18 +494,20 @@ def _from_the_end(
                 sizes[(rank, a)] = max(sizes[(rank, a)], reach // GROWTH)
         # A failure or an abort of an attempt that its flight dumps date before a rank's window:
         # an in-job recovery, say, that every window began after (whether the attempt recovered
-        # depends on it). That window reaches back to it.
+        # depends on it). That window reaches back to the attempt's first such dump.
+        first_failure: dict[int, int] = {}
         for d in dumps:
-            if d.reason == "sigusr1" or d.attempt is None or d.dumped_ns is None:
-                continue
-            for rank, (files, segments) in ranks.items():
-                seg = next((x for x in segments if x.attempt == d.attempt and not x.whole and x.lines), None)
-                window_from = _clock(seg.lines[0]) if seg is not None else None
-                if seg is None or window_from is None or window_from <= d.dumped_ns:
+            if d.reason != "sigusr1" and d.attempt is not None and d.dumped_ns is not None:
+                first_failure[d.attempt] = min(d.dumped_ns, first_failure.get(d.attempt, d.dumped_ns))
+        for rank, (files, segments) in ranks.items():
+            for seg in segments:
+                since = first_failure.get(seg.attempt)
+                window_from = _clock(seg.lines[0]) if since is not None and seg.lines and not seg.whole else None
+                if since is None or window_from is None or window_from <= since:
                     continue
-                grow.add((rank, d.attempt))
-                reach = seg.end - _first_line(files, _clock, d.dumped_ns - WAIT_MARGIN_NS, seg.start, seg.end)
-                sizes[(rank, d.attempt)] = max(sizes[(rank, d.attempt)], reach // GROWTH)
+                grow.add((rank, seg.attempt))
+                reach = seg.end - _first_line(files, _clock, since - WAIT_MARGIN_NS, seg.start, seg.end)
+                sizes[(rank, seg.attempt)] = max(sizes[(rank, seg.attempt)], reach // GROWTH)
         for a, att in fold.attempts.items():
             open_ranks = {
                 r
