@@ -38,8 +38,9 @@ than half of the logs (a hang near their start): the full read streams them in l
 What the verdict leaves to the full report (`commlib.observe.doctor.diagnose`): the statistics
 (stragglers, latency, bandwidth) and the counts of collectives and of time; and what lies wholly
 before every window and left no trace in them: an error the application logged and went on
-from, a mismatch that completed, an in-job recovery that every window begins after (the
-attempt then reads as ok, not recovered, and a rebuilt communicator as `name`, not `name#2`),
+from, a mismatch that completed, an in-job recovery that every window begins after and whose
+flight dumps are gone (with a dump of its failure or abort, the windows reach back to it; without
+one the attempt reads as ok, not recovered, and a rebuilt communicator as `name`, not `name#2`),
 a collective left open by a rank whose later lines are all on other communicators without a
 wait on it, or a second job appended to the same files by processes with the same pids and
 attempt numbers as the first's, whose `log.open` lines no window holds.
