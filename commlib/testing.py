@@ -9,13 +9,17 @@ environment). It returns each rank's result in rank order, re-raises the first f
 rank's exception as `RankError` with that rank and its traceback, and never outlives its
 timeout: ranks still running then are killed and `RankTimeout` says which.
 
-Ranks fork from a server process that imported torch once (multiprocessing's forkserver),
-so a rank costs a fork, not a fresh interpreter importing torch (about 2 s of CPU each,
-most of a small test's time). torch reads part of the environment when it is imported
+Ranks fork from a server process that imported torch, commlib and pytest once
+(multiprocessing's forkserver), so a rank costs a fork, not a fresh interpreter importing
+torch (about 2 s of CPU each, most of a small test's time), nor commlib and the test module's
+pytest (0.3 s of CPU each; `scripts/bench_forked_ranks.py`). torch reads part of the environment when it is imported
 (whether to route through torchcomms, and whether torchcomms is importable), so the server
 is used only while the variables read at import (`_READ_AT_IMPORT`, less `_READ_LATER`) are as
 they were when this module was imported (the server starts with them); a call made under others
-(a test that set one) spawns fresh interpreters, as before. Each rank gets the caller's
+(a test that set one) spawns fresh interpreters, as before. The server itself starts with
+PYTHONPATH as it was then too: its `import torch` looks once for torchcomms on the path, and a
+server started inside a test that put the torchcomms stand-in there would hand it to every
+later rank. Each rank gets the caller's
 whole environment either way. A forked rank's stdout and stderr are the server's, those
 of the call that started it (under pytest, that test's captured output): a rank's
 exception still comes back whole in `RankError`, but what it printed shows in no later
@@ -27,6 +31,7 @@ test's report.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -59,7 +64,10 @@ def _import_time_env() -> dict[str, str]:
 # The fork server's environment: this process's as this module was imported (before any
 # test set a variable), whichever call starts the server.
 _SERVER_ENV = _import_time_env()
-multiprocessing.set_forkserver_preload(["torch"])
+_SERVER_PYTHONPATH = os.environ.get("PYTHONPATH")
+# What every rank imports: torch, commlib, and pytest (a test's function is found in its test
+# module, which imports it). One not installed is skipped (multiprocessing ignores its ImportError).
+multiprocessing.set_forkserver_preload(["torch", "commlib", "commlib.testing", "pytest"])
 
 
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -105,8 +113,30 @@ def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.co
     the server starts with the first rank it forks, so in that environment); fresh
     interpreters otherwise."""
     if _import_time_env() == _SERVER_ENV:
+        _start_fork_server()
         return multiprocessing.get_context("forkserver")
     return multiprocessing.get_context("spawn")
+
+
+def _start_fork_server() -> None:
+    """Start the fork server, once, under the PYTHONPATH this module was imported with (the
+    module docstring says why; the interpreter it starts builds its sys.path from it)."""
+    now = os.environ.get("PYTHONPATH")
+    if now == _SERVER_PYTHONPATH:
+        multiprocessing.forkserver.ensure_running()
+        return
+    _set_pythonpath(_SERVER_PYTHONPATH)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        _set_pythonpath(now)
+
+
+def _set_pythonpath(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = value
 
 
 def _child(

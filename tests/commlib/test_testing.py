@@ -4,11 +4,17 @@ forked from the server while the environment allows."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from commlib import testing
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = REPO / "tests" / "torchcomms_standin"
 
 
 def _rank_raises(comm) -> int:
@@ -61,3 +67,39 @@ def test_ranks_fork_from_the_server_unless_an_import_time_variable_changed(monke
     spawned = testing.run(_started_how, 2, backend=None)
     assert all(r["parent"] == os.getpid() and r["vars"] == ["read at run time", "read at import"]
                for r in spawned), spawned
+
+
+# Run as its own script: the fork server must not have started yet, as in a fresh xdist worker.
+_FIRST_CALL_UNDER_THE_STANDIN = """
+import os, sys
+sys.path.insert(0, sys.argv[2])  # this checkout's commlib, as pytest's rootdir puts it first
+from commlib import testing
+
+def torchcomms_imported():
+    return "torchcomms" in sys.modules
+
+if __name__ == "__main__":
+    standin = sys.argv[1]
+    os.environ["PYTHONPATH"] = standin  # what tests/commlib/conftest.py's torchcomms backend sets
+    sys.path.insert(0, standin)
+    testing.run(torchcomms_imported, 2, backend=None)  # the worker's first ranks: the server starts
+    del os.environ["PYTHONPATH"]
+    sys.path.remove(standin)
+    print(testing.run(torchcomms_imported, 2, backend=None))
+"""
+
+
+def test_a_fork_server_started_under_a_tests_pythonpath_does_not_hand_its_imports_to_later_ranks(
+    tmp_path: Path,
+) -> None:
+    # torch looks for torchcomms once, as it is imported: in the server. Started while a test had
+    # the stand-in on PYTHONPATH, it imported the stand-in, and every later rank of that worker
+    # found torchcomms (test_auto_falls_back_quietly_without_torchcomms failed so, once).
+    script = tmp_path / "first_call.py"
+    script.write_text(_FIRST_CALL_UNDER_THE_STANDIN)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(STANDIN), str(REPO)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[False, False]", done.stdout
