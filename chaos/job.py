@@ -134,22 +134,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_errors_dir(run_dir: Path, node: int) -> Path:
+    """Where node `node`'s torchrun keeps its workers' error files (`--log-dir`): in the run
+    directory, beside the logs. Without it, every torchrun makes a directory of its own in /tmp
+    (torch.distributed.elastic's `mkdtemp`) and never removes it: one per launch, left behind."""
+    return run_dir / "torchrun" / f"node{node}"
+
+
 def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Network | None = None) -> list[list[str]]:
     """One torchrun command per agent this machine runs; with `network`, each agent in its
     node's namespace, on a rendezvous at node 0's address."""
-    base = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(job.nnodes),
-        "--nproc-per-node",
-        str(job.nproc_per_node),
-        "--max-restarts",
-        str(max_restarts),
-        "--monitor-interval",
-        "0.1",
-    ]
+
+    def base(node: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(job.nnodes),
+            "--nproc-per-node",
+            str(job.nproc_per_node),
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.1",
+            "--log-dir",
+            str(torchrun_errors_dir(run_dir, node)),
+        ]
+
     trainer = job.trainer_argv(run_dir)
     if job.rdzv_endpoint is not None:  # one node of a multi-node job
         # Node 0 hosts the rendezvous store: said outright, as nodes sharing a machine (or a
@@ -164,9 +176,9 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Netwo
             "--rdzv-conf",
             f"is_host={'true' if job.node_rank == 0 else 'false'}",
         ]
-        return [base + node + trainer]
+        return [base(job.node_rank or 0) + node + trainer]
     if job.nnodes == 1:
-        return [base + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
+        return [base(0) + ["--standalone", "--local-addr", "127.0.0.1"] + trainer]
     rdzv_id = job.rdzv_id or uuid.uuid4().hex
     if network is None:
         prefixes: list[list[str]]
@@ -178,7 +190,7 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Netwo
     # Every agent here would take itself for the store's host: say which one is.
     return [
         prefixes[n]
-        + base
+        + base(n)
         + [
             "--rdzv-backend",
             "c10d",

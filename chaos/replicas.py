@@ -107,7 +107,7 @@ class ReplicaJob:
 
     def command(self, replica: int, run_dir: Path, max_restarts: int) -> list[str]:
         """Replica group `replica`'s torchrun."""
-        return self._torchrun(max_restarts) + [
+        return self._torchrun(max_restarts, run_dir / "torchrun" / f"replica{replica}") + [
             "--replica",
             str(replica),
             "--replicas",
@@ -123,7 +123,7 @@ class ReplicaJob:
 
     def replay_command(self, membership: Path, logs: Path) -> list[str]:
         """The replay's torchrun: one group, no restarts (`chaos.workload.replica`'s ``--replay``)."""
-        return self._torchrun(0) + [
+        return self._torchrun(0, logs.parent / "torchrun") + [
             "--replicas",
             str(self.replicas),
             "--replay",
@@ -133,7 +133,9 @@ class ReplicaJob:
             *self.trainer_args,
         ]
 
-    def _torchrun(self, max_restarts: int) -> list[str]:
+    def _torchrun(self, max_restarts: int, errors: Path) -> list[str]:
+        """torchrun's command line; `errors`: where it keeps its workers' error files (as
+        `chaos.job.torchrun_errors_dir` says why)."""
         trainer = [self.trainer] if self.trainer.endswith(".py") else ["-m", self.trainer]
         return [
             sys.executable,
@@ -148,6 +150,8 @@ class ReplicaJob:
             str(max_restarts),
             "--monitor-interval",
             "0.1",
+            "--log-dir",
+            str(errors),
             *trainer,
         ]
 

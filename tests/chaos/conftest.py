@@ -71,6 +71,9 @@ def passing_run(tmp_path, tiny_args, reference_dir, leftovers):
         assert report.bitwise_verified
         assert set(checks) <= set(report.checks), report.checks
         assert leftovers(run_dir) == []
+        # torchrun kept its workers' error files here, not in a /tmp directory nothing removes
+        # (`chaos.job.torchrun_errors_dir`): it made the directory it was given.
+        assert all((run_dir / "torchrun" / f"node{n}").is_dir() for n in range(nnodes)), list(run_dir.iterdir())
         return report, run_dir
 
     return run

@@ -108,6 +108,9 @@ def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwis
     assert written["passed"] and written["membership"]["10"] == [0, 1]
     assert (run_dir / PNG).stat().st_size > 10_000
     assert leftovers(run_dir) == []
+    # Every torchrun (each group's, the replay's) kept its error files in the run directory,
+    # not in a /tmp directory nothing removes (`chaos.job.torchrun_errors_dir`).
+    assert all((run_dir / d).is_dir() for d in ("torchrun/replica0", "torchrun/replica1", "replay/torchrun"))
 
 
 def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, leftovers):
