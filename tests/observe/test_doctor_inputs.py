@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,14 +100,20 @@ def test_a_call_its_abort_ended_is_one_the_timed_out_rank_waited_behind_whatever
     assert at_deadline is not None and (at_deadline.op, at_deadline.status) == ("gather", "started"), at_deadline
 
 
+def _both_begin(job: Job, pid: int, attempt: int = 0, **first: Any) -> None:
+    """Ranks 0 and 1 (pids `pid` and `pid + 1`, on host "vm") start, make the world communicator
+    and log all_reduce #1 on it (`first`: that collective's fields, as `Job.collective` takes them)."""
+    for rank in (0, 1):
+        job.start(rank, "vm", pid=pid + rank, attempt=attempt)
+        job.comm(rank)
+        job.collective(rank, 1, **first)
+
+
 def test_a_rank_that_aborted_went_on_and_was_then_killed_is_dead_not_aborted(tmp_path: Path) -> None:
     # Rank 0 aborts a communicator on purpose and goes on (an in-job recovery's abort, say): it
     # starts all_reduce #2. Then it is killed mid-op; rank 1's all_reduce #2 fails without it.
     job = Job(tmp_path, size=2)
-    for rank in (0, 1):
-        job.start(rank, "vm", pid=10 + rank)
-        job.comm(rank)
-        job.collective(rank, 1, step=0, phase="forward")
+    _both_begin(job, pid=10, step=0, phase="forward")
     job.event(0, "comm.abort", comm="world", comm_rank=0, comm_size=2, reason="rebuilding", level="warning")
     job.collective(0, 2, end=False, step=1, phase="forward")
     job.collective(1, 2, end=False, step=1, phase="forward")
@@ -122,10 +129,7 @@ def test_a_rank_that_aborted_went_on_and_was_then_killed_is_dead_not_aborted(tmp
 
 def _aborted_and_left(job: Job, comm: str = "world") -> None:
     """Rank 1 aborts communicator `comm` on purpose, saying why, and its process ends there."""
-    for rank in (0, 1):
-        job.start(rank, "vm", pid=10 + rank)
-        job.comm(rank)
-        job.collective(rank, 1, step=0, phase="forward")
+    _both_begin(job, pid=10, step=0, phase="forward")
     job.event(1, "comm.abort", comm=comm, comm_rank=1, comm_size=2, reason="the operator stopped it",
               level="warning")
 
@@ -172,10 +176,7 @@ def test_a_rank_that_aborted_and_left_before_a_failure_outside_commlib_is_named_
 def _hang(directory: Path) -> Path:
     """Two ranks: rank 0 waits in all_reduce #2, which rank 1 never starts."""
     job = Job(directory, size=2)
-    for rank in (0, 1):
-        job.start(rank, "vm", pid=100 + rank)
-        job.comm(rank)
-        job.collective(rank, 1, step=0, phase="forward")
+    _both_begin(job, pid=100, step=0, phase="forward")
     job.collective(0, 2, end=False, step=1, phase="forward")
     job.event(1, "train.step", step=1, phase="data")
     return directory
@@ -230,15 +231,9 @@ def test_files_named_like_logs_that_are_not_regular_files_are_named_not_read(tmp
 
 def test_a_line_cut_by_a_kill_then_a_restart_appended_reads_as_two_attempts_of_one_job(tmp_path: Path) -> None:
     job = Job(tmp_path, size=2)
-    for rank in (0, 1):
-        job.start(rank, "vm", pid=100 + rank)
-        job.comm(rank)
-        job.collective(rank, 1)
+    _both_begin(job, pid=100)
     job.append(1, '{"op":"all_reduce","seq":2,"shapes":[[4]],"dtype":"torch.fl')  # killed mid-write
-    for rank in (0, 1):  # torchrun's restart appends to the same files
-        job.start(rank, "vm", pid=200 + rank, attempt=1)
-        job.comm(rank)
-        job.collective(rank, 1)
+    _both_begin(job, pid=200, attempt=1)  # torchrun's restart appends to the same files
     for asked in (None, "job-1"):
         d = diagnose(tmp_path, job=asked)
         assert [(a.attempt, a.ranks) for a in d.attempts] == [(0, [0, 1]), (1, [0, 1])], asked
@@ -250,10 +245,7 @@ def test_a_survivor_killed_while_writing_its_last_line_is_not_the_culprit(tmp_pa
     # Rank 1 is frozen inside all_reduce #1 (its own timeout comes long after its deadline, once
     # it is let go); rank 0 times out and is killed while writing that line.
     job = Job(tmp_path, size=2, tick_ms=0.01)
-    for rank in (0, 1):
-        job.start(rank, "vm", pid=100 + rank)
-        job.comm(rank)
-        job.collective(rank, 1, end=False, deadline_s=1.0)
+    _both_begin(job, pid=100, end=False, deadline_s=1.0)
     job.tick(1000)
     job.append(0, '{"comm":"world","comm_rank":0,"op":"all_reduce","seq":1,"status":"timed_out","error":"all_re')
     job.tick(8000)
