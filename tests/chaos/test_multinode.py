@@ -47,7 +47,7 @@ def _torchrun(out: Path, *args: str) -> list[subprocess.Popen]:
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                  "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                  endpoint, "--rdzv-id", out.name, "--rdzv-conf", f"is_host={'true' if n == 0 else 'false'}",
-                 "--local-addr", "127.0.0.1", PROBE, *args, "--out", str(out)],
+                 "--local-addr", "127.0.0.1", "--log-dir", str(out / f"torchrun{n}"), PROBE, *args, "--out", str(out)],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, RUN_DIR_ENV: str(out.absolute())}))
     return agents
 

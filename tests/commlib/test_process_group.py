@@ -33,6 +33,7 @@ def _torchrun(tmp: Path, backend: str, nproc: int, *extra: str, timeout: float =
     out.mkdir(parents=True, exist_ok=True)
     env = {**__import__("os").environ, "COMMLIB_LOG_DIR": str(out / "logs")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--log-dir", str(out / "torchrun"),  # its error files: not a /tmp directory left behind
            str(TRAINER), "--backend", backend, "--out", str(out), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -36,6 +36,7 @@ def torchrun_train(workdir: Path, *args: object, extra_env: dict[str, str] | Non
                    torchrun_args: tuple[str, ...] = (), timeout: float = 240.0) -> None:
     """Run `torchrun --standalone --nproc-per-node 2 -m chaos.workload.train TINY args`; it must exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(workdir / "torchrun"),  # its error files: not a /tmp directory left behind
            *torchrun_args, "-m", "chaos.workload.train", *TINY, *map(str, args)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHAOS_", "TORCHELASTIC_", "COMMLIB_"))}
     # The ranks import this tree, whatever the editable install maps.
