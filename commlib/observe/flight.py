@@ -11,7 +11,9 @@ The dump runs on another thread than the one appending, so it works on a copy of
 (`FlightRecorder.entries`), never on the live deque.
 
 Dumps have a budget: a process keeps its newest `COMMLIB_FLIGHT_DUMPS` dump files (default
-32; writing one more removes its oldest), and answers SIGUSR1 at most once per
+32; writing one more removes its oldest), and beside them the dump of its first failure or
+abort, whatever came after (the first error is the one an operator looks for, and the doctor's
+verdict from the end reaches back to it: `commlib.observe.tail`); it answers SIGUSR1 at most once per
 `COMMLIB_FLIGHT_DUMP_INTERVAL_S` seconds (default 1): signals that come faster are answered
 by one dump taken when the interval is over, so the newest state is always dumped and a
 storm of signals writes a few files, not one per signal.
@@ -69,6 +71,7 @@ import torch
 
 from commlib import settings
 from commlib.observe import log as _log
+from commlib.observe.records import SIGUSR1_REASON
 from commlib.observe.stacks import file_name, safe_host
 from commlib.ops import PLAIN_NAMES, Collective
 
@@ -222,20 +225,27 @@ class FlightRecorder:
         with open(tmp, "w") as f:
             f.write(data)
         os.replace(tmp, path)
-        _DUMPS.wrote(path)
+        _DUMPS.wrote(path, reason)
         return path
 
 
 class _DumpFiles:
-    """The dump files this process wrote, oldest first: past the budget, the oldest goes."""
+    """The dump files this process wrote, oldest first: past the budget, the oldest goes. The
+    first failure's or abort's dump is kept apart, outside the budget (module docstring): a
+    torchft replica that failed once and then went through quorum after quorum, each ending in
+    an abort and its dump, lost it to the budget."""
 
     def __init__(self) -> None:
         self._paths: deque[Path] = deque()
+        self._first_failure: Path | None = None
         self._lock = threading.Lock()  # the SIGUSR1 thread and a failing caller both dump
 
-    def wrote(self, path: Path) -> None:
+    def wrote(self, path: Path, reason: str) -> None:
         keep = dump_budget()[0]
         with self._lock:
+            if self._first_failure is None and reason != SIGUSR1_REASON:
+                self._first_failure = path
+                return
             self._paths.append(path)
             while len(self._paths) > keep:
                 with contextlib.suppress(FileNotFoundError):
@@ -357,7 +367,7 @@ class _Installed:
                     directory = self.directory_fn()
                     for recorder in _copy(_RECORDERS):
                         try:
-                            recorder.dump(directory, "sigusr1")
+                            recorder.dump(directory, SIGUSR1_REASON)
                         except Exception as exc:  # the other recorders still dump
                             failed = repr(exc)
                             if failed != said:

@@ -416,6 +416,10 @@ class AttemptLog:
     snapshots: dict[int, dict[int, Place]] = field(default_factory=dict)
 
 
+# A dump's reason when an operator asked for it (SIGUSR1); any other reason is a failure's or an abort's.
+SIGUSR1_REASON = "sigusr1"
+
+
 @dataclass
 class DumpInfo:
     """A flight-recorder dump found in the log directory."""

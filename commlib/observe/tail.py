@@ -70,7 +70,7 @@ from commlib.observe.log import after_cut, rank_segments
 from commlib.observe.logfile import HEADER_START
 from commlib.observe.model import load
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
-from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer
+from commlib.observe.records import SIGUSR1_REASON, AttemptLog, Call, MixedJobsError, Observer
 
 INITIAL_BYTES = 8 * 1024  # of each rank's attempt: a few steps of a training loop
 LINE_PROBE = 4096  # bytes read at a time to find a whole line (the binary search, a header)
@@ -498,7 +498,7 @@ def _from_the_end(
         # depends on it). That window reaches back to the attempt's first such dump.
         first_failure: dict[int, int] = {}
         for d in dumps:
-            if d.reason != "sigusr1" and d.attempt is not None and d.dumped_ns is not None:
+            if d.reason != SIGUSR1_REASON and d.attempt is not None and d.dumped_ns is not None:
                 first_failure[d.attempt] = min(d.dumped_ns, first_failure.get(d.attempt, d.dumped_ns))
         for rank, (files, segments) in ranks.items():
             for seg in segments:

@@ -179,3 +179,16 @@ def test_asyncio_signals_still_arrive_and_a_failed_dump_is_not_the_last(tmp_path
     # A failure that repeats is logged once, and the thread rests between tries instead of spinning.
     assert "COMMLIB_FLIGHT_DUMP_INTERVAL_S" in interval["error"], interval
     assert out["failing_thread_cpu_s"] < 0.5, out  # a spinning thread takes the whole second
+
+
+def test_the_first_failures_dump_is_kept_past_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process asked for a dump, then failed, then went on through aborts and more signals: the
+    # budget keeps the newest two, and the first failure's dump beside them, never the later ones.
+    monkeypatch.setenv(flight.DUMPS_ENV, "2")
+    files = flight._DumpFiles()
+    for n, reason in enumerate(["sigusr1", "collective_timeout", "abort", "sigusr1", "abort", "peer_failure"]):
+        path = tmp_path / f"flight_{n}_{reason}.json"
+        path.write_text("{}")
+        files.wrote(path, reason)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "flight_1_collective_timeout.json", "flight_4_abort.json", "flight_5_peer_failure.json"]
