@@ -72,9 +72,7 @@ from commlib.observe.model import load
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
 from commlib.observe.records import SIGUSR1_REASON, AttemptLog, Call, MixedJobsError, Observer
 
-# Of each rank's attempt: a few steps of a training loop. Smaller costs growth rounds where ranks
-# poll a hung op; larger, bytes every verdict folds (docs/measurements.md, the verdict's window).
-INITIAL_BYTES = 6 * 1024
+INITIAL_BYTES = 6 * 1024  # of each rank's attempt: a few steps (less costs growth rounds: docs/measurements.md)
 LINE_PROBE = 4096  # bytes read at a time to find a whole line (the binary search, a header)
 _ATTEMPT = re.compile(rb'"attempt":(\d+)')
 _PID = re.compile(rb'"pid":(\d+)')
