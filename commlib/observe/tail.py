@@ -205,6 +205,16 @@ def _first_line(files: _Files, key: Callable[[bytes], int | None], least: float,
     return end if found is None else min(found[0], end)
 
 
+def _reach_back(files: _Files, segment: _Segment, since_ns: float, window: int) -> int:
+    """The size that, grown once (`GROWTH`), makes `segment`'s window begin `window` bytes before its
+    first line at `since_ns` (less `WAIT_MARGIN_NS`): that line, and the lines before it that
+    say where the rank was then (its last finished call, its step). Rounded up, and the window
+    keeps a line it begins at (`_read_window`): one byte short and the line was lost, and with it
+    a round that grew the windows past half the logs, into a full read."""
+    reach = segment.end - _first_line(files, _clock, since_ns - WAIT_MARGIN_NS, segment.start, segment.end) + window
+    return -(-reach // GROWTH)
+
+
 def _clock(line: bytes) -> int | None:
     found = _CLOCK.search(line)
     return int(found.group(1)) if found else None
@@ -239,10 +249,12 @@ def _segments(files: _Files) -> list[_Segment] | str:
 def _read_window(files: _Files, segment: _Segment, size: int) -> None:
     """The last `size` bytes of `segment` as whole lines (from a line start, or the segment's)."""
     lo = max(segment.start, segment.end - size)
-    data = files.read(lo, segment.end)
-    if lo > segment.start:
+    if lo > segment.start:  # from the byte before: a window that begins at a line's start keeps that line
+        data = files.read(lo - 1, segment.end)
         first = data.find(b"\n")
-        data, lo = (data[first + 1 :], lo + first + 1) if first >= 0 else (b"", segment.end)
+        data, lo = (data[first + 1 :], lo + first) if first >= 0 else (b"", segment.end)
+    else:
+        data = files.read(lo, segment.end)
     lines = data.split(b"\n")
     rest = lines.pop()  # b"" after a last newline; else a line cut short (or being written)
     segment.lo, segment.cut = lo, bool(rest)
@@ -491,8 +503,7 @@ def _from_the_end(
                 grow.add((rank, a))
                 files, segments = ranks[rank]
                 s = next(s for s in segments if s.attempt == a)  # straight back to when it began
-                reach = s.end - _first_line(files, _clock, began - WAIT_MARGIN_NS, s.start, s.end)
-                sizes[(rank, a)] = max(sizes[(rank, a)], reach // GROWTH)
+                sizes[(rank, a)] = max(sizes[(rank, a)], _reach_back(files, s, began, window))
         # A failure or an abort of an attempt that its flight dumps date before a rank's window:
         # an in-job recovery, say, that every window began after (whether the attempt recovered
         # depends on it). That window reaches back to the attempt's first such dump.
@@ -507,8 +518,7 @@ def _from_the_end(
                 if since is None or window_from is None or window_from <= since:
                     continue
                 grow.add((rank, seg.attempt))
-                reach = seg.end - _first_line(files, _clock, since - WAIT_MARGIN_NS, seg.start, seg.end)
-                sizes[(rank, seg.attempt)] = max(sizes[(rank, seg.attempt)], reach // GROWTH)
+                sizes[(rank, seg.attempt)] = max(sizes[(rank, seg.attempt)], _reach_back(files, seg, since, window))
         for a, att in fold.attempts.items():
             open_ranks = {
                 r

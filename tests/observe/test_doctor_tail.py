@@ -25,8 +25,8 @@ WINDOW = 600  # bytes: two or three lines of each rank's log at a time (`same_ve
 RANKS, TP, STEPS, CULPRIT = 8, 4, 60, 5
 
 
-def _job(directory: Path, attempt: int = 0, job: Job | None = None, pids: int = 100) -> Job:
-    job = job or Job(directory, size=RANKS, tick_ms=0.05)
+def _job(directory: Path, attempt: int = 0, job: Job | None = None, pids: int = 100, tick_ms: float = 0.05) -> Job:
+    job = job or Job(directory, size=RANKS, tick_ms=tick_ms)
     for r in range(RANKS):
         job.start(r, f"node{r // TP}", pid=1000 * attempt + pids + r, attempt=attempt)
         job.comm(r)
@@ -43,10 +43,11 @@ def _steps(job: Job, steps: range, skip: int | None = None) -> None:
             job.collective(r, 2 * step + 2, op="broadcast", step=step, phase="backward")
 
 
-def _hang(directory: Path, at: float, polls: bool = True) -> Job:
+def _hang(directory: Path, at: float, polls: bool = True, tick_ms: float = 0.05) -> Job:
     """The culprit never starts the world all_reduce of step `at` x STEPS; the others wait in it,
-    polling it with short waits (a line every 2 ms) for as long as the steps left would have logged."""
-    job = _job(directory)
+    polling it with short waits (a line every 2 ms) for as long as the steps left would have logged.
+    `tick_ms`: the time between two lines of the job (of any ranks)."""
+    job = _job(directory, tick_ms=tick_ms)
     hang = int(at * STEPS)
     _steps(job, range(hang))
     began = {r: job.collective(r, 2 * hang + 1, end=False, step=hang, phase="forward")
@@ -72,6 +73,20 @@ def test_a_hang_anywhere_in_a_long_log_is_the_full_reads(tmp_path: Path, at: flo
     else:  # read from the end, straight back to where the hang began
         beyond = RANKS * WINDOW * GROWTH ** 2  # two rounds of windows grown past what they need
         assert tail.read.full_read_because is None and read < total * (1 - at) * 1.5 + beyond, (read, total)
+
+
+@pytest.mark.parametrize("at", [0.7, 0.98])
+def test_a_hang_read_from_the_end_goes_straight_back_to_the_wait_with_the_lines_before_it(
+    tmp_path: Path, at: float
+) -> None:
+    # Lines 2 ms apart: a rank's last finished call ends tens of ms before the op it hangs in,
+    # beyond the jump's margin. The jump back to when the wait began must take the lines that
+    # place the rank then as well (and keep a line its window begins at). It did not: the windows
+    # grew once more past what they needed (a third round; at scale, past half the logs and into a
+    # full read, `scripts/bench_doctor.py hangs`).
+    _hang(tmp_path, at, tick_ms=2.0)
+    tail = same_verdict(tmp_path)
+    assert tail.read.full_read_because is None and tail.read.rounds == 2, tail.read
 
 
 def test_a_deadline_that_expired_names_the_same_culprit_and_places(tmp_path: Path) -> None:
