@@ -19,7 +19,8 @@ rank by rank, until the verdict holds everything it stands on:
   sides of a send/recv;
 - a call that a rank's window shows it waiting in (`collective.wait_timeout`: an application
   polling an op with short waits) has its start in that window, however far back: the window
-  goes straight to when the wait says it began (a binary search on the lines' clocks);
+  goes straight to when the wait says it began (a binary search on the lines' clocks), with a
+  first window's worth of lines before it (where the rank was then: its last finished call);
 - every window starts in the process whose `log.open` line is read for it.
 A collective that the windows hold only in part, every part of it finished, is their edge, not
 a problem. A rank's window that reaches the start of its attempt holds all of it; where every
