@@ -207,11 +207,9 @@ def _first_line(files: _Files, key: Callable[[bytes], int | None], least: float,
 
 
 def _reach_back(files: _Files, segment: _Segment, since_ns: float, window: int) -> int:
-    """The size that, grown once (`GROWTH`), makes `segment`'s window begin `window` bytes before its
-    first line at `since_ns` (less `WAIT_MARGIN_NS`): that line, and the lines before it that
-    say where the rank was then (its last finished call, its step). Rounded up, and the window
-    keeps a line it begins at (`_read_window`): one byte short and the line was lost, and with it
-    a round that grew the windows past half the logs, into a full read."""
+    """The size that, grown once (`GROWTH`, rounded up), begins `segment`'s window `window` bytes
+    before its first line at `since_ns` (less `WAIT_MARGIN_NS`): that line and where the rank was
+    then. One line short, the windows grew past their need (at a hang mid-log, into a full read)."""
     reach = segment.end - _first_line(files, _clock, since_ns - WAIT_MARGIN_NS, segment.start, segment.end) + window
     return -(-reach // GROWTH)
 
