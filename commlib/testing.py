@@ -11,16 +11,16 @@ timeout: ranks still running then are killed and `RankTimeout` says which.
 
 Ranks fork from a server process that imported torch, commlib and pytest once
 (multiprocessing's forkserver), so a rank costs a fork, not a fresh interpreter importing
-torch (about 2 s of CPU each, most of a small test's time), nor commlib and the test module's
-pytest (0.3 s of CPU each; `scripts/bench_forked_ranks.py`). torch reads part of the environment when it is imported
-(whether to route through torchcomms, and whether torchcomms is importable), so the server
-is used only while the variables read at import (`_READ_AT_IMPORT`, less `_READ_LATER`) are as
-they were when this module was imported (the server starts with them); a call made under others
-(a test that set one) spawns fresh interpreters, as before. The server itself starts with
-PYTHONPATH as it was then too: its `import torch` looks once for torchcomms on the path, and a
-server started inside a test that put the torchcomms stand-in there would hand it to every
-later rank. Each rank gets the caller's
-whole environment either way. A forked rank's stdout and stderr are the server's, those
+torch (about 2 s of CPU each, most of a small test's time), nor commlib and the test
+module's pytest (0.3 s of CPU each; `scripts/bench_forked_ranks.py`). torch reads part of
+the environment when it is imported (whether to route through torchcomms, and whether
+torchcomms is importable), so the server is used only while the variables read at import
+(`_READ_AT_IMPORT`, less `_READ_LATER`) are as they were when this module was imported (the
+server starts with them); a call made under others (a test that set one) spawns fresh
+interpreters, as before. The server also starts with PYTHONPATH as it was then: its
+`import torch` looks once for torchcomms on the path, and a server started inside a test that
+put the torchcomms stand-in there would hand it to every later rank. Each rank gets the
+caller's whole environment either way. A forked rank's stdout and stderr are the server's, those
 of the call that started it (under pytest, that test's captured output): a rank's
 exception still comes back whole in `RankError`, but what it printed shows in no later
 test's report.
@@ -122,9 +122,6 @@ def _start_fork_server() -> None:
     """Start the fork server, once, under the PYTHONPATH this module was imported with (the
     module docstring says why; the interpreter it starts builds its sys.path from it)."""
     now = os.environ.get("PYTHONPATH")
-    if now == _SERVER_PYTHONPATH:
-        multiprocessing.forkserver.ensure_running()
-        return
     _set_pythonpath(_SERVER_PYTHONPATH)
     try:
         multiprocessing.forkserver.ensure_running()

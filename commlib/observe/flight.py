@@ -12,11 +12,11 @@ The dump runs on another thread than the one appending, so it works on a copy of
 
 Dumps have a budget: a process keeps its newest `COMMLIB_FLIGHT_DUMPS` dump files (default
 32; writing one more removes its oldest), and beside them the dump of its first failure or
-abort, whatever came after (the first error is the one an operator looks for, and the doctor's
-verdict from the end reaches back to it: `commlib.observe.tail`); it answers SIGUSR1 at most once per
-`COMMLIB_FLIGHT_DUMP_INTERVAL_S` seconds (default 1): signals that come faster are answered
-by one dump taken when the interval is over, so the newest state is always dumped and a
-storm of signals writes a few files, not one per signal.
+abort, whatever came after (the first error is the one an operator looks for, and the
+doctor's verdict from the end reaches back to it: `commlib.observe.tail`); it answers
+SIGUSR1 at most once per `COMMLIB_FLIGHT_DUMP_INTERVAL_S` seconds (default 1): signals that
+come faster are answered by one dump taken when the interval is over, so the newest state is
+always dumped and a storm of signals writes a few files, not one per signal.
 
 SIGUSR2 (`STACKS_SIGNAL`) makes `faulthandler` write the Python stack of every thread of
 the process to ``stacks_{host}_{pid}.txt`` in the log dir (stderr without one). That C-level
