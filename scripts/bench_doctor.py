@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_doctor.py scale [--ranks 1000] [--lines 1000000 10000000] [--verdict-only]
     .venv/bin/python scripts/bench_doctor.py hangs [--ranks 1000] [--lines 1000000] [--at 0.01 0.5 0.99]
     .venv/bin/python scripts/bench_doctor.py tails DIR [DIR ...]
+    .venv/bin/python scripts/bench_doctor.py windows DIR [DIR ...] [--sizes 4096 6144 8192 12288]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py bytes --ref 00cc0ef [--collectives 2000]
 
@@ -19,6 +20,10 @@ and the others poll the all_reduce it never starts until the end (`generate`'s `
 on the deadline that expires at the end. `tails`: `--verdict` against the full report on each
 directory given (the tests' logs: `pytest --basetemp DIR`, then every directory holding a rank
 log). Each exits 1 if any verdict differs.
+
+`windows`: the verdict from the end on each directory with each first window size
+(`commlib.observe.tail.verdict(DIR, window=W)`, each in a fresh process, imports not counted):
+its CPU, the bytes it read and its rounds, with the verdict, which must be the same at every size.
 
 `verdicts`: every directory given is diagnosed by the doctor of `--ref` and by this one
 (`--json`, each in its own process); the two diagnoses must be equal but for the fields this
@@ -327,6 +332,36 @@ def tails(args: argparse.Namespace) -> int:
     return _tally(len(args.dirs), differing, "from the end as from the full read")
 
 
+_WINDOW_CHILD = """
+import json, sys, time
+from commlib.observe.tail import verdict, verdict_fields
+start = time.process_time()
+d = verdict(sys.argv[1], window=int(sys.argv[2]))
+cpu = time.process_time() - start
+print(json.dumps({"cpu_s": cpu, "read": d.read.bytes_read, "rounds": d.read.rounds,
+                  "full": d.read.full_read_because, "verdict": [verdict_fields(a) for a in d.attempts]},
+                 default=str))
+"""
+
+
+def windows(args: argparse.Namespace) -> int:
+    """The verdict's CPU and bytes read on each directory, for each first window size."""
+    differing = 0
+    for logdir in args.dirs:
+        seen = []
+        for size in args.sizes:
+            out = subprocess.run([sys.executable, "-c", _WINDOW_CHILD, str(logdir), str(size)], cwd=REPO,
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout)
+            seen.append(r["verdict"])
+            how = f"read in full ({r['full']})" if r["full"] else f"{r['rounds']} rounds"
+            print(f"{logdir} window {size / 1024:g} kB: {r['cpu_s']:.2f} s CPU, {_mb(r['read'])} read, {how}")
+        if any(v != seen[0] for v in seen):
+            differing += 1
+            print(f"DIFFERENT verdicts across window sizes: {logdir}")
+    return _tally(len(args.dirs), differing, "at every window size")
+
+
 def _said(logdir: Path, found: list[str], summary: str) -> int:
     """Whether `logdir`'s two verdicts differ (1) or not (0), printed with where they differ."""
     print(f"{'DIFFERENT' if found else 'same'}: {logdir} ({summary})")
@@ -494,6 +529,9 @@ def main() -> int:
     h.add_argument("--at", type=float, nargs="+", default=[0.01, 0.5, 0.99])
     t = sub.add_parser("tails", help="--verdict against the full report on each directory")
     t.add_argument("dirs", type=Path, nargs="+")
+    w = sub.add_parser("windows", help="the verdict's CPU and bytes read for each first window size")
+    w.add_argument("dirs", type=Path, nargs="+")
+    w.add_argument("--sizes", type=int, nargs="+", default=[4096, 6144, 8192, 12288])
     g = sub.add_parser("generate", help="only write generated logs into DIR")
     g.add_argument("dir", type=Path)
     g.add_argument("--ranks", type=int, default=1000)
@@ -506,6 +544,8 @@ def main() -> int:
         return hangs(args)
     elif args.cmd == "tails":
         return tails(args)
+    elif args.cmd == "windows":
+        return windows(args)
     elif args.cmd == "verdicts":
         return verdicts(args)
     elif args.cmd == "bytes":
