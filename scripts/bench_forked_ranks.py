@@ -60,9 +60,8 @@ def run_child(variant: str, calls: int) -> dict[str, list[float]]:
 
 
 def spawn(variant: str, calls: int) -> dict[str, list[float]]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", variant, "--calls", str(calls)], capture_output=True, text=True, check=True
-    )
+    argv = [sys.executable, __file__, "--child", variant, "--calls", str(calls)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
