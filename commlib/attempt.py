@@ -47,6 +47,7 @@ from typing import Any
 
 from commlib.errors import CommError
 from commlib.settings import env, env_integer
+from commlib.store_reads import absent
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
@@ -122,13 +123,13 @@ def _lead(store: Any, size: int, timeout_s: float) -> int:
     answered: set[bytes] = set()
     deadline, poll_s = time.monotonic() + timeout_s, _POLL_S
     while questions and not store.check(confirmed):
-        unasked = [q for q in unasked if not store.check([q])]
+        unasked = [unasked[i] for i in absent(store, unasked)]
         asked = [q for q in questions if q not in unasked]
         for nonce in set(store.multi_get(asked) if asked else []) - answered:
             store.set(f"{KEY}/answer/{nonce.decode()}", str(generation))
             answered.add(nonce)
         if time.monotonic() > deadline:
-            missing = [r for r, key in enumerate(confirmed, start=1) if not store.check([key])]
+            missing = [i + 1 for i in absent(store, confirmed)]
             raise CommError(
                 f"commlib.init: rank 0: expected every rank to settle this attempt within {timeout_s:g} s; "
                 f"found ranks {missing} did not",

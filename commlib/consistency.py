@@ -37,6 +37,7 @@ from commlib.lifecycle import Lifecycle
 from commlib.members import Members
 from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
+from commlib.store_reads import absent
 from commlib.validation import deadline_timedelta
 from commlib.verdicts import Judge
 
@@ -58,10 +59,9 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as exc:
-        absent = [r for r, key in enumerate(keys) if not store.check([key])]
         raise CommError(
             f"creating {name!r} on rank {rank}: expected every rank to create it within "
-            f"{timeout_s:g} s; found ranks {absent} did not",
+            f"{timeout_s:g} s; found ranks {absent(store, keys)} did not",
             op="init",
             comm=name,
             rank=rank,

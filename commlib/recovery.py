@@ -68,6 +68,7 @@ import torch.distributed as dist
 from commlib.errors import CommError, find_comm_error
 from commlib.failures import Failure, classify
 from commlib.observe import log as _log
+from commlib.store_reads import absent, present
 
 if TYPE_CHECKING:
     from commlib.process_group import CommlibProcessGroup
@@ -428,7 +429,7 @@ def _verdict(store: dist.Store) -> str | None:
 
 def _absent(store: dist.Store, keys: list[str]) -> list[int] | None:
     try:
-        return [r for r, k in enumerate(keys) if not store.check([k])]
+        return absent(store, keys)
     except Exception:  # the store itself is gone (its host died): nobody can be named
         return None
 
@@ -460,7 +461,7 @@ def _rebuild_culprits(store: dist.Store, size: int) -> tuple[dict[int, str], lis
     except Exception:
         pass  # a rank without an outcome by now is one of the culprits
     try:
-        outcomes = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+        outcomes = {r: json.loads(value) for r, value in present(store, keys).items()}
     except Exception:
         return {}, None
     raised = {r: o["error"] for r, o in outcomes.items() if o["error"] is not None and o["own"]}

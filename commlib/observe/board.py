@@ -45,6 +45,7 @@ import torch.distributed as dist
 from commlib.members import Members
 from commlib.observe import log as _log
 from commlib.observe.flight import STACKS_SIGNAL, install_sigusr1
+from commlib.store_reads import present
 
 PUBLISH_INTERVAL_S = 0.05
 HEARTBEAT_S = 0.5
@@ -168,16 +169,14 @@ class ProgressBoard:
         self._failures = 0
 
     def read(self, store: dist.Store | None = None) -> dict[int, BoardEntry | None]:
-        """Every rank's published entry (None: never published). Never blocks on a missing key.
+        """Every rank's published entry (None: never published), in a few store round trips
+        (`commlib.store_reads`: every survivor of a failure reads the whole board at once).
+        Never blocks on a missing key.
 
         `store`: a client of the board's store for a thread other than the owner's (a TCPStore
         client serializes its calls)."""
-        store = store or self._store
-        out: dict[int, BoardEntry | None] = {}
-        for r in range(self.size):
-            key = f"board/{r}"
-            out[r] = BoardEntry(**json.loads(store.get(key))) if store.check([key]) else None
-        return out
+        published = present(store or self._store, [f"board/{r}" for r in range(self.size)])
+        return {r: BoardEntry(**json.loads(published[r])) if r in published else None for r in range(self.size)}
 
     def close(self) -> None:
         self.closed = True

@@ -1,0 +1,107 @@
+"""Reading every rank's key costs a few store requests, not one or two per rank
+(`commlib.store_reads`): the progress board that every survivor of a failure reads at once,
+and the absent ranks that a recovery, a communicator's creation and an attempt's agreement name."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from commlib.observe.board import BoardEntry, ProgressBoard
+from commlib.store_reads import absent, present
+
+RANKS = 256
+
+
+class _CountingStore(dist.Store):
+    """A real store (a HashStore underneath) that counts the reads made of it: on a TCPStore,
+    each is a round trip to the job's one store server."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._inner = dist.HashStore()
+        self.requests = 0
+
+    def set(self, key: str, value: Any) -> None:  # the writers' side: not counted
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.requests += 1
+        return self._inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests += 1
+        return self._inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests += 1
+        return self._inner.multi_get(keys)
+
+
+def _board(missing: set[int]) -> tuple[ProgressBoard, _CountingStore]:
+    """Rank 0's board of a `RANKS`-rank communicator where every rank but `missing` published."""
+    store = _CountingStore()
+    for r in range(1, RANKS):
+        if r not in missing:
+            store.set(f"board/{r}", json.dumps(asdict(BoardEntry(pid=10_000 + r, started_seq=r))))
+    board = ProgressBoard(store, 0, RANKS, os.getpid())  # publishes rank 0's entry itself
+    store.requests = 0
+    return board, store
+
+
+def test_a_whole_board_is_read_in_two_store_requests_whatever_the_ranks() -> None:
+    board, store = _board(missing=set())
+    try:
+        entries = board.read()
+    finally:
+        board.close()
+    # Read key by key (a check, then a get), it took 2 x 256 = 512.
+    assert store.requests == 2, f"expected a check and a multi_get; found {store.requests} requests"
+    assert entries[0] is not None and entries[0].pid == os.getpid()
+    assert all(entries[r] is not None and (entries[r].pid, entries[r].started_seq) == (10_000 + r, r)
+               for r in range(1, RANKS))
+
+
+def test_ranks_that_never_published_cost_a_few_requests_each_and_read_as_none() -> None:
+    missing = {7, 100, 201}
+    board, store = _board(missing)
+    try:
+        entries = board.read()
+    finally:
+        board.close()
+    assert [r for r, e in entries.items() if e is None] == sorted(missing)
+    assert all(entries[r].pid == 10_000 + r for r in range(1, RANKS) if r not in missing)  # type: ignore[union-attr]
+    bound = 2 * len(missing) * math.log2(RANKS) + 2
+    assert store.requests <= bound, f"expected at most {bound:.0f} requests; found {store.requests}"
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 63, 64])
+def test_absent_names_exactly_the_keys_not_set(count: int) -> None:
+    keys = [f"k/{i}" for i in range(64)]
+    gone = set(random.Random(count).sample(range(64), count))
+    store = _CountingStore()
+    for i, key in enumerate(keys):
+        if i not in gone:
+            store.set(key, str(i))
+    assert absent(store, keys) == sorted(gone)
+    # Bisecting costs at most about twice what checking each key would, when every key is missing.
+    assert store.requests <= 2 * len(keys)
+    assert present(store, keys) == {i: str(i).encode() for i in range(64) if i not in gone}
+    assert absent(store, []) == [] and present(store, []) == {}
+
+
+def test_the_ranks_that_never_created_a_communicator_are_named() -> None:
+    from commlib.consistency import agree_on_settings
+    from commlib.errors import CommError
+
+    store = dist.HashStore()
+    store.set("settings/2", "on")  # of 4 ranks, only rank 2 came (and rank 0, which asks)
+    with pytest.raises(CommError, match=r"expected every rank to create it within 0.2 s; found ranks \[1, 3\] did not"):
+        agree_on_settings(store, "world", 0, 4, 0.2, True)
