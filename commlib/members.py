@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from commlib.observe.records import ranks_text
+
 
 @dataclass(frozen=True)
 class Members:
@@ -43,6 +45,14 @@ class Members:
         """'rank 3', or 'rank 3 (rank 1 of 'group1')' where the communicator's rank differs."""
         g = self.global_ranks[rank]
         return f"rank {g}" if g == rank else f"rank {g} (rank {rank} of {self.comm!r})"
+
+    def spans(self, ranks: Iterable[int]) -> str:
+        """'rank 3' or 'ranks 0-736, 738-999': a set of ranks in a few characters however many,
+        with the communicator's own ranks beside them where they differ."""
+        mine = sorted(set(ranks))
+        globals_ = self.global_of(mine)
+        said = ranks_text(globals_)
+        return said if globals_ == mine else f"{said} ({ranks_text(mine)} of {self.comm!r})"
 
     def names(self, ranks: Sequence[int], word: str = "rank(s)") -> str:
         """'rank(s) [3, 5]', with the communicator's own ranks beside them where they differ."""

@@ -389,74 +389,183 @@ def explain_timeout(
     by a peer that finished the gather and timed out in the next op: the late rank is. Board
     entries lag by up to `PUBLISH_INTERVAL_S`, so a rank's last op is "last reported". A rank
     whose heartbeat is older than `stale_after_s(deadline_s)` is stopped or dead. Ranks are the
-    communicator's own in what is returned, and named as `members` says in the message.
+    communicator's own in what is returned, and named as `members` says in the message: one by
+    one up to `NAMED_ONE_BY_ONE` of them, else in groups that share a story, as ranges (a
+    thousand ranks behind in a line, not a thousand notes).
     """
     missing: list[int] = []
     stale: list[int] = []
-    notes: list[str] = []
+    stories: dict[int, _Story] = {}  # every rank the message says something of
+    ages: dict[int, float] = {}
+    behind = _Behind(entries, rank)
     stale_s = stale_after_s(deadline_s)
     for r, e in sorted(entries.items()):
         if r == rank:
             continue
-        who = members.name(r)
         if e is None:
             missing.append(r)
             stale.append(r)
-            notes.append(f"{who} never published progress (possibly dead)")
+            stories[r] = _Story("never_published")
             continue
-        age_s = (now_ns - e.heartbeat_ns) / 1e9
-        is_stale = age_s > stale_s
-        if is_stale:
+        ages[r] = (now_ns - e.heartbeat_ns) / 1e9
+        if ages[r] > stale_s:
             stale.append(r)
         if e.running_seq() >= seq:
-            if is_stale:
-                notes.append(f"{who} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped")
+            if ages[r] > stale_s:
+                stories[r] = _Story("started_stale")
             continue
-        is_missing, note = _not_started(op, seq, r, e, entries, rank, members)
-        if is_missing:
+        stories[r] = story = _where_held(seq, e, behind)
+        if story.missing:
             missing.append(r)
-        if is_stale:
-            note += f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped"
-        notes.append(note)
-    if not notes:
-        notes.append("every rank started it; the backend did not complete it")
+    said = _Saying(op, seq, members, entries, behind, stale_s)
+    if not stories:
+        notes = ["every rank started it; the backend did not complete it"]
+    elif len(stories) <= NAMED_ONE_BY_ONE:
+        notes = [said.one(r, story, ages.get(r, 0.0), r in stale) for r, story in stories.items()]
+    else:
+        notes = said.groups(stories, ages, set(stale))
     message = f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: " + "; ".join(
         notes
     )
     return TimeoutExplanation(message, missing, stale)
 
 
-def _not_started(
-    op: str, seq: int, r: int, e: BoardEntry, entries: dict[int, BoardEntry | None], me: int, members: Members
-) -> tuple[bool, str]:
-    """Whether rank `r` (entry `e`), which has not started collective `seq` running, is one
-    of the missing (`explain_timeout`), and what it is doing instead. `me` is the rank that
-    timed out in `seq`: it has left every earlier collective, whatever its entry says yet."""
-    last = (
-        f"last reported finishing {e.finished_op} #{e.finished_seq}"
-        if e.finished_seq >= 0
-        else "no collective finished yet"
-    )
-    if e.step is not None or e.phase is not None:
-        last += f", at step {e.step}, phase {e.phase}"
+NAMED_ONE_BY_ONE = 8  # ranks a timeout's message names one by one; beyond, it says them in groups
+
+
+@dataclass(frozen=True)
+class _Story:
+    """Why a rank is named in a timeout's message (`explain_timeout`). `kind`: never_published;
+    started_stale (it started the op, then stopped beating); not_started; waiting (in an earlier
+    collective k, for ranks that have not started k); with_others (in k, with others that have
+    not left it either); alone (in k, which every other rank has left)."""
+
+    kind: str
+    k: int = -1
+    k_op: str | None = None
+    issued: bool = False  # its host issued the op; its GPU never started it
+    missing: bool = False
+
+
+class _Behind:
+    """Who is behind each earlier collective k, as the board says, worked out once per k: a
+    thousand ranks held in the same k cost one pass over the board, not one each."""
+
+    def __init__(self, entries: dict[int, BoardEntry | None], me: int) -> None:
+        self.entries, self.me = entries, me
+        self._not_there: dict[int, list[int]] = {}
+        self._in_it: dict[int, list[int]] = {}
+
+    def not_there(self, k: int) -> list[int]:
+        """The ranks (but the one that timed out) that have not started running k."""
+        if k not in self._not_there:
+            self._not_there[k] = [
+                q for q, e in sorted(self.entries.items()) if q != self.me and (e is None or e.running_seq() < k)
+            ]
+        return self._not_there[k]
+
+    def in_it(self, k: int) -> list[int]:
+        """The ranks that have not left k (but the one that timed out: it left every earlier collective)."""
+        if k not in self._in_it:
+            self._in_it[k] = [
+                q for q, e in sorted(self.entries.items()) if q != self.me and e is not None and e.finished_seq < k
+            ]
+        return self._in_it[k]
+
+
+def _where_held(seq: int, e: BoardEntry, behind: _Behind) -> _Story:
+    """The story of a rank (entry `e`) that has not started collective `seq` running."""
     issued = e.stream_ordered and e.started_seq >= seq
-    who = members.name(r)
-    head = f"{who} issued {op} #{seq}, but its GPU never started it" if issued else f"{who} never started it"
     if not e.inside():
-        if issued:
-            return True, f"{head}: its GPU is still busy with work queued before it ({last})"
-        return True, f"{head} ({last})"
+        return _Story("not_started", issued=issued, missing=True)
     k, k_op = e.running_seq(), e.running_op()
-    if not issued:
-        head = f"{who} has not started it"
-    others = {q: other for q, other in sorted(entries.items()) if q not in (r, me)}
-    not_there = [q for q, other in others.items() if other is None or other.running_seq() < k]
-    if not_there:
-        return False, (
-            f"{head}: it is still in {k_op} #{k}, waiting for {members.names(not_there)}, which have not "
-            f"started that ({last})"
-        )
-    with_it = [q for q, other in others.items() if other is not None and other.finished_seq < k]
-    if with_it:
-        return False, f"{head}: it is still in {k_op} #{k}, with {members.names(with_it)} ({last})"
-    return True, f"{head}: it is still in {k_op} #{k}, which every other rank has left ({last})"
+    if behind.not_there(k):
+        return _Story("waiting", k, k_op, issued)
+    if len(behind.in_it(k)) > 1:  # the rank itself is one of them
+        return _Story("with_others", k, k_op, issued)
+    return _Story("alone", k, k_op, issued, missing=True)
+
+
+@dataclass
+class _Saying:
+    """How `explain_timeout` says its stories: of one rank, or of a group of ranks."""
+
+    op: str
+    seq: int
+    members: Members
+    entries: dict[int, BoardEntry | None]
+    behind: _Behind
+    stale_s: float
+
+    def one(self, r: int, story: _Story, age_s: float, stale: bool) -> str:
+        who = self.members.name(r)
+        if story.kind == "never_published":
+            return f"{who} never published progress (possibly dead)"
+        if story.kind == "started_stale":
+            return f"{who} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped"
+        gpu = f"{who} issued {self.op} #{self.seq}, but its GPU never started it" if story.issued else None
+        if story.kind == "not_started":
+            note = f"{gpu}: its GPU is still busy with work queued before it" if gpu else f"{who} never started it"
+        else:
+            still = f"{gpu or f'{who} has not started it'}: it is still in {story.k_op} #{story.k}"
+            if story.kind == "waiting":
+                note = (
+                    f"{still}, waiting for {self.members.names(self.behind.not_there(story.k))}, "
+                    f"which have not started that"
+                )
+            elif story.kind == "with_others":
+                note = f"{still}, with {self.members.names([q for q in self.behind.in_it(story.k) if q != r])}"
+            else:
+                note = f"{still}, which every other rank has left"
+        note += f" ({self._last(r)})"
+        return note + (f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped" if stale else "")
+
+    def groups(self, stories: dict[int, _Story], ages: dict[int, float], stale: set[int]) -> list[str]:
+        by_story: dict[_Story, list[int]] = {}
+        for r, story in stories.items():
+            by_story.setdefault(story, []).append(r)
+        return [
+            self._group(story, ranks, stale) if len(ranks) > 1 else self.one(r, story, ages.get(r, 0.0), r in stale)
+            for story, ranks in by_story.items()
+            for r in ranks[:1]
+        ]
+
+    def _group(self, story: _Story, ranks: list[int], stale: set[int]) -> str:
+        who = self.members.spans(ranks)
+        if story.kind == "never_published":
+            return f"{who} never published progress (possibly dead)"
+        if story.kind == "started_stale":
+            return f"{who} started it but sent no heartbeat for over {self.stale_s:g} s: possibly dead or stopped"
+        gpu = f"{who} issued {self.op} #{self.seq}, but their GPUs never started it" if story.issued else None
+        if story.kind == "not_started":
+            note = f"{gpu}: still busy with work queued before it" if gpu else f"{who} never started it"
+        else:
+            still = f"{gpu or f'{who} have not started it'}: they are still in {story.k_op} #{story.k}"
+            if story.kind == "waiting":
+                note = (
+                    f"{still}, waiting for {self.members.spans(self.behind.not_there(story.k))}, "
+                    f"which have not started that"
+                )
+            elif story.kind == "with_others":
+                note = f"{still}, which {self.members.spans(self.behind.in_it(story.k))} have not left"
+            else:
+                note = f"{still}, which every other rank has left"
+        note += f" ({self.members.name(ranks[0])}, for one: {self._last(ranks[0])})"
+        silent = [r for r in ranks if r in stale]
+        if silent:
+            note += (
+                f"; of them, {self.members.spans(silent)} sent no heartbeat for over {self.stale_s:g} s: "
+                f"possibly dead or stopped"
+            )
+        return note
+
+    def _last(self, r: int) -> str:
+        e = self.entries[r]
+        assert e is not None
+        if e.finished_seq >= 0:
+            last = f"last reported finishing {e.finished_op} #{e.finished_seq}"
+        else:
+            last = "no collective finished yet"
+        if e.step is not None or e.phase is not None:
+            last += f", at step {e.step}, phase {e.phase}"
+        return last

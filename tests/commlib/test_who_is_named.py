@@ -226,3 +226,29 @@ def test_a_send_to_a_peer_that_finished_no_collective_says_so() -> None:
     call = Collective(OpName.SEND, "world", 0, 2, False, 5.0, 1, tensor=torch.ones(1), peer=1)
     message, named, _ = _explain_p2p_timeout(call, Members.of("world", 2), 5.0, {1: BoardEntry(heartbeat_ns=0)})
     assert named == [1] and "rank 1 has finished no collective yet" in message and "None" not in message, message
+
+
+def test_a_thousand_ranks_behind_are_said_in_a_line_as_ranges() -> None:
+    # Rank 0 timed out in #5 of a 1,000-rank world. Rank 637 never started #4; every other rank
+    # waits in #4 for it, ranks 10-13 having stopped beating meanwhile; rank 999 never published.
+    from commlib.members import Members
+    from commlib.observe.board import BoardEntry, explain_timeout
+
+    now = 100 * 10**9
+    def entry(started: int, beat_s_ago: float = 0.0) -> BoardEntry:
+        return BoardEntry(started_seq=started, started_op="all_reduce", finished_seq=3, finished_op="all_reduce",
+                          step=7, phase="backward", heartbeat_ns=now - int(beat_s_ago * 1e9))
+    entries: dict[int, BoardEntry | None] = {r: entry(4, 10.0 if 10 <= r <= 13 else 0.0) for r in range(1, 999)}
+    entries[637] = entry(3)
+    entries[0] = BoardEntry(started_seq=5, finished_seq=4, heartbeat_ns=now)
+    entries[999] = None
+    said = explain_timeout("all_reduce", 5, Members.of("world", 1000), 0, 300.0, 300.0, entries, now)
+    assert said.missing_ranks == [637, 999], said.missing_ranks
+    assert said.stale_ranks == [10, 11, 12, 13, 999]
+    assert said.message == (
+        "all_reduce #5 on 'world' timed out after 300.0 s on rank 0: ranks 1-636, 638-998 have not started it: "
+        "they are still in all_reduce #4, waiting for ranks 637, 999, which have not started that (rank 1, for one: "
+        "last reported finishing all_reduce #3, at step 7, phase backward); of them, ranks 10-13 sent no heartbeat "
+        "for over 3 s: possibly dead or stopped; rank 637 never started it (last reported finishing all_reduce #3, "
+        "at step 7, phase backward); rank 999 never published progress (possibly dead)"
+    ), said.message
