@@ -417,13 +417,14 @@ def explain_timeout(
         stories[r] = story = _where_held(seq, e, behind)
         if story.missing:
             missing.append(r)
+    # One by one up to NAMED_ONE_BY_ONE ranks; beyond, the ranks that share a story together.
+    groups: dict[Any, list[int]] = {}
+    for r, story in stories.items():
+        groups.setdefault(story if len(stories) > NAMED_ONE_BY_ONE else r, []).append(r)
     said = _Saying(op, seq, members, entries, behind, stale_s)
-    if not stories:
-        notes = ["every rank started it; the backend did not complete it"]
-    elif len(stories) <= NAMED_ONE_BY_ONE:
-        notes = [said.one(r, story, ages.get(r, 0.0), r in stale) for r, story in stories.items()]
-    else:
-        notes = said.groups(stories, ages, set(stale))
+    notes = [said.say(stories[ranks[0]], ranks, ages, set(stale)) for ranks in groups.values()] or [
+        "every rank started it; the backend did not complete it"
+    ]
     message = f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: " + "; ".join(
         notes
     )
@@ -488,7 +489,7 @@ def _where_held(seq: int, e: BoardEntry, behind: _Behind) -> _Story:
 
 @dataclass
 class _Saying:
-    """How `explain_timeout` says its stories: of one rank, or of a group of ranks."""
+    """How `explain_timeout` says a story: of one rank, or of a group of ranks."""
 
     op: str
     seq: int
@@ -497,67 +498,42 @@ class _Saying:
     behind: _Behind
     stale_s: float
 
-    def one(self, r: int, story: _Story, age_s: float, stale: bool) -> str:
-        who = self.members.name(r)
+    def say(self, story: _Story, ranks: list[int], ages: dict[int, float], stale: set[int]) -> str:
+        """What `story` says of `ranks`: of one rank with its own figures, of several as ranges
+        with the first one's whereabouts as the example."""
+        many = len(ranks) > 1
+        who = self.members.spans(ranks) if many else self.members.name(ranks[0])
         if story.kind == "never_published":
             return f"{who} never published progress (possibly dead)"
         if story.kind == "started_stale":
-            return f"{who} started it but has sent no heartbeat for {age_s:.1f} s: possibly dead or stopped"
-        gpu = f"{who} issued {self.op} #{self.seq}, but its GPU never started it" if story.issued else None
+            silence = f"for over {self.stale_s:g} s" if many else f"for {ages[ranks[0]]:.1f} s"
+            return f"{who} started it but {'' if many else 'has '}sent no heartbeat {silence}: possibly dead or stopped"
+        its, it_is, has = ("their GPUs", "they are", "have") if many else ("its GPU", "it is", "has")
+        gpu = f"{who} issued {self.op} #{self.seq}, but {its} never started it" if story.issued else None
         if story.kind == "not_started":
-            note = f"{gpu}: its GPU is still busy with work queued before it" if gpu else f"{who} never started it"
-        else:
-            still = f"{gpu or f'{who} has not started it'}: it is still in {story.k_op} #{story.k}"
-            if story.kind == "waiting":
-                note = (
-                    f"{still}, waiting for {self.members.names(self.behind.not_there(story.k))}, "
-                    f"which have not started that"
-                )
-            elif story.kind == "with_others":
-                note = f"{still}, with {self.members.names([q for q in self.behind.in_it(story.k) if q != r])}"
-            else:
-                note = f"{still}, which every other rank has left"
-        note += f" ({self._last(r)})"
-        return note + (f"; no heartbeat for {age_s:.1f} s: possibly dead or stopped" if stale else "")
-
-    def groups(self, stories: dict[int, _Story], ages: dict[int, float], stale: set[int]) -> list[str]:
-        by_story: dict[_Story, list[int]] = {}
-        for r, story in stories.items():
-            by_story.setdefault(story, []).append(r)
-        return [
-            self._group(story, ranks, stale) if len(ranks) > 1 else self.one(r, story, ages.get(r, 0.0), r in stale)
-            for story, ranks in by_story.items()
-            for r in ranks[:1]
-        ]
-
-    def _group(self, story: _Story, ranks: list[int], stale: set[int]) -> str:
-        who = self.members.spans(ranks)
-        if story.kind == "never_published":
-            return f"{who} never published progress (possibly dead)"
-        if story.kind == "started_stale":
-            return f"{who} started it but sent no heartbeat for over {self.stale_s:g} s: possibly dead or stopped"
-        gpu = f"{who} issued {self.op} #{self.seq}, but their GPUs never started it" if story.issued else None
-        if story.kind == "not_started":
-            note = f"{gpu}: still busy with work queued before it" if gpu else f"{who} never started it"
-        else:
-            still = f"{gpu or f'{who} have not started it'}: they are still in {story.k_op} #{story.k}"
-            if story.kind == "waiting":
-                note = (
-                    f"{still}, waiting for {self.members.spans(self.behind.not_there(story.k))}, "
-                    f"which have not started that"
-                )
-            elif story.kind == "with_others":
-                note = f"{still}, which {self.members.spans(self.behind.in_it(story.k))} have not left"
-            else:
-                note = f"{still}, which every other rank has left"
-        note += f" ({self.members.name(ranks[0])}, for one: {self._last(ranks[0])})"
-        silent = [r for r in ranks if r in stale]
-        if silent:
-            note += (
-                f"; of them, {self.members.spans(silent)} sent no heartbeat for over {self.stale_s:g} s: "
-                f"possibly dead or stopped"
+            note = (
+                f"{gpu}: {its} {'are' if many else 'is'} still busy with work queued before it"
+                if gpu
+                else (f"{who} never started it")
             )
-        return note
+        else:
+            still = f"{gpu or f'{who} {has} not started it'}: {it_is} still in {story.k_op} #{story.k}"
+            if story.kind == "waiting":
+                waited = self.members.spans(self.behind.not_there(story.k))
+                note = f"{still}, waiting for {waited}, which have not started that"
+            elif story.kind == "with_others":
+                others = [q for q in self.behind.in_it(story.k) if q not in ranks]
+                note = f"{still}, with {self.members.spans(others)}" if others else f"{still}, together"
+            else:
+                note = f"{still}, which every other rank has left"
+        first = ranks[0]
+        note += f" ({self.members.name(first)}, for one: {self._last(first)})" if many else f" ({self._last(first)})"
+        silent = [r for r in ranks if r in stale]
+        if silent and many:
+            note += f"; of them, {self.members.spans(silent)} sent no heartbeat for over {self.stale_s:g} s"
+        elif silent:
+            note += f"; no heartbeat for {ages[first]:.1f} s"
+        return note + (": possibly dead or stopped" if silent else "")
 
     def _last(self, r: int) -> str:
         e = self.entries[r]
