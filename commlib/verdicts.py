@@ -60,6 +60,10 @@ from commlib.ops import Collective, OpName
 
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`Judge._find_gone_peers`)
+# How often `Judge._find_gone_peers` reads the board again: a heartbeat changes no faster, and every
+# survivor of a peer's death looks at once. In between, it asks /proc every `GONE_POLL_S`.
+BOARD_REREAD_S = HEARTBEAT_S / 2
+GONE_POLL_S = 0.02
 
 
 class Judge:
@@ -293,21 +297,25 @@ class Judge:
         """The peers that are gone (`board.find_gone`) and how that was found; no ranks where
         nobody could tell. The board is read again for a while: a killed process closes its
         sockets before /proc shows it gone (`GONE_GRACE_S`), and another host's heartbeat
-        takes up to `STALE_AFTER_S` to go stale."""
+        takes up to `STALE_AFTER_S` to go stale. The board is read at most every `BOARD_REREAD_S`,
+        /proc asked about the last one read every `GONE_POLL_S`."""
         store = self.store()
         start = time.monotonic()
+        read_at = start - BOARD_REREAD_S
         while True:
-            try:
-                board = self.board.read(store)
-            except Exception as exc:  # the store went with the dead rank's host
-                return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
+            if time.monotonic() - read_at >= BOARD_REREAD_S:
+                read_at = time.monotonic()
+                try:
+                    board = self.board.read(store)
+                except Exception as exc:  # the store went with the dead rank's host
+                    return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
             gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
             gone = self._not_broken_since(store, gone)
             if gone:
                 return gone, how
             if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
                 return [], f"which one could not be told: {how}"
-            time.sleep(0.02)
+            time.sleep(GONE_POLL_S)
 
     def _not_broken_since(self, store: dist.Store, gone: list[int]) -> list[int]:
         """`gone` but the ranks the board, read again, says broke. A rank marks itself broken on

@@ -105,3 +105,32 @@ def test_the_ranks_that_never_created_a_communicator_are_named() -> None:
     store.set("settings/2", "on")  # of 4 ranks, only rank 2 came (and rank 0, which asks)
     with pytest.raises(CommError, match=r"expected every rank to create it within 0.2 s; found ranks \[1, 3\] did not"):
         agree_on_settings(store, "world", 0, 4, 0.2, True)
+
+
+def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartbeat_can_change() -> None:
+    # Rank 0's connection broke; ranks 1 and 2 live on another host, where only their heartbeat
+    # can tell, and they stop beating now: rank 0 names them once it is STALE_AFTER_S old.
+    import time
+
+    from commlib.members import Members
+    from commlib.observe import log
+    from commlib.observe.board import HEARTBEAT_S, STALE_AFTER_S
+    from commlib.verdicts import BOARD_REREAD_S, Judge
+
+    store = _CountingStore()
+    for r in (1, 2):
+        store.set(f"board/{r}", json.dumps(asdict(BoardEntry(pid=10_000 + r, host="another-host",
+                                                            heartbeat_ns=time.time_ns()))))
+    board = ProgressBoard(store, 0, 3, os.getpid())
+    try:
+        judge = Judge(Members.of("world", 3), 0, store, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
+        store.requests = 0
+        gone, how = judge._find_gone_peers(None)
+    finally:
+        board.close()
+    assert gone == [1, 2] and how == f"no heartbeat for over {STALE_AFTER_S:g} s", (gone, how)
+    # Two requests a read (a check and a multi_get), a read every BOARD_REREAD_S, and one more
+    # read to see that they did not break the communicator themselves. Read every 20 ms, as
+    # before, it was about 300.
+    bound = 2 * ((STALE_AFTER_S + HEARTBEAT_S) / BOARD_REREAD_S + 2)
+    assert store.requests <= bound, f"expected at most {bound:.0f} requests; found {store.requests}"
