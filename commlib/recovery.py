@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -154,9 +154,19 @@ class _Attempt:
     rank: int
     size: int
     trigger: str
+    began: float = field(default_factory=time.monotonic)
+    # How long each phase took that came to its end (a failed rebuild: until it raised, before
+    # the peers' outcomes were read), for `recovery.failed`: where the time of a failure went.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def epoch_store(self, epoch: int) -> dist.Store:
         return dist.PrefixStore(f"epoch{epoch}/", self.store)
+
+    def phase_ended(self, name: str, since: float) -> float:
+        """Record that phase `name`, begun at `since` (monotonic), ended now; returns now."""
+        now = time.monotonic()
+        self.phases[name] = now - since
+        return now
 
 
 class Recovery:
@@ -204,11 +214,11 @@ class Recovery:
         t0 = time.monotonic()
         groups = commlib_groups()
         self._abort(attempt, epoch, groups)
-        t1 = time.monotonic()
+        t1 = attempt.phase_ended("abort_s", t0)
         self._join(attempt, epoch)
-        t2 = time.monotonic()
+        t2 = attempt.phase_ended("join_s", t1)
         self._rebuild(attempt, epoch, groups)
-        t3 = time.monotonic()
+        t3 = attempt.phase_ended("rebuild_s", t2)
         self._meet(attempt, epoch, world)
         t4 = time.monotonic()
 
@@ -325,10 +335,12 @@ class Recovery:
 
     def _rebuild(self, attempt: _Attempt, epoch: int, groups: list[CommlibProcessGroup]) -> None:
         store = attempt.epoch_store(epoch)
+        began = time.monotonic()
         try:
             for group in groups:
                 group.rebuild_communicators(epoch)
         except Exception as exc:
+            attempt.phase_ended("rebuild_s", began)
             found = f"{type(exc).__name__}: {exc}"
             waited_for_peers = _waited_for_peers(exc)
             _try_set(store, f"rebuilt/{attempt.rank}", json.dumps({"error": found, "own": not waited_for_peers}))
@@ -391,7 +403,14 @@ class Recovery:
     ) -> RecoveryFailed:
         message = f"in-job recovery on rank {attempt.rank}: {found}"
         _log.get_logger().error(
-            "recovery.failed", epoch=epoch, reason=reason, missing_ranks=missing, failed_ranks=failed, error=message
+            "recovery.failed",
+            epoch=epoch,
+            reason=reason,
+            missing_ranks=missing,
+            failed_ranks=failed,
+            error=message,
+            elapsed_s=round(time.monotonic() - attempt.began, 3),
+            **{name: round(took, 3) for name, took in attempt.phases.items()},
         )
         return RecoveryFailed(
             message, reason=reason, epoch=epoch, missing_ranks=missing, failed_ranks=failed, rank=attempt.rank

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import commlib
 from backend_world import init_commlib
+from commlib.observe.log import read_events
 from commlib.process_group import CommlibProcessGroup, commlib_groups
 from commlib.recovery import OUTCOME_GRACE_S
 from commlib.testing import run
@@ -97,8 +98,8 @@ def _one_rank_joins_too_late(comm):
     return _recovery_outcome(commlib.RecoveryPolicy(join_timeout_s=2.0))
 
 
-def test_a_rank_that_does_not_join_in_time_fails_the_recovery_in_bounds_and_is_refused_when_it_comes():
-    gave_up, late = run(_one_rank_joins_too_late, world_size=2, timeout=90)
+def test_a_rank_that_does_not_join_in_time_fails_the_recovery_in_bounds_and_is_refused_when_it_comes(tmp_path):
+    gave_up, late = run(_one_rank_joins_too_late, world_size=2, timeout=90, log_dir=str(tmp_path))
     assert (gave_up["reason"], gave_up["epoch"], gave_up["missing"]) == ("join_timeout", 1, [1]), gave_up
     assert 2.0 <= gave_up["waited_s"] < 4.0
     assert "ranks [1] did not" in gave_up["message"]
@@ -107,6 +108,10 @@ def test_a_rank_that_does_not_join_in_time_fails_the_recovery_in_bounds_and_is_r
     assert late["waited_s"] < 1.0
     assert ("found rank 0 had given up on it (join_timeout: ranks [1] did not join within 2 s), so this rank came "
             "too late") in late["message"]
+    # Rank 0's log says where the time of its failed recovery went: its abort, then the join it gave up on.
+    failed = [e for e in read_events(tmp_path / "rank0.jsonl") if e["event"] == "recovery.failed"]
+    assert len(failed) == 1 and failed[0]["reason"] == "join_timeout", failed
+    assert 2.0 <= failed[0]["elapsed_s"] < 4.0 and failed[0]["abort_s"] < 1.0 and "join_s" not in failed[0], failed
 
 
 def _recover_with_a_new_object_each_time(comm):
