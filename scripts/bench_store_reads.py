@@ -1,6 +1,7 @@
 """The survivors of a failure reading the progress board at once: key by key against `commlib.store_reads`.
 
     .venv/bin/python scripts/bench_store_reads.py [--ranks 1000] [--readers 8] [--reads 4] [--rounds 2]
+    .venv/bin/python scripts/bench_store_reads.py --capacity [--writers 1 4 16]
 
 A TCPStore server in this process stands for the job's store. Every rank's board entry is
 published in it (`board/{r}`, a `BoardEntry` as JSON), then `--readers` processes (the
@@ -16,6 +17,10 @@ The two reads, alternating over `--rounds` rounds in the same run: key by key (a
 `commlib.store_reads.present` (a `check` of every key, then one `multi_get`). Printed for each:
 the storm's wall time, each read's median and slowest time, the heartbeats' median and slowest
 publication, and the ratio of the two reads' medians.
+
+`--capacity`: how many sets a second the same server takes from 1, 4 and 16 processes each
+setting a board-sized value as fast as it can (a TCPStore `set` waits for no reply): the figure
+the boards' budget (`commlib.observe.board.JOB_SETS_PER_S`) is a tenth of.
 """
 
 from __future__ import annotations
@@ -79,6 +84,33 @@ def _heartbeat(port: int, stop: Any, out: Any) -> None:
     out.put(("heartbeat", took))
 
 
+def _writer(port: int, sets: int, start: Any, out: Any) -> None:
+    store = _client(port)
+    entry = json.dumps(asdict(BoardEntry(pid=1)))
+    start.wait()
+    for i in range(sets):
+        store.set(f"board/{i % 8}", entry)
+    store.get("board/0")  # a round trip: every set before it has been taken
+    out.put(True)
+
+
+def capacity(port: int, writers: int, sets: int = 4000) -> float:
+    """Sets a second the server took from `writers` processes setting at once."""
+    ctx = mp.get_context("forkserver")
+    start, out = ctx.Barrier(writers + 1), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(port, sets, start, out)) for _ in range(writers)]
+    for p in procs:
+        p.start()
+    start.wait()
+    t = time.perf_counter()
+    for _ in procs:
+        out.get(timeout=600)
+    wall = time.perf_counter() - t
+    for p in procs:
+        p.join(60)
+    return writers * sets / wall
+
+
 def storm(port: int, args: argparse.Namespace, how: str) -> dict[str, float]:
     # Not a plain fork: this process runs the store's server thread, whose locks a forked child
     # could inherit held. The fork server is a process of one thread that imported torch once.
@@ -118,9 +150,15 @@ def main() -> int:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--reads", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--capacity", action="store_true", help="the server's sets a second instead")
+    parser.add_argument("--writers", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     mp.set_forkserver_preload(["torch.distributed", "commlib.store_reads"])
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if args.capacity:
+        for writers in args.writers:
+            print(f"{writers} writers: {capacity(server.port, writers):,.0f} sets a second")
+        return 0
     for r in range(args.ranks):
         server.set(f"board/{r}", json.dumps(asdict(BoardEntry(pid=100_000 + r, host=f"node{r // 8}"))))
     print(

@@ -2,7 +2,8 @@
 
 Each communicator owns a `ProgressBoard`. On the critical path a collective only updates a
 few attributes of it; a single daemon thread per process publishes changed boards to the
-communicator's store (at most every `PUBLISH_INTERVAL_S`) together with a heartbeat. So
+communicator's store (at most every `PUBLISH_INTERVAL_S`, or less often in a job so large that
+every rank's boards would crowd its store: `publish_interval_s`) together with a heartbeat. So
 publishing never puts a store round trip on a collective's path, and a board is at most one
 interval behind. When a deadline expires, the rank that timed out reads every peer's entry
 and `explain_timeout` names who never started the collective, and who stopped beating.
@@ -47,7 +48,10 @@ from commlib.observe import log as _log
 from commlib.observe.flight import STACKS_SIGNAL, install_sigusr1
 from commlib.store_reads import present
 
-PUBLISH_INTERVAL_S = 0.05
+PUBLISH_INTERVAL_S = 0.05  # between the publisher's passes, in a job small enough (`publish_interval_s`)
+# What the boards of a whole job may ask of its store, in sets per second: about a tenth of what
+# one TCPStore server took here from 16 writing processes (386,000-483,000 a second; docs/measurements.md).
+JOB_SETS_PER_S = 40_000
 HEARTBEAT_S = 0.5
 STALE_AFTER_S = 3.0  # a heartbeat older than this: the rank is stopped or dead (see `stale_after_s`)
 MIN_STALE_S = 1.0  # never less: two missed heartbeats and a busy machine's delay
@@ -227,20 +231,23 @@ class _Publisher:
 
     @classmethod
     def _run(cls) -> None:
-        while not cls._stop.wait(PUBLISH_INTERVAL_S):
-            if not cls._publish_all(time.time_ns()):
+        interval = PUBLISH_INTERVAL_S
+        while not cls._stop.wait(interval):
+            boards = cls._publish_all(time.time_ns())
+            if not boards:
                 return
+            interval = publish_interval_s(max(board.size for board in boards), len(boards))
 
     @classmethod
-    def _publish_all(cls, now: int) -> bool:
-        """Publish every open board; False (and the thread's slot freed) once none is open."""
+    def _publish_all(cls, now: int) -> list[ProgressBoard]:
+        """Publish every open board; returns them, none (and the thread's slot freed) once none is open."""
         # A function of its own so that its list of boards dies with each pass: held across
         # the sleep, it would keep closed boards (and their store clients) alive for good.
         with cls._lock:  # a board registered meanwhile would break the iteration
             boards = list(cls._boards)
             if not boards:
                 cls._thread = None
-                return False
+                return []
         for board in boards:
             try:
                 board.publish_if_due(now)
@@ -253,7 +260,17 @@ class _Publisher:
             else:
                 if board._failures:
                     board.publish_succeeded()
-        return True
+        return boards
+
+
+def publish_interval_s(world_size: int, boards: int) -> float:
+    """How long the publisher waits between passes, for a process with `boards` open boards in a
+    job of `world_size` ranks (its largest board's size): `PUBLISH_INTERVAL_S`, or longer where
+    every rank's boards would together ask more than `JOB_SETS_PER_S` of the job's one store
+    server (20 a second per board per rank: at 8,000 ranks and two boards each, 320,000), but
+    never over half of `HEARTBEAT_S` (0.25 s), so that a live rank's heartbeat is at most 0.75 s old
+    when a peer reads it, under the 1 s (`MIN_STALE_S`) that may call it stopped."""
+    return min(HEARTBEAT_S / 2, max(PUBLISH_INTERVAL_S, world_size * boards / JOB_SETS_PER_S))
 
 
 atexit.register(_Publisher.stop_at_exit)
@@ -387,7 +404,7 @@ def explain_timeout(
     ranks are the missing ones; it is missing itself only where every other rank has left k
     (it is stuck in k on its own). So a gather's root, waiting for a late rank, is not blamed
     by a peer that finished the gather and timed out in the next op: the late rank is. Board
-    entries lag by up to `PUBLISH_INTERVAL_S`, so a rank's last op is "last reported". A rank
+    entries lag by up to `publish_interval_s` (50 ms up to 1,000 ranks), so a rank's last op is "last reported". A rank
     whose heartbeat is older than `stale_after_s(deadline_s)` is stopped or dead. Ranks are the
     communicator's own in what is returned, and named as `members` says in the message: one by
     one up to `NAMED_ONE_BY_ONE` of them, else in groups that share a story, as ranges (a

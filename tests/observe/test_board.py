@@ -183,3 +183,46 @@ def test_stacks_are_asked_only_of_the_process_that_published_the_entry() -> None
     finally:
         child.kill()
         child.wait()
+
+
+class _CountedSets(dist.Store):
+    """A HashStore underneath, counting the sets of one key."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self._inner, self.key, self.sets = dist.HashStore(), key, 0
+
+    def set(self, key: str, value: Any) -> None:
+        self.sets += key == self.key
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+
+def test_the_boards_of_a_large_job_are_published_less_often_within_the_stores_budget() -> None:
+    from commlib.observe.board import JOB_SETS_PER_S, PUBLISH_INTERVAL_S, publish_interval_s
+
+    assert publish_interval_s(8, 1) == PUBLISH_INTERVAL_S == publish_interval_s(1000, 2)
+    for world, boards in ((1000, 2), (4000, 2), (5000, 2)):
+        # What every rank's boards ask of the job's store together, in sets a second.
+        assert world * boards / publish_interval_s(world, boards) <= JOB_SETS_PER_S * 1.0001
+    assert publish_interval_s(16_000, 3) == HEARTBEAT_S / 2  # never staler than that: MIN_STALE_S
+
+    # The publisher keeps to it: rank 0 of an 8,000-rank communicator, its board changing every
+    # 10 ms for 2 s, publishes every 0.2 s (about 10 times), not every 50 ms (about 40).
+    store = _CountedSets("board/0")
+    board = ProgressBoard(store, 0, 8000, os.getpid())
+    try:
+        until = time.monotonic() + 2.0
+        seq = 0
+        while time.monotonic() < until:
+            seq += 1
+            board.started(seq, "all_reduce", {})
+            time.sleep(0.01)
+    finally:
+        board.close()
+    assert 5 <= store.sets <= 16, f"expected about 10 publications in 2 s; found {store.sets}"
