@@ -16,7 +16,8 @@ failures recorded, abort and finalize).
 
 A CPU engine's wait blocks the caller, in slices: between two slices the communicator reads
 its peers' abort announcements (`commlib.verdicts`), so a rank that broke the communicator
-ends its peers' waits within a fraction of a second. Slices start at `ABORT_POLL_S` and grow
+ends its peers' waits within a fraction of a second. Slices start at `ABORT_POLL_S` (longer on a
+communicator of 2,000 ranks and up, whose waiting ranks would crowd the store: `abort_poll_s`) and grow
 with the time already waited (a tenth of it), so a long wait costs the store one read per
 ~10% of its length; an op that completes within its first slice costs no store read at all.
 Engines whose timed-out wait breaks the op wait in one piece (`Backend.resumable_wait`).
@@ -59,7 +60,18 @@ from commlib.watchdog import DeviceOp
 
 CHECK_CONSISTENCY_ENV = "COMMLIB_CHECK_CONSISTENCY"
 ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of the peers' abort announcements
-_FIRST_SLICE = timedelta(seconds=ABORT_POLL_S)
+# What the reads of one communicator's ranks, all waiting at once (for a straggler), may ask of
+# the job's store in the first second of their wait (`abort_poll_s`).
+ABORT_READS_PER_S = 20_000
+
+
+def abort_poll_s(size: int) -> float:
+    """The first slice of a wait on a communicator of `size` ranks: `ABORT_POLL_S`, or longer
+    where all its ranks waiting at once would read the abort key more than `ABORT_READS_PER_S`
+    times a second of the job's one store server (2,000 ranks and up), never over a second."""
+    return min(1.0, max(ABORT_POLL_S, size / ABORT_READS_PER_S))
+
+
 _PROCESS_HOOKS = HookRegistry.process()
 
 
@@ -113,8 +125,6 @@ class Work:
 class Communicator:
     """A group of ranks and the collectives among them. Create it with `commlib.init`."""
 
-    abort_poll_s = ABORT_POLL_S  # the watchdog reads peers' announcements at this pace too
-
     def __init__(
         self,
         backend: Backend,
@@ -136,6 +146,8 @@ class Communicator:
         # Where the consistency check compares digests: the engine where that costs no device sync.
         self._fingerprints_via_engine = backend.device.type == "cpu" and backend.runtime is None
         self.members = Members.of(name, backend.size, global_ranks)
+        self.abort_poll_s = abort_poll_s(self.size)  # the watchdog reads peers' announcements at this pace too
+        self._first_slice = timedelta(seconds=self.abort_poll_s)  # made once: a wait's path
         self.world_rank = self.members.global_ranks[backend.rank]
         self.hooks = HookRegistry()
         self._check = CallChecker(backend.supports)
@@ -542,7 +554,7 @@ class Communicator:
         peer's abort announcement is read between two slices (`Judge.announced`)."""
         until = time.monotonic() + budget_s
         # Most waits end within the first slice, which is the same for all of them.
-        slice_td = _FIRST_SLICE if budget_s >= ABORT_POLL_S else timedelta(seconds=budget_s)
+        slice_td = self._first_slice if budget_s >= self.abort_poll_s else timedelta(seconds=budget_s)
         while not wait(slice_td):
             now = time.monotonic()
             if now >= until:
@@ -551,5 +563,5 @@ class Communicator:
             if aborted_by is not None:
                 return aborted_by
             waited_s = now - since_mono_ns / 1e9
-            slice_td = timedelta(seconds=max(min(until - now, max(ABORT_POLL_S, waited_s / 10)), 1e-3))
+            slice_td = timedelta(seconds=max(min(until - now, max(self.abort_poll_s, waited_s / 10)), 1e-3))
         return True

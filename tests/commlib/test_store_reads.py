@@ -44,6 +44,10 @@ class _CountingStore(dist.Store):
         self.requests += 1
         return self._inner.multi_get(keys)
 
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self.requests += 1
+        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
 
 def _board(missing: set[int]) -> tuple[ProgressBoard, _CountingStore]:
     """Rank 0's board of a `RANKS`-rank communicator where every rank but `missing` published."""
@@ -134,3 +138,43 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
     # before, it was about 300.
     bound = 2 * ((STALE_AFTER_S + HEARTBEAT_S) / BOARD_REREAD_S + 2)
     assert store.requests <= bound, f"expected at most {bound:.0f} requests; found {store.requests}"
+
+
+def test_a_large_communicators_waits_read_the_abort_key_less_often() -> None:
+    # All the ranks of a communicator waiting at once (for a straggler) read its abort key
+    # between the slices of their waits: 4,000 of them every 0.1 s would be 40,000 reads a
+    # second of the job's one store server; their first slice is 0.2 s.
+    import time
+    from datetime import timedelta
+
+    import torch
+
+    from commlib.communicator import ABORT_POLL_S, ABORT_READS_PER_S, Communicator, abort_poll_s
+
+    assert abort_poll_s(2) == abort_poll_s(2000) == ABORT_POLL_S
+    assert abort_poll_s(4000) == 4000 / ABORT_READS_PER_S == 0.2 and abort_poll_s(10**6) == 1.0
+
+    class Instant:  # an engine of 4,000 ranks, of which this is rank 0: only what a creation touches
+        name, rank, size, device, resumable_wait, runtime = "gloo", 0, 4000, torch.device("cpu"), True, None
+
+        def supports(self, device: torch.device, op: object) -> None:
+            return None
+
+        def finalize(self) -> None:
+            return None
+
+    store = _CountingStore()
+    for r in range(1, 4000):  # every peer created it too (`agree_on_settings`)
+        store.set(f"settings/{r}", "off")
+    comm = Communicator(Instant(), store, "world", 60.0)  # type: ignore[arg-type]
+    try:
+        slices: list[float] = []
+
+        def still_running(slice_td: timedelta) -> bool:
+            slices.append(slice_td.total_seconds())
+            return len(slices) == 3
+
+        assert comm._wait_in_slices(still_running, 60.0, time.monotonic_ns()) is True
+    finally:
+        comm.finalize()
+    assert comm.abort_poll_s == 0.2 and slices[:2] == [0.2, 0.2], slices
