@@ -19,7 +19,8 @@ and its queries safe from CUDA graph captures (`Runtime.watching`):
   flight recorder, the log, the board, the abort announced in the store, the engine aborted
   (in a thread of its own: an abort can hang on a wedged device);
 - a peer announced that it aborted the communicator (read from the store once the op has
-  run `ABORT_POLL_S`, then at a tenth of its running time, as a CPU wait does): the
+  run its communicator's `abort_poll_s`, then at a tenth of its running time, as a CPU wait
+  does): the
   Communicator fails it with a `PeerFailure` naming that peer.
 
 Counting from the start on the device, not from the enqueue, is what keeps a deep queue of
