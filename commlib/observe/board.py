@@ -233,21 +233,22 @@ class _Publisher:
     def _run(cls) -> None:
         interval = PUBLISH_INTERVAL_S
         while not cls._stop.wait(interval):
-            boards = cls._publish_all(time.time_ns())
-            if not boards:
+            published = cls._publish_all(time.time_ns())
+            if published is None:
                 return
-            interval = publish_interval_s(max(board.size for board in boards), len(boards))
+            interval = publish_interval_s(*published)
 
     @classmethod
-    def _publish_all(cls, now: int) -> list[ProgressBoard]:
-        """Publish every open board; returns them, none (and the thread's slot freed) once none is open."""
+    def _publish_all(cls, now: int) -> tuple[int, int] | None:
+        """Publish every open board; returns (the largest one's size, how many), or None (and
+        the thread's slot freed) once none is open."""
         # A function of its own so that its list of boards dies with each pass: held across
         # the sleep, it would keep closed boards (and their store clients) alive for good.
         with cls._lock:  # a board registered meanwhile would break the iteration
             boards = list(cls._boards)
             if not boards:
                 cls._thread = None
-                return []
+                return None
         for board in boards:
             try:
                 board.publish_if_due(now)
@@ -260,7 +261,7 @@ class _Publisher:
             else:
                 if board._failures:
                     board.publish_succeeded()
-        return boards
+        return max(board.size for board in boards), len(boards)
 
 
 def publish_interval_s(world_size: int, boards: int) -> float:

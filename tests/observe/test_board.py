@@ -226,3 +226,23 @@ def test_the_boards_of_a_large_job_are_published_less_often_within_the_stores_bu
     finally:
         board.close()
     assert 5 <= store.sets <= 16, f"expected about 10 publications in 2 s; found {store.sets}"
+
+
+def test_a_board_dropped_without_close_is_let_go_while_another_publishes() -> None:
+    # The publisher holds the open boards only through its pass, never across its sleep: else a
+    # board it held would be open again at the next pass, and kept (with its store client) for good.
+    import weakref
+
+    kept = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())
+    dropped = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())
+    time.sleep(4 * board_mod.PUBLISH_INTERVAL_S)  # in the publisher's passes meanwhile
+    ref = weakref.ref(dropped)
+    del dropped
+    try:
+        until = time.monotonic() + 5.0
+        while ref() is not None and time.monotonic() < until:
+            gc.collect()
+            time.sleep(0.05)
+    finally:
+        kept.close()
+    assert ref() is None, "expected the dropped board collected within 5 s; the publisher kept it"
