@@ -17,7 +17,7 @@ failures recorded, abort and finalize).
 A CPU engine's wait blocks the caller, in slices: between two slices the communicator reads
 its peers' abort announcements (`commlib.verdicts`), so a rank that broke the communicator
 ends its peers' waits within a fraction of a second. Slices start at `ABORT_POLL_S` (longer on a
-communicator of 2,000 ranks and up, whose waiting ranks would crowd the store: `abort_poll_s`) and grow
+communicator of more than 2,000 ranks, whose waiting ranks would crowd the store: `abort_poll_s`) and grow
 with the time already waited (a tenth of it), so a long wait costs the store one read per
 ~10% of its length; an op that completes within its first slice costs no store read at all.
 Engines whose timed-out wait breaks the op wait in one piece (`Backend.resumable_wait`).
@@ -68,7 +68,7 @@ ABORT_READS_PER_S = 20_000
 def abort_poll_s(size: int) -> float:
     """The first slice of a wait on a communicator of `size` ranks: `ABORT_POLL_S`, or longer
     where all its ranks waiting at once would read the abort key more than `ABORT_READS_PER_S`
-    times a second of the job's one store server (2,000 ranks and up), never over a second."""
+    times a second of the job's one store server (more than 2,000 ranks), never over a second."""
     return min(1.0, max(ABORT_POLL_S, size / ABORT_READS_PER_S))
 
 
