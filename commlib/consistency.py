@@ -127,7 +127,7 @@ class ConsistencyCheck:
             groups.setdefault(v, []).append(r)
         members = comm.members
         differing = members.global_of(sorted(r for v, rs in groups.items() if v != mine for r in rs))
-        detail = "; ".join(f"{members.names(rs, 'ranks')}: {v}" for v, rs in groups.items())
+        detail = "; ".join(f"{members.names(rs)}: {v}" for v, rs in groups.items())
         error = CollectiveMismatch(
             f"{call.op} #{call.seq} on {comm.name!r} {members.name(comm.rank)}: expected every rank to issue the "
             f"same collective; found {detail}",

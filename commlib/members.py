@@ -46,17 +46,10 @@ class Members:
         g = self.global_ranks[rank]
         return f"rank {g}" if g == rank else f"rank {g} (rank {rank} of {self.comm!r})"
 
-    def spans(self, ranks: Iterable[int]) -> str:
+    def names(self, ranks: Iterable[int]) -> str:
         """'rank 3' or 'ranks 0-736, 738-999': a set of ranks in a few characters however many,
         with the communicator's own ranks beside them where they differ."""
         mine = sorted(set(ranks))
         globals_ = self.global_of(mine)
         said = ranks_text(globals_)
         return said if globals_ == mine else f"{said} ({ranks_text(mine)} of {self.comm!r})"
-
-    def names(self, ranks: Sequence[int], word: str = "rank(s)") -> str:
-        """'rank(s) [3, 5]', with the communicator's own ranks beside them where they differ."""
-        mine = list(ranks)
-        globals_ = self.global_of(mine)
-        said = f"{word} {globals_}"
-        return said if globals_ == mine else f"{said} ({word} {mine} of {self.comm!r})"

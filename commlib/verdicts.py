@@ -235,7 +235,7 @@ class Judge:
         if in_this_call:  # this rank is one the peer gave up on: the late one, which the operator must hear
             found = (
                 f"found {who} had stopped waiting for it at its deadline and aborted the communicator, "
-                f"naming {self.members.names(announced['missing'], 'ranks')} (this one among them) as never having "
+                f"naming {self.members.names(announced['missing'])} (this one among them) as never having "
                 f"started it: this rank arrived late"
             )
         else:

@@ -520,7 +520,7 @@ class _Saying:
         """What `story` says of `ranks`: of one rank with its own figures, of several as ranges
         with the first one's whereabouts as the example."""
         many = len(ranks) > 1
-        who = self.members.spans(ranks) if many else self.members.name(ranks[0])
+        who = self.members.names(ranks) if many else self.members.name(ranks[0])
         if story.kind == "never_published":
             return f"{who} never published progress (possibly dead)"
         if story.kind == "started_stale":
@@ -537,18 +537,18 @@ class _Saying:
         else:
             still = f"{gpu or f'{who} {has} not started it'}: {it_is} still in {story.k_op} #{story.k}"
             if story.kind == "waiting":
-                waited = self.members.spans(self.behind.not_there(story.k))
+                waited = self.members.names(self.behind.not_there(story.k))
                 note = f"{still}, waiting for {waited}, which have not started that"
             elif story.kind == "with_others":
                 others = [q for q in self.behind.in_it(story.k) if q not in ranks]
-                note = f"{still}, with {self.members.spans(others)}" if others else f"{still}, together"
+                note = f"{still}, with {self.members.names(others)}" if others else f"{still}, together"
             else:
                 note = f"{still}, which every other rank has left"
         first = ranks[0]
         note += f" ({self.members.name(first)}, for one: {self._last(first)})" if many else f" ({self._last(first)})"
         silent = [r for r in ranks if r in stale]
         if silent and many:
-            note += f"; of them, {self.members.spans(silent)} sent no heartbeat for over {self.stale_s:g} s"
+            note += f"; of them, {self.members.names(silent)} sent no heartbeat for over {self.stale_s:g} s"
         elif silent:
             note += f"; no heartbeat for {ages[first]:.1f} s"
         return note + (": possibly dead or stopped" if silent else "")

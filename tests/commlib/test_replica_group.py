@@ -80,7 +80,7 @@ def test_the_manager_sees_commlibs_typed_error_naming_the_dead_replica_and_the_l
     assert survivor["step"] == STEPS  # it went on without the dead group
     module, kind, failed_ranks, message = survivor["errors"][0]
     assert (module, kind, failed_ranks) == ("commlib.errors", "PeerFailure", [1]), survivor["errors"]
-    assert "replicas.q" in message and "rank(s) [1] gone" in message, message
+    assert "replicas.q" in message and "rank 1 gone" in message, message
 
     quorums = _events(tmp_path, 0, "replicas.quorum")
     # Both groups, then the survivor alone (a group that starts first may have a quorum alone before).
