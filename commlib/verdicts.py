@@ -301,7 +301,7 @@ class Judge:
         /proc asked about the last one read every `GONE_POLL_S`."""
         store = self.store()
         start = time.monotonic()
-        read_at = start - BOARD_REREAD_S
+        read_at = start - BOARD_REREAD_S  # so the board is read at once
         while True:
             if time.monotonic() - read_at >= BOARD_REREAD_S:
                 read_at = time.monotonic()
