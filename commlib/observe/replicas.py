@@ -90,7 +90,8 @@ class ReplicaFindings:
             f"Replica groups {self.groups} in {self.root}: {len(self.quorums)} quorums, {len(self.lost)} group(s) lost."
         ]
         same = 0  # quorums in a row with the members of the one before (torchft's ids move on a failed commit too)
-        for q, after in zip(self.quorums, [*self.quorums[1:], None], strict=True):
+        # Each quorum with the one after it (None after the last; no pair at all without a quorum).
+        for q, after in zip(self.quorums, [*self.quorums[1:], None], strict=False):
             if q.joined or q.left or q is self.quorums[0]:
                 change = "".join([f" +{q.joined}" if q.joined else "", f" -{q.left}" if q.left else ""])
                 lines.append(f"  quorum {q.quorum_id}: replicas {q.replicas}{change}")
