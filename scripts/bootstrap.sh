@@ -23,7 +23,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c "import numpy, torch, sys; v = torch.__version__.split('+')[0]; torch.from_numpy(numpy.zeros(1)); sys.exit(v != '2.13.0' and f'expected torch 2.13.0, found {torch.__version__}')"
   # The pin again, so that resolving the project's dependencies can never replace torch.
   "${pip[@]}" -e ".[test,report,replicas]" "$TORCH_PIN" 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -c "import sys, numpy, torch, commlib, structlog, psutil, pytest, xdist, matplotlib, torchft; v = torch.__version__.split('+')[0]; sys.exit(v != '2.13.0' and f'expected torch 2.13.0 after installing the project, found {torch.__version__}')"
+  .venv/bin/python -c "import sys, numpy, torch, commlib, structlog, msgspec, psutil, pytest, xdist, matplotlib, torchft; v = torch.__version__.split('+')[0]; sys.exit(v != '2.13.0' and f'expected torch 2.13.0 after installing the project, found {torch.__version__}')"
   echo "$want" > "$stamp"
 fi
 # This machine's environment sets PYTHONDONTWRITEBYTECODE=1, so no process leaves .pyc files for

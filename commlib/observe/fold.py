@@ -51,6 +51,7 @@ from commlib.observe.records import (
     disagree,
     peer_of,
 )
+from commlib.observe.typed import UNSET, CollectiveLine, Event
 
 
 class Unplaceable(ValueError):
@@ -90,8 +91,9 @@ class Context:
 class Fold:
     """Folds events, each rank's in its file's order, into attempts, ranks, communicators and calls.
 
-    `add` runs once per line of the logs: the two events every collective writes take its
-    inline path, every other event `_other`.
+    One of its two entries runs once per line of the logs: `add_collective` for the two
+    events every collective writes, decoded typed (`CollectiveLine`, read by attribute);
+    `add` for every other event, and for those two where they are dicts, each going to `_other`.
     """
 
     def __init__(self, job: str | None, observers: list[Observer]) -> None:
@@ -109,6 +111,7 @@ class Fold:
 
     # -- the events ---------------------------------------------------------------------
     def add(self, e: dict[str, Any], context: Context) -> None:
+        """One event, as a dict (the general path)."""
         get: Callable[..., Any] = e.get  # untyped JSON: every value is Any
         name = get("event", "")
         if (get("pid") != context.pid or name == HEADER_EVENT) and self._switch(e, context):
@@ -123,35 +126,45 @@ class Fold:
         rl.last = e  # type: ignore[union-attr]
         if get("step") is not None or get("phase") is not None:
             rl.stepped = e  # type: ignore[union-attr]
-        # A collective's start and end (never notices: `EventWriter` writes them at info level)
-        # on a communicator this stream has seen: the inline path. Everything else: `_other`.
-        comm = context.comms.get(get("comm"))
-        if comm is None or get("peer") is not None:
-            self._other(e, context, name, ts)
-        elif name == "collective.start":
-            seq = get("seq")
-            if type(seq) is not int:
-                return
-            op = get("op")
-            call = Call(rl.rank, comm.label, seq, op if type(op) is str else str(op), ts, e)  # type: ignore[union-attr]
+        self._other(e, context, name, ts)
+
+    def add_collective(self, e: CollectiveLine, context: Context) -> None:
+        """A collective's start or end, typed (`CollectiveLine`: almost every line), read by
+        attribute; the first on its communicator in this stream takes the general path (`_other`)."""
+        if e.pid != context.pid and self._switch(e, context):
+            return  # a process of a job not asked for
+        ts = e.ts_ns
+        if e.attempt != context.attempt or e.rank != context.rank:
+            self._enter(e, context, e.attempt, e.rank)
+        att, rl = context.att, context.rl
+        assert att is not None and rl is not None  # `_enter` set them
+        rl.last = e
+        step, phase = e.step, e.phase
+        if (step is not None and step is not UNSET) or (phase is not None and phase is not UNSET):
+            rl.stepped = e
+        comm = context.comms.get(e.comm)
+        if comm is None:
+            self._other(e.to_dict(), context, e.event, ts)
+        elif e.event == "collective.start":
+            seq = e.seq
+            call = Call(rl.rank, comm.label, seq, e.op, ts, e)
             calls = comm.calls.get(seq)
             if calls is None:
-                calls = self._new_collective(context.att, comm, seq)  # type: ignore[arg-type]
+                calls = self._new_collective(att, comm, seq)
             calls[call.rank] = call
             comm.logged[call.rank] = seq
-            last = rl.last_started  # type: ignore[union-attr]
+            last = rl.last_started
             if last is None or (last.start_ns or 0) < ts:
-                rl.last_started = call  # type: ignore[union-attr]
-        elif name == "collective.end":
-            calls = comm.calls.get(get("seq"))
-            ended = calls.get(rl.rank) if calls is not None else None  # type: ignore[union-attr]
-            if ended is None:
-                ended = self._call(context.att, comm, rl, e, ts)  # type: ignore[arg-type]
-            self._close(context.att, comm, rl, ended, e, "ok", ts, get("bytes"))  # type: ignore[arg-type]
+                rl.last_started = call
         else:
-            self._other(e, context, name, ts)
+            calls = comm.calls.get(e.seq)
+            ended = calls.get(rl.rank) if calls is not None else None
+            if ended is None:
+                ended = self._call(att, comm, rl, e, ts)
+            nbytes = e.bytes
+            self._close(att, comm, rl, ended, e, "ok", ts, e.duration_s, None if nbytes is UNSET else nbytes)
 
-    def _switch(self, e: dict[str, Any], context: Context) -> bool:
+    def _switch(self, e: Event, context: Context) -> bool:
         """An event of another process than the last one in this stream: its job and host (its
         header's, or its events' own). Whether to leave the event out: a process's log.open line
         (kept as its header), or a process of a job not asked for (left out, each of its events
@@ -178,7 +191,7 @@ class Fold:
             return True
         return False
 
-    def _enter(self, e: dict[str, Any], context: Context, attempt: int, rank: int) -> None:
+    def _enter(self, e: Event, context: Context, attempt: int, rank: int) -> None:
         """The events now come from another (attempt, rank) than the last ones of this stream."""
         if context.att is not None and context.att.attempt < attempt:
             self.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
@@ -234,12 +247,14 @@ class Fold:
         if name == "collective.start":
             self._start(att, comm, rl, e, ts)
         elif name == "collective.end":
-            self._close(att, comm, rl, self._call(att, comm, rl, e, ts), e, "ok", ts, e.get("bytes"))
+            self._close(
+                att, comm, rl, self._call(att, comm, rl, e, ts), e, "ok", ts, e.get("duration_s"), e.get("bytes")
+            )
         elif name in FAILURE_EVENTS:
             call = self._call(att, comm, rl, e, ts)
             comm.failures.append({**e, **_rank_lists(e), "label": comm.label})
             self._failed(rl, ts)
-            self._close(att, comm, rl, call, e, e.get("status") or "failed", ts)
+            self._close(att, comm, rl, call, e, e.get("status") or "failed", ts, e.get("duration_s"))
             if name == "collective.timeout":
                 self._snapshot(att, comm, e, ts)
         elif name == MISMATCH_EVENT and isinstance(e.get("seq"), int):
@@ -334,7 +349,7 @@ class Fold:
         if seq > comm.logged.get((comm.global_rank(call.peer), comm_rank), 0):
             att.p2p_ops += 1  # the other side has not logged it: a pair op not counted yet
 
-    def _call(self, att: AttemptLog, comm: CommLog, rl: RankLog, e: dict[str, Any], ts: int) -> Call:
+    def _call(self, att: AttemptLog, comm: CommLog, rl: RankLog, e: Event, ts: int) -> Call:
         """The call an end/failure event closes; made up when its start was never logged.
 
         A failure inside the consistency check happens before the start is logged: the rank
@@ -371,13 +386,14 @@ class Fold:
         comm: CommLog,
         rl: RankLog,
         call: Call,
-        e: dict[str, Any],
+        e: Event,
         status: str,
         ts: int,
+        duration: Any,
         nbytes: int | None = None,
     ) -> None:
-        """`call` ended with `e` (`nbytes`: what its collective.end says it moved)."""
-        duration = e.get("duration_s")
+        """`call` ended with `e` (`duration`: its `duration_s`; `nbytes`: what its
+        collective.end says it moved)."""
         if type(duration) is not float and not isinstance(duration, int):
             duration = None  # not a number: an event not of commlib's writing
         call.status = status

@@ -18,7 +18,8 @@ import contextlib
 import operator
 import os
 import resource
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.log import after_cut, rank_segments
 from commlib.observe.logfile import HEADER_EVENT, HEADER_START
 from commlib.observe.records import FileReport, JobInfo, MixedJobsError
+from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
 
 FD_MARGIN = 64  # descriptors left to the rest of the process when every rank's file is open at once
 BATCH = 10_000  # lines the pass reads and folds in at a time (`stream`)
@@ -36,6 +38,9 @@ BATCH = 10_000  # lines the pass reads and folds in at a time (`stream`)
 TIMEOUT_MARK = b'"collective.timeout"'
 P2P_STARTS = (b'{"op":"send"', b'{"op":"recv"')
 _CLOCK_AND_RANK = operator.itemgetter(0, 1)
+# A line as `RankReader.take` hands it over: a collective's start or end, decoded; or any
+# other line's (ts_ns, its bytes, whether it wants its window folded in order).
+Item = CollectiveLine | tuple[int, bytes, bool]
 
 
 def enough_descriptors(files: int) -> bool:
@@ -55,12 +60,14 @@ class RankReader:
     """One rank's files, read in order as one stream of lines with their clock (`take`), with
     what was read of each file (`reports`).
 
-    A line waits in the pass's merge as its bytes, its clock read out of them: it is parsed
-    only when its turn comes, so the event is fresh in the cache when it is folded in (parsed
-    as it is read, the pass took half as long again). A line whose clock cannot be read that
-    way is parsed at once, to tell."""
+    Lines are read a chunk at a time (`CHUNK` bytes of whole lines) and decoded as they are
+    read: a chunk of collectives' starts and ends (`CollectiveLine`, almost every chunk) in one
+    call of the typed decoder over the chunk as one JSON array; a chunk holding any other line,
+    line by line, each other line kept as its bytes with its clock read out of them (parsed
+    only when its turn comes, as a dict; a line whose clock cannot be read that way is parsed
+    at once, to tell). A small chunk keeps a line's event in the cache until it is folded in."""
 
-    BLOCK = 1 << 16  # bytes of lines read per opening, when the files cannot all stay open
+    CHUNK = 1 << 13  # bytes of lines read and decoded at a time (about 25 lines)
 
     def __init__(self, rank: int, paths: list[Path]) -> None:
         self.rank = rank
@@ -69,93 +76,128 @@ class RankReader:
         self.keep_open = True
         self.reports = [FileReport(str(p), rank) for p in paths]
         self.report = self.reports[-1]
-        self.head: tuple[int, bytes, FileReport] | None = None  # the next line not taken yet
+        self.head: int | None = None  # the clock of the next line not taken yet; None: the files are read
         self.ordered = False  # a line taken wants its window folded in wall-clock order (`stream`)
         self.cut = False  # the files end in a line cut short (a kill mid-write), or being written
         self._index = -1
         self._file: Any = None
         self._offset = 0
-        self._lines: Iterator[bytes] = iter(())
+        self._items: list[Item] = []  # the chunk read last, decoded
+        self._at = 0  # its first item not taken yet
 
-    def take(self, until: int) -> list[tuple[int, bytes, FileReport]]:
-        """(ts_ns, line, its file's report) of each line before `until`, from `head` on; `head`
-        is then the first line at or after it, or None when the files are read."""
-        taken: list[tuple[int, bytes, FileReport]] = []
-        head = self.head
-        if head is not None:
-            if head[0] >= until:
-                return taken
-            taken.append(head)
-            self.ordered = self.ordered or _wants_order(head[1])
+    def take(self, until: int) -> list[tuple[FileReport, list[Item]]]:
+        """The lines before `until`, from `head` on, as runs of one file each: (its report, the
+        lines: a `CollectiveLine`, or (ts_ns, bytes, wants order) for any other); `head` is then
+        the clock of the first line at or after it, or None when the files are read."""
+        taken: list[tuple[FileReport, list[Item]]] = []
         while True:
-            report = self.report
-            for raw in self._lines:
-                if raw[-1] != 10:  # b"\n"
-                    self.cut = True  # a last line cut short by a kill, or still being written
+            items, at = self._items, self._at
+            first = at
+            for item in islice(items, at, None):
+                if type(item) is CollectiveLine:
+                    if item.ts_ns >= until:
+                        break
+                elif item[0] >= until:  # type: ignore[index]
                     break
-                at = raw.find(b'"ts_ns":')
-                end = raw.find(b",", at)
-                try:  # the clock read out of the bytes; parsed only when that fails
-                    ts = int(raw[at + 8 : end if end > 0 else -2]) if at >= 0 else _clock(raw)
-                except ValueError:
-                    ts = _clock(raw)
-                if ts is None:
-                    report.garbled += 1
-                    continue
-                report.events += 1
-                if raw.startswith(HEADER_START):  # only the writer writes them (`logfile.header_line`)
-                    report.headers += 1
-                if ts >= until:
-                    self.head = (ts, raw, report)
-                    return taken
-                taken.append((ts, raw, report))
-                if TIMEOUT_MARK in raw or raw.startswith(P2P_STARTS):  # `_wants_order`, inline: every line
+                elif item[2]:  # type: ignore[index]
                     self.ordered = True
-            if not self._advance():
+                at += 1
+            if at > first:
+                taken.append((self.report, items[first:at]))
+            self._at = at
+            if at < len(items):
+                item = items[at]
+                self.head = item.ts_ns if type(item) is CollectiveLine else item[0]  # type: ignore[index]
+                return taken
+            if not self._next_chunk():
                 self.head = None
                 return taken
 
-    def _advance(self) -> bool:
-        """On to the next block of lines, of this file or the next; False when there is none."""
+    def _next_chunk(self) -> bool:
+        """The next chunk of lines decoded into `_items`, of this file or the next; False when there is none."""
         while True:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-            elif self._index >= 0 and not self.keep_open and self._try(self._refill):
-                return True
-            if self._index + 1 >= len(self.paths):
+            lines = self._read() if self._index >= 0 else None
+            if lines:
+                self._items, self._at = self._decode(lines), 0
+                if self._items:
+                    return True
+                continue
+            if not self._advance():
                 return False
-            self._index += 1
-            self._offset = 0
-            self.report = self.reports[self._index]
-            if self._try(self._open):
-                return True
 
-    def _try(self, step: Callable[[], bool]) -> bool:
+    def _decode(self, lines: list[bytes]) -> list[Item]:
+        """A chunk's lines as items (`take`), counted in their file's report; a last line cut short
+        (a kill mid-write, or still being written) ends the file's reading, unread."""
+        report = self.report
+        if lines[-1][-1] != 10:  # b"\n": only ever the last line of a file
+            self.cut = True
+            lines.pop()
+            self._offset = -1  # nothing more of this file
+        if not lines:
+            return []
+        chunk = decode_collectives(lines)
+        if chunk is not None:
+            report.events += len(chunk)
+            return chunk  # type: ignore[return-value]
+        items: list[Item] = []
+        for raw in lines:
+            line = decode_collective(raw)
+            if line is not None:
+                items.append(line)
+                report.events += 1
+                continue
+            at = raw.find(b'"ts_ns":')
+            end = raw.find(b",", at)
+            try:  # the clock read out of the bytes; parsed only when that fails
+                ts = int(raw[at + 8 : end if end > 0 else -2]) if at >= 0 else _clock(raw)
+            except ValueError:
+                ts = _clock(raw)
+            if ts is None:
+                report.garbled += 1
+                continue
+            report.events += 1
+            if raw.startswith(HEADER_START):  # only the writer writes them (`logfile.header_line`)
+                report.headers += 1
+            items.append((ts, raw, _wants_order(raw)))
+        return items
+
+    def _read(self) -> list[bytes] | None:
+        """The next chunk of whole lines of the current file (the last one perhaps cut short);
+        None at its end."""
+        if self._offset < 0:
+            return None
         try:
-            return step()
+            if self._file is not None:
+                return self._file.readlines(self.CHUNK) or None
+            with os.fdopen(open_regular(self.paths[self._index]), "rb") as f:  # reopened for each chunk
+                f.seek(self._offset)
+                lines = f.readlines(self.CHUNK)
+                self._offset = f.tell()
+            return lines or None
         except OSError as exc:  # rotated away meanwhile, or not readable
             self.reports[self._index].problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+            return None
+
+    def _advance(self) -> bool:
+        """On to the next file; False when there is none."""
+        self.close()
+        if self._index + 1 >= len(self.paths):
             return False
-
-    def _open(self) -> bool:
-        fd = open_regular(self.paths[self._index])
-        self.reports[self._index].bytes = os.fstat(fd).st_size
-        if not self.keep_open:
+        self._index += 1
+        self._offset = 0
+        self.report = self.reports[self._index]
+        try:
+            fd = open_regular(self.paths[self._index])
+            self.report.bytes = os.fstat(fd).st_size
+        except OSError as exc:
+            self.report.problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+            self._offset = -1
+            return True
+        if self.keep_open:
+            self._file = os.fdopen(fd, "rb")
+        else:
             os.close(fd)
-            return self._refill()
-        self._file = os.fdopen(fd, "rb")
-        self._lines = iter(self._file)
         return True
-
-    def _refill(self) -> bool:
-        """The next block of whole lines of the current file (closed again until the next block)."""
-        with os.fdopen(open_regular(self.paths[self._index]), "rb") as f:
-            f.seek(self._offset)
-            lines = f.readlines(self.BLOCK)
-            self._offset = f.tell()
-        self._lines = iter(lines)
-        return bool(lines)
 
     def close(self) -> None:
         if self._file is not None:
@@ -170,9 +212,13 @@ class WindowReader(RankReader):
     def __init__(self, rank: int, path: Path, lines: list[bytes], cut: bool) -> None:
         super().__init__(rank, [path])
         self._index = 0
-        self._lines = iter(lines)
+        self._lines = lines
         self.report.bytes = sum(len(line) for line in lines)
         self.cut = cut
+
+    def _read(self) -> list[bytes] | None:
+        lines, self._lines = self._lines, []
+        return lines or None
 
     def _advance(self) -> bool:
         return False
@@ -195,42 +241,52 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
         reader.take(-1)  # reads its first line into `head`
     live = [r for r in readers if r.head is not None]
     window = 1_000_000  # ns; adapted to the logs' pace
-    add = fold.add
+    add, add_collective = fold.add, fold.add_collective
     begun = False
     while live:
-        start = min(r.head[0] for r in live)  # type: ignore[index]
+        start = min(r.head for r in live if r.head is not None)
         if not begun:
             begun = True
             for observer in fold.observers:
                 observer.begin(start)
-        groups: list[tuple[Context, Any]] = [(contexts[r.index], r.take(start + window)) for r in live]
-        lines = sum(len(t) for _, t in groups)
-        if any(r.ordered for r in live):  # each line a group of its own, in order
+        groups = [(contexts[r.index], r.take(start + window)) for r in live]
+        lines = sum(len(items) for _, runs in groups for _, items in runs)
+        if any(r.ordered for r in live):  # each line a run of its own, in order
             for r in live:
                 r.ordered = False
             groups = [
-                (context, ((ts, raw, report),))
-                for ts, _, raw, report, context in sorted(
-                    ((ts, i, raw, report, context) for i, (context, t) in enumerate(groups) for ts, raw, report in t),
+                (context, [(report, [item])])
+                for _, _, item, report, context in sorted(
+                    (
+                        (_clock_of(item), i, item, report, context)
+                        for i, (context, runs) in enumerate(groups)
+                        for report, items in runs
+                        for item in items
+                    ),
                     key=_CLOCK_AND_RANK,
                 )
             ]
-        for context, taken in groups:
-            for _, raw, report in taken:
-                try:
-                    event = decode(raw)
-                except ValueError:
-                    event = _after_cut(raw, context, report)
-                if type(event) is dict:
+        for context, runs in groups:
+            for report, items in runs:
+                for item in items:
                     try:
-                        add(event, context)
-                        continue
+                        if type(item) is CollectiveLine:
+                            add_collective(item, context)
+                            continue
+                        raw = item[1]  # type: ignore[index]
+                        try:
+                            event = decode(raw)
+                        except ValueError:
+                            event = _after_cut(raw, context, report)
+                        if type(event) is dict:
+                            add(event, context)
+                            continue
                     except MixedJobsError:
                         raise
                     except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
                         pass  # fields of a type commlib never writes: the line is not read
-                report.events -= 1  # a clock in its bytes, but not an event of a rank
-                report.garbled += 1
+                    report.events -= 1  # a clock in its bytes, but not an event of a rank
+                    report.garbled += 1
         for reader in live:
             context = contexts[reader.index]
             if reader.head is None and context.att is not None:
@@ -258,8 +314,13 @@ def _after_cut(raw: bytes, context: Context, report: FileReport) -> dict[str, An
 
 
 def _wants_order(raw: bytes) -> bool:
-    """Whether a line wants its window folded in wall-clock order (`stream`)."""
+    """Whether a line wants its window folded in wall-clock order (`stream`; a `CollectiveLine`
+    never does: no send/recv, no timeout)."""
     return TIMEOUT_MARK in raw or raw.startswith(P2P_STARTS)
+
+
+def _clock_of(item: Item) -> int:
+    return item.ts_ns if type(item) is CollectiveLine else item[0]  # type: ignore[index]
 
 
 def _clock(raw: bytes) -> int | None:

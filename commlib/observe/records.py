@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commlib.observe.sketch import Quantiles
+from commlib.observe.typed import UNSET, CollectiveLine, Event
 
 FAILURE_EVENTS = ("collective.timeout", "peer.failure", "collective.error")
 MISMATCH_EVENT = "collective.mismatch"
@@ -87,7 +88,7 @@ class Call:
         seq: int,
         op: str,
         start_ns: int | None,
-        start: dict[str, Any],
+        start: Event,
         peer: int | None = None,
         status: str = "started",
         source: str = "log",
@@ -101,7 +102,7 @@ class Call:
         self.status = status  # started | ok | timed_out | failed
         self.source = source  # log | flight (found only in a flight-recorder dump)
         self._start = start  # the start event (or what stands for it)
-        self._end: dict[str, Any] = _NO_EVENT  # the event that ended it: collective.end, or a failure
+        self._end: Event = _NO_EVENT  # the event that ended it: collective.end, or a failure
         self.end_ns: int | None = None
         self.duration_s: float | None = None
         self.stack: list[str] | None = None
@@ -196,13 +197,13 @@ class RankLog:
     """One rank in one attempt: where its log begins and ends, and where it was."""
 
     rank: int
-    last: dict[str, Any]  # its last event (the pass keeps the event, not fields copied out of it)
+    last: Event  # its last event (the pass keeps the event, not fields copied out of it)
     host: str | None = None
     pid: int | None = None
     # The main thread's stack from its last SIGUSR2 (faulthandler; traceback lines, outermost first).
     signal_stack: list[str] | None = None
     first_ns: int = 0
-    stepped: dict[str, Any] = field(default_factory=dict)  # its last event with a step or a phase
+    stepped: Event = field(default_factory=dict)  # its last event with a step or a phase
     last_started: Call | None = None  # the call with the latest start
     last_finished: Call | None = None  # the ok call with the latest end
     first_failure_ns: int | None = None  # its first failure or mismatch event
@@ -357,17 +358,21 @@ def disagree(calls: Iterable[Call]) -> bool:
     first = None
     for c in calls:
         start = c._start
-        shapes = start.get("shapes")
+        if type(start) is CollectiveLine:  # most are: read by attribute (every settled collective's calls)
+            shapes, its_dtype, its_root = start.shapes, start.dtype, start.root
+            if shapes is UNSET:
+                continue
+            if its_dtype is UNSET:
+                its_dtype = None
+            if its_root is UNSET:
+                its_root = None
+        else:
+            shapes, its_dtype, its_root = start.get("shapes"), start.get("dtype"), start.get("root")
         if shapes is None:
             continue  # made up from a failure: nothing to compare
         if first is None:
-            first, op, dtype, root = shapes, c.op, start.get("dtype"), start.get("root")
-        elif (
-            c.op != op
-            or start.get("dtype") != dtype
-            or start.get("root") != root
-            or (shapes != first and op not in ROOT_ONLY_SHAPES)
-        ):
+            first, op, dtype, root = shapes, c.op, its_dtype, its_root
+        elif c.op != op or its_dtype != dtype or its_root != root or (shapes != first and op not in ROOT_ONLY_SHAPES):
             return True
     return False
 
@@ -515,7 +520,7 @@ class Observer:
         """A send and the recv it matched (both logged a start)."""
 
 
-def peer_of(e: dict[str, Any]) -> int | None:
+def peer_of(e: Event) -> int | None:
     """The other side's communicator rank of a send/recv event or flight entry; None for a collective.
 
     Flight dumps written before entries had `peer` kept it in `root`.

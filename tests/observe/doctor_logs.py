@@ -1,16 +1,19 @@
 """Shared by the observe tests (imported from their directory): a run's logs as they were while
 it still hung, logs written by hand (`Job`), the verdict read from the end checked against the
-full read (`same_verdict`), and waiting for what another thread or process does."""
+full read, and the full read against itself with every line read as a dict (`same_verdict`,
+`read_as_dicts`), and waiting for what another thread or process does."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from commlib.observe import reading
 from commlib.observe.doctor import Diagnosis, diagnose
 from commlib.observe.log import read_events
 from commlib.observe.tail import verdict, verdict_fields
@@ -41,7 +44,21 @@ def same_verdict(logdir: Path, window: int = 600) -> Diagnosis:
     full, tail = diagnose(logdir), verdict(logdir, window=window)
     assert tail.exit_code == full.exit_code, logdir
     assert [verdict_fields(a) for a in tail.attempts] == [verdict_fields(a) for a in full.attempts], logdir
+    with read_as_dicts():
+        assert diagnose(logdir).to_dict() == full.to_dict(), logdir
     return tail
+
+
+@contextlib.contextmanager
+def read_as_dicts() -> Iterator[None]:
+    """Every line read as a dict, the general way (`commlib.observe.typed`: as where msgspec is
+    not installed), not a collective's start or end as a typed `CollectiveLine`."""
+    typed = reading.decode_collective, reading.decode_collectives
+    reading.decode_collective, reading.decode_collectives = (lambda raw: None), (lambda lines: None)
+    try:
+        yield
+    finally:
+        reading.decode_collective, reading.decode_collectives = typed
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
