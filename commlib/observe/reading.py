@@ -18,7 +18,8 @@ import contextlib
 import operator
 import os
 import resource
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ _CLOCK_AND_RANK = operator.itemgetter(0, 1)
 # A line as `RankReader.take` hands it over: a collective's start or end, decoded; or any
 # other line's (ts_ns, its bytes, whether it wants its window folded in order).
 Item = CollectiveLine | tuple[int, bytes, bool]
+# Lines a take hands over from one chunk: (its file's report, the lines, whether every one is a
+# `CollectiveLine`).
+Run = tuple[FileReport, list[Item], bool]
 
 
 def enough_descriptors(files: int) -> bool:
@@ -84,26 +88,31 @@ class RankReader:
         self._offset = 0
         self._items: list[Item] = []  # the chunk read last, decoded
         self._at = 0  # its first item not taken yet
+        # The chunk's clocks, where every line of it is a `CollectiveLine` and they never go back
+        # (almost every chunk): a take finds its end by bisection. None otherwise.
+        self._clocks: list[int] | None = None
 
-    def take(self, until: int) -> list[tuple[FileReport, list[Item]]]:
-        """The lines before `until`, from `head` on, as runs of one file each: (its report, the
-        lines: a `CollectiveLine`, or (ts_ns, bytes, wants order) for any other); `head` is then
-        the clock of the first line at or after it, or None when the files are read."""
-        taken: list[tuple[FileReport, list[Item]]] = []
+    def take(self, until: int) -> list[Run]:
+        """The lines before `until`, from `head` on, as runs of one chunk each (`Run`); `head`
+        is then the clock of the first line at or after it, or None when the files are read."""
+        taken: list[Run] = []
         while True:
-            items, at = self._items, self._at
+            items, at, clocks = self._items, self._at, self._clocks
             first = at
-            for item in islice(items, at, None):
-                if type(item) is CollectiveLine:
-                    if item.ts_ns >= until:
+            if clocks is not None:
+                at = bisect_left(clocks, until, at)
+            else:
+                for item in islice(items, at, None):
+                    if type(item) is CollectiveLine:
+                        if item.ts_ns >= until:
+                            break
+                    elif item[0] >= until:  # type: ignore[index]
                         break
-                elif item[0] >= until:  # type: ignore[index]
-                    break
-                elif item[2]:  # type: ignore[index]
-                    self.ordered = True
-                at += 1
+                    elif item[2]:  # type: ignore[index]
+                        self.ordered = True
+                    at += 1
             if at > first:
-                taken.append((self.report, items[first:at]))
+                taken.append((self.report, items[first:at], clocks is not None))
             self._at = at
             if at < len(items):
                 item = items[at]
@@ -118,6 +127,7 @@ class RankReader:
         while True:
             lines = self._read() if self._index >= 0 else None
             if lines:
+                self._clocks = None
                 self._items, self._at = self._decode(lines), 0
                 if self._items:
                     return True
@@ -138,6 +148,9 @@ class RankReader:
         chunk = decode_collectives(lines)
         if chunk is not None:
             report.events += len(chunk)
+            clocks = [line.ts_ns for line in chunk]
+            if clocks == sorted(clocks):
+                self._clocks = clocks
             return chunk  # type: ignore[return-value]
         items: list[Item] = []
         for raw in lines:
@@ -250,24 +263,27 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
             for observer in fold.observers:
                 observer.begin(start)
         groups = [(contexts[r.index], r.take(start + window)) for r in live]
-        lines = sum(len(items) for _, runs in groups for _, items in runs)
+        lines = sum(len(items) for _, runs in groups for _, items, _ in runs)
         if any(r.ordered for r in live):  # each line a run of its own, in order
             for r in live:
                 r.ordered = False
             groups = [
-                (context, [(report, [item])])
+                (context, [(report, [item], type(item) is CollectiveLine)])
                 for _, _, item, report, context in sorted(
                     (
                         (_clock_of(item), i, item, report, context)
                         for i, (context, runs) in enumerate(groups)
-                        for report, items in runs
+                        for report, items, _ in runs
                         for item in items
                     ),
                     key=_CLOCK_AND_RANK,
                 )
             ]
         for context, runs in groups:
-            for report, items in runs:
+            for report, items, typed in runs:
+                if typed:
+                    _fold_collectives(add_collective, items, context, report)
+                    continue
                 for item in items:
                     try:
                         if type(item) is CollectiveLine:
@@ -294,6 +310,26 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                 fold.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
         live = [r for r in live if r.head is not None]
         window = max(1, min(window * 4, int(window * BATCH / max(1, lines))))
+
+
+def _fold_collectives(
+    add_collective: Callable[[CollectiveLine, Context], None], lines: list[Item], context: Context, report: FileReport
+) -> None:
+    """A run of `CollectiveLine`s folded in, each one a line not read where the fold refuses it
+    (`stream`'s loop without its questions of each line: most runs are these)."""
+    at = 0
+    while at < len(lines):
+        try:
+            for line in islice(lines, at, None):
+                add_collective(line, context)  # type: ignore[arg-type]
+                at += 1
+            return
+        except MixedJobsError:
+            raise
+        except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
+            at += 1  # the line is not read
+            report.events -= 1
+            report.garbled += 1
 
 
 def _after_cut(raw: bytes, context: Context, report: FileReport) -> dict[str, Any] | None:

@@ -3,13 +3,20 @@ writer writes, read back as the dicts they are; every other line left to the gen
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
 import pytest
 
 from commlib.observe import log
+from commlib.observe.fold import Context, Unplaceable
+from commlib.observe.reading import _fold_collectives
+from commlib.observe.records import FileReport
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
+from doctor_logs import Job
 
 
 def _written(tmp_path: Path, **context: object) -> list[bytes]:
@@ -88,3 +95,42 @@ def test_a_chunk_is_typed_only_where_each_of_its_lines_is_one_line_of_one_collec
         assert decode_collectives(lines) is None
     assert decode_collective(two_on_one) is None
     assert decode_collective(one_on_two[0]) is None and decode_collective(one_on_two[1]) is None
+
+
+def test_a_typed_line_the_fold_refuses_is_counted_as_not_read_and_the_run_goes_on(tmp_path: Path) -> None:
+    start, end, _ = _written(tmp_path)
+    lines = decode_collectives([start, end, start, end])
+    assert lines is not None
+    folded: list[object] = []
+
+    def add_collective(line: CollectiveLine, context: Context) -> None:
+        if len(folded) == 1 and line is lines[1]:
+            folded.append("refused")
+            raise Unplaceable("not of commlib's writing")
+        folded.append(line)
+
+    report = FileReport("rank0.jsonl", 0)
+    report.events = 4
+    _fold_collectives(add_collective, lines, Context(0), report)  # type: ignore[arg-type]
+    assert folded == [lines[0], "refused", lines[2], lines[3]]
+    assert (report.events, report.garbled) == (3, 1)
+
+
+def test_where_msgspec_is_not_installed_the_doctor_says_the_same_reading_every_line_as_a_dict(tmp_path: Path) -> None:
+    job = Job(tmp_path / "logs", size=3)
+    for rank in range(3):
+        job.start(rank, "node0", 100 + rank)
+        job.comm(rank)
+    for seq in range(1, 12):
+        for rank in range(3):
+            if not (seq == 11 and rank == 2):  # rank 2 never starts the last one
+                job.collective(rank, seq, end=seq < 11, step=seq, phase="forward")
+    doctor = ("import sys, runpy; sys.argv = ['commlib-doctor', *sys.argv[1:]]; "
+              "runpy.run_module('commlib.doctor', run_name='__main__')")
+    blocked = "import sys; sys.modules['msgspec'] = None; " + doctor  # `import msgspec` raises ImportError
+    said = [subprocess.run([sys.executable, "-c", code, str(job.directory), "--json"], capture_output=True, text=True)
+            for code in (doctor, blocked)]
+    assert said[0].returncode == 1 and said[0].stdout and said[0].stderr == ""
+    assert said[1].stdout == said[0].stdout and said[1].returncode == said[0].returncode
+    [attempt] = json.loads(said[0].stdout)["attempts"]
+    assert (attempt["culprits"], attempt["collectives"]) == ([2], 11)  # the hang, and every seq counted
