@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_doctor.py tails DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py windows DIR [DIR ...] [--sizes 4096 6144 8192 12288]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]
+    .venv/bin/python scripts/bench_doctor.py full DIR [DIR ...] [--refs af3dcc2 ...] [--rounds 1]
     .venv/bin/python scripts/bench_doctor.py bytes --ref 00cc0ef [--collectives 2000]
 
 `scale`: logs of a 1,000-rank job are generated (`generate`, below) at each line count, then
@@ -29,6 +30,11 @@ its CPU, the bytes it read and its rounds, with the verdict, which must be the s
 (`--json`, each in its own process); the two diagnoses must be equal but for the fields this
 one added (`job`, `unreadable`, `skipped_lines`) and float rounding; every difference is
 printed, and the exit status is 1 if there is any.
+
+`full`: the full report (`--json`) of each revision of `--refs` and of this tree on each
+directory, `--rounds` rounds of each in turn, each in a fresh process: the best wall time of
+each, its CPU time and peak memory (of the process and what it forked), its ratio to the first
+revision's, and whether its diagnosis is the first revision's (as `scale` compares them).
 
 `bytes`: a 2-rank gloo job (real processes, `commlib.testing.run`) issues `--collectives`
 all_reduces under `commlib.context(step=..., phase=...)`, once with the commlib of `--ref`
@@ -508,6 +514,36 @@ def bytes_per_collective(args: argparse.Namespace) -> None:
             print(f"{name}: {us:.2f} us of CPU to write a collective's two events (median of 15 interleaved rounds)")
 
 
+def full(args: argparse.Namespace) -> int:
+    """The full report of each `--refs` revision and of this tree on each directory, in rounds
+    (each doctor in a fresh process, one after the other in each round), the best of each, its
+    ratio to the first revision's, and whether every diagnosis is the first one's (but for
+    fields a later doctor added, and the statistics within the sketch's error)."""
+    differing = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {ref: _checkout(ref, Path(tmp) / ref) for ref in args.refs}
+        trees["this tree"] = REPO
+        for logdir in args.dirs:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            for _ in range(args.rounds):
+                for name, tree in trees.items():
+                    runs[name].append(_doctor(tree, logdir))
+                    print(f"  {logdir} {_say(name, runs[name][-1])}, load {os.getloadavg()[0]:.1f}", flush=True)
+            best = {name: min(r, key=lambda m: m["wall_s"]) for name, r in runs.items()}
+            first = json.loads(best[args.refs[0]]["stdout"])
+            for name, m in best.items():
+                mine = json.loads(m["stdout"])
+                found = _differences(_verdict_of(first), _verdict_of(mine)) + _differences(
+                    {k: first[k] for k in TABLES}, {k: mine[k] for k in TABLES}, rel=SKETCH_ERROR)
+                differing += bool(found)
+                print(f"{logdir}: {_say(name, m)} (best of {args.rounds}); "
+                      f"{m['wall_s'] / best[args.refs[0]]['wall_s']:.3f}x {args.refs[0]}'s wall time; "
+                      f"the same diagnosis: {not found}", flush=True)
+                for line in found[:10]:
+                    print(f"    {line}")
+    return 1 if differing else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -532,6 +568,10 @@ def main() -> int:
     w = sub.add_parser("windows", help="the verdict's CPU and bytes read for each first window size")
     w.add_argument("dirs", type=Path, nargs="+")
     w.add_argument("--sizes", type=int, nargs="+", default=[4096, 6144, 8192, 12288])
+    f = sub.add_parser("full", help="the full report of --refs and this tree on each directory, best of --rounds")
+    f.add_argument("dirs", type=Path, nargs="+")
+    f.add_argument("--refs", nargs="+", default=["af3dcc2"])
+    f.add_argument("--rounds", type=int, default=1)
     g = sub.add_parser("generate", help="only write generated logs into DIR")
     g.add_argument("dir", type=Path)
     g.add_argument("--ranks", type=int, default=1000)
@@ -548,6 +588,8 @@ def main() -> int:
         return windows(args)
     elif args.cmd == "verdicts":
         return verdicts(args)
+    elif args.cmd == "full":
+        return full(args)
     elif args.cmd == "bytes":
         bytes_per_collective(args)
     else:

@@ -23,7 +23,6 @@ logs of more than one job is refused (`MixedJobsError`, naming each) unless one 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,9 +32,10 @@ from typing import Any
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.files import kind
 from commlib.observe.fold import Context, Fold, Unplaceable
+from commlib.observe.halves import read_in_halves, worth_halves
 from commlib.observe.log import Inflater, rank_segments, read_run
-from commlib.observe.reading import RankReader, enough_descriptors, mixed_jobs, stream
-from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, MixedJobsError, Observer
+from commlib.observe.reading import read
+from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, Observer
 
 LISTED = 10  # files an error names one by one
 
@@ -88,11 +88,18 @@ class _Collect(Observer):
         self.calls.append((att.attempt, call))
 
 
-def load(logdir: str | os.PathLike[str], job: str | None = None, observers: Iterable[Observer] = ()) -> RunLogs:
+def load(
+    logdir: str | os.PathLike[str],
+    job: str | None = None,
+    observers: Iterable[Observer] = (),
+    halves: bool | None = None,
+) -> RunLogs:
     """Read every rank's logs, every flight-recorder dump and every stack dump of `logdir`, in
-    one pass (`commlib.observe.reading.stream`); with `job`, only that job's events. Raises LogDirError when
+    one pass (`commlib.observe.reading.read`); with `job`, only that job's events. Raises LogDirError when
     the directory is missing or no file in it holds a readable event, MixedJobsError when it
-    holds more than one job's logs and `job` does not pick one."""
+    holds more than one job's logs and `job` does not pick one. `halves`: the pass on two
+    processes, each reading half the collectives (`commlib.observe.halves`); None: where the
+    logs are large enough for it to pay, and no observer needs every call in order."""
     if not os.fspath(logdir):  # an unset shell variable: never the current directory by accident
         raise LogDirError("expected a log directory; found an empty path")
     directory = Path(logdir)
@@ -111,23 +118,10 @@ def load(logdir: str | os.PathLike[str], job: str | None = None, observers: Iter
             else "was the job run with log_dir= or COMMLIB_LOG_DIR set?"
         )
         raise LogDirError(f"expected rank*.jsonl logs in {directory}; found none ({hint})")
-    fold = Fold(job, list(observers))
-    readers = [RankReader(rank, paths) for rank, paths in segments.items()]
-    keep_open = enough_descriptors(len(readers))
-    for reader in readers:
-        reader.keep_open = keep_open
-    collecting = gc.isenabled()
-    gc.disable()  # the pass makes millions of short-lived dicts and no cycles: a fifth of its time went to gc
-    try:
-        stream(fold, readers)
-    except MixedJobsError:
-        raise mixed_jobs(directory, fold.jobs) from None
-    finally:
-        if collecting:
-            gc.enable()
-        for reader in readers:
-            reader.close()
-    files = [report for reader in readers for report in reader.reports]
+    observers = list(observers)
+    if halves is None:
+        halves = not observers and worth_halves(segments)
+    fold, files = read_in_halves(directory, segments, job) if halves else read(directory, segments, job, observers)
     if all(f.unreadable() is not None for f in files):
         listing = "; ".join(f"{Path(f.path).name}: {f.unreadable()}" for f in files[:LISTED])
         more = f"; and {len(files) - LISTED} more" if len(files) > LISTED else ""

@@ -266,6 +266,13 @@ class SeqSet:
     def __contains__(self, seq: int) -> bool:
         return seq < self.below or seq in self.above
 
+    def update(self, other: SeqSet) -> None:
+        """Add every seq `other` has seen."""
+        for seq in range(1, other.below):
+            self.add(seq)
+        for seq in sorted(other.above):
+            self.add(seq)
+
 
 @dataclass
 class CommLog:

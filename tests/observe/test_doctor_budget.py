@@ -27,7 +27,8 @@ from commlib.doctor import main, render
 from commlib.observe import log
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
-from commlib.observe.model import MixedJobsError, load
+from commlib.observe.model import load
+from commlib.observe.records import MixedJobsError
 from commlib.observe.trace import build_trace
 from doctor_logs import same_verdict
 

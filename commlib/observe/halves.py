@@ -1,0 +1,233 @@
+"""The full read on two cores: the pass split in two halves by sequence number, and merged.
+
+A collective's seq (a send/recv's, its pair's count) decides which half folds it: this
+process the even ones, a forked child the odd ones (`Fold.parity`). Each half reads every
+line of every rank; it folds the collectives of its parity (their starts, ends, failures and
+mismatches) and every other event (headers, communicators, notices, recoveries), which both
+need. A collective's calls are all in one half, so each half settles its own exactly as one
+pass would. What is left to merge is small and has one rule each (`merge`):
+
+- counts add up (collectives, send/recv ops, waits), sketches merge, sets join;
+- the calls still open, their failures and mismatches come from the half that owns them;
+- where a rank was (its last event, its last one with a step or phase, its last started and
+  last finished call, its first failure) is the later (or first) of the two halves' answers,
+  at the end and in each snapshot taken when a deadline expired (both halves take every one);
+- everything else (ranks' hosts and pids, communicators' members, errors, jobs) both halves
+  read alike from the same events: this process's is kept.
+
+The child sends its fold back pickled through a pipe; a child that fails or dies leaves the
+read to one process again, from the start. The model is the one pass's, but for sums of
+durations added in another order (their last bits) and for ties between two events of one
+rank at the same nanosecond. Only worth it on large logs (`worth_halves`): a fork and a
+second read of every file cost about a tenth of a second.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from commlib.observe.fold import Fold
+from commlib.observe.reading import read
+from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, Place, RankLog
+
+HALVES_FROM_BYTES = 64 << 20  # logs smaller than this are read in one process
+
+
+def worth_halves(segments: dict[int, list[Path]]) -> bool:
+    """Whether logs this large are read faster on two processes: this machine has two cores,
+    and this process no other thread (a fork copies only the calling one: a lock another holds
+    would stay held in the child)."""
+    if (os.cpu_count() or 1) < 2 or not hasattr(os, "fork") or threading.active_count() > 1:
+        return False
+    total = 0
+    for paths in segments.values():
+        for path in paths:
+            try:
+                total += path.stat().st_size
+            except OSError:
+                continue
+            if total >= HALVES_FROM_BYTES:
+                return True
+    return False
+
+
+def read_in_halves(directory: Path, segments: dict[int, list[Path]], job: str | None) -> tuple[Fold, list[FileReport]]:
+    """`reading.read` on two processes (module docstring): the merged fold, and what was read of each file."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the odd half, sent back whole
+        os.close(rfd)
+        code = 1
+        try:
+            fold, files = read(directory, segments, job, [], parity=1)
+            counts = [(f.events, f.garbled, f.headers) for f in files]
+            payload = pickle.dumps((fold, counts), protocol=pickle.HIGHEST_PROTOCOL)
+            with os.fdopen(wfd, "wb") as out:
+                out.write(payload)
+            code = 0
+        finally:
+            os._exit(code)  # never the parent's exit handlers, nor its buffers flushed twice
+    os.close(wfd)
+    other: tuple[Fold, list[tuple[int, int, int]]] | None = None
+    try:
+        fold, files = read(directory, segments, job, [], parity=0)
+        with os.fdopen(rfd, "rb") as inp:
+            rfd = -1
+            data = inp.read()
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        if status == 0 and data:
+            other = pickle.loads(data)
+    finally:
+        if rfd >= 0:
+            os.close(rfd)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if other is None:  # the child failed: the whole read in this process
+        return read(directory, segments, job, [])
+    merge(fold, other[0])
+    for report, (events, garbled, headers) in zip(files, other[1], strict=True):
+        report.events += events  # the first half counts every line; the second, what only it folds
+        report.garbled += garbled
+        report.headers += headers
+    return fold, files
+
+
+def merge(fold: Fold, other: Fold) -> None:
+    """Fold the odd half (`other`) into the even one (`fold`), which becomes the whole (module docstring)."""
+    fold.parity = None
+    for attempt, theirs in other.attempts.items():
+        mine = fold.attempts.get(attempt)
+        if mine is None:
+            fold.attempts[attempt] = theirs
+            continue
+        _merge_attempt(mine, theirs, fold.snapshot_clocks, other.snapshot_clocks)
+    for key, labels in other._comms_of.items():
+        fold._comms_of[key] |= labels
+    for attempt, done in other._done.items():
+        fold._done[attempt] |= done
+
+
+def _merge_attempt(
+    mine: AttemptLog,
+    theirs: AttemptLog,
+    my_clocks: dict[tuple[int, int], dict[int, tuple[int, int | None]]],
+    their_clocks: dict[tuple[int, int], dict[int, tuple[int, int | None]]],
+) -> None:
+    mine.collectives += theirs.collectives
+    mine.p2p_ops += theirs.p2p_ops
+    if theirs.world_size is not None:
+        mine.world_size = max(mine.world_size or 0, theirs.world_size)
+    for rank, rl in theirs.ranks.items():
+        own = mine.ranks.get(rank)
+        if own is None:
+            mine.ranks[rank] = rl
+        else:
+            _merge_rank(own, rl)
+    for label, comm in theirs.comms.items():
+        own_comm = mine.comms.get(label)
+        if own_comm is None:
+            mine.comms[label] = comm
+        else:
+            _merge_comm(own_comm, comm)
+    for rank, waits in theirs.waits.items():
+        own_waits = mine.waits[rank]
+        own_waits.last_count += waits.last_count
+        own_waits.lags.merge(waits.lags)
+    for ts, places in mine.snapshots.items():
+        other_places = theirs.snapshots.get(ts, {})
+        clocks = my_clocks.get((mine.attempt, ts), {})
+        other_clocks = their_clocks.get((mine.attempt, ts), {})
+        for rank, place in other_places.items():
+            if rank not in places:
+                places[rank] = place
+            else:
+                places[rank] = _later_place(places[rank], clocks[rank], place, other_clocks[rank])
+
+
+def _merge_rank(mine: RankLog, theirs: RankLog) -> None:
+    """Where a rank was: the later of the two halves' answers (this half's where they tie)."""
+    if theirs.last_ns > mine.last_ns:
+        mine.last = theirs.last
+    if _clock(theirs.stepped) > _clock(mine.stepped):
+        mine.stepped = theirs.stepped
+    mine.last_started = _later(mine.last_started, theirs.last_started, "start_ns")
+    mine.last_finished = _later(mine.last_finished, theirs.last_finished, "end_ns")
+    if theirs.first_failure_ns is not None and (
+        mine.first_failure_ns is None or theirs.first_failure_ns < mine.first_failure_ns
+    ):
+        mine.first_failure_ns = theirs.first_failure_ns
+    mine.first_ns = min(mine.first_ns, theirs.first_ns)
+
+
+def _later_place(
+    mine: Place, my_clocks: tuple[int, int | None], theirs: Place, their_clocks: tuple[int, int | None]
+) -> Place:
+    """A rank's place in one snapshot, from the two halves' (`RankLog.place`, with the clocks of
+    the events its first four fields were read from)."""
+    event, ts, step, phase, started, finished = mine
+    if their_clocks[0] > my_clocks[0]:
+        event, ts = theirs[0], theirs[1]
+    if (their_clocks[1] or -1) > (my_clocks[1] or -1):
+        step, phase = theirs[2], theirs[3]
+    return (
+        event,
+        ts,
+        step,
+        phase,
+        _later(started, theirs[4], "start_ns"),
+        _later(finished, theirs[5], "end_ns"),
+    )
+
+
+def _later(mine: Call | None, theirs: Call | None, clock: str) -> Call | None:
+    """The call with the later `clock` (`RankLog.last_started`'s rule: the first of equals, here this half's)."""
+    if theirs is None:
+        return mine
+    if mine is None or (getattr(mine, clock) or 0) < (getattr(theirs, clock) or 0):
+        return theirs
+    return mine
+
+
+def _clock(event: Any) -> int:
+    ts = event.get("ts_ns")
+    return ts if isinstance(ts, int) else -1
+
+
+def _merge_comm(mine: CommLog, theirs: CommLog) -> None:
+    """One communicator's two halves: each collective (and send/recv) is in exactly one of them."""
+    if theirs.calls:
+        mine.calls = dict(sorted({**mine.calls, **theirs.calls}.items()))  # one pass opens them in seq order
+    mine.ok.update(theirs.ok)
+    mine.p2p_calls.update(theirs.p2p_calls)
+    mine.failures += theirs.failures  # the doctor orders them by their clocks
+    for seq, events in theirs.mismatches.items():
+        mine.mismatches[seq].update(events)
+    for key, seq in theirs.logged.items():
+        if seq > mine.logged.get(key, 0):
+            mine.logged[key] = seq
+    mine.seqs.update(theirs.seqs)
+    for key in [*theirs.latency, *theirs.sketches]:
+        if key not in mine.latency:
+            mine.latency[key] = []
+    for key, durations in theirs.latency.items():
+        mine.latency[key] += durations
+    for key, sketch in theirs.sketches.items():
+        own = mine.sketches.get(key)
+        if own is None:
+            mine.sketches[key] = sketch
+        else:
+            own.merge(sketch)
+    mine.waited += theirs.waited
+    mine.differing_count += theirs.differing_count
+    if theirs.differing is not None and (mine.differing is None or theirs.differing[0] < mine.differing[0]):
+        mine.differing = theirs.differing
+    for comm_rank, rank in theirs.members.items():
+        mine.members.setdefault(comm_rank, rank)
+    mine.member_cache = None
