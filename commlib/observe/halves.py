@@ -28,13 +28,15 @@ import os
 import pickle
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from commlib.observe.fold import Fold
 from commlib.observe.reading import read
 from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, Place, RankLog
 
+V = TypeVar("V")
 HALVES_FROM_BYTES = 64 << 20  # logs smaller than this are read in one process
 
 
@@ -102,12 +104,11 @@ def read_in_halves(directory: Path, segments: dict[int, list[Path]], job: str | 
 def merge(fold: Fold, other: Fold) -> None:
     """Fold the odd half (`other`) into the even one (`fold`), which becomes the whole (module docstring)."""
     fold.parity = None
-    for attempt, theirs in other.attempts.items():
-        mine = fold.attempts.get(attempt)
-        if mine is None:
-            fold.attempts[attempt] = theirs
-            continue
-        _merge_attempt(mine, theirs, fold.snapshot_clocks, other.snapshot_clocks)
+    _merge_each(
+        fold.attempts,
+        other.attempts,
+        lambda mine, theirs: _merge_attempt(mine, theirs, fold.snapshot_clocks, other.snapshot_clocks),
+    )
     for key, labels in other._comms_of.items():
         fold._comms_of[key] |= labels
     for attempt, done in other._done.items():
@@ -124,18 +125,8 @@ def _merge_attempt(
     mine.p2p_ops += theirs.p2p_ops
     if theirs.world_size is not None:
         mine.world_size = max(mine.world_size or 0, theirs.world_size)
-    for rank, rl in theirs.ranks.items():
-        own = mine.ranks.get(rank)
-        if own is None:
-            mine.ranks[rank] = rl
-        else:
-            _merge_rank(own, rl)
-    for label, comm in theirs.comms.items():
-        own_comm = mine.comms.get(label)
-        if own_comm is None:
-            mine.comms[label] = comm
-        else:
-            _merge_comm(own_comm, comm)
+    _merge_each(mine.ranks, theirs.ranks, _merge_rank)
+    _merge_each(mine.comms, theirs.comms, _merge_comm)
     for rank, waits in theirs.waits.items():
         own_waits = mine.waits[rank]
         own_waits.last_count += waits.last_count
@@ -149,6 +140,16 @@ def _merge_attempt(
                 places[rank] = place
             else:
                 places[rank] = _later_place(places[rank], clocks[rank], place, other_clocks[rank])
+
+
+def _merge_each(mine: dict[Any, V], theirs: dict[Any, V], merge: Callable[[V, V], None]) -> None:
+    """Each of `theirs` merged into `mine`'s of the same key, or added where `mine` has none."""
+    for key, value in theirs.items():
+        own = mine.get(key)
+        if own is None:
+            mine[key] = value
+        else:
+            merge(own, value)
 
 
 def _merge_rank(mine: RankLog, theirs: RankLog) -> None:
