@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_doctor.py windows DIR [DIR ...] [--sizes 4096 6144 8192 12288]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py full DIR [DIR ...] [--refs af3dcc2 ...] [--rounds 1]
+    .venv/bin/python scripts/bench_doctor.py halves DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py bytes --ref 00cc0ef [--collectives 2000]
 
 `scale`: logs of a 1,000-rank job are generated (`generate`, below) at each line count, then
@@ -34,7 +35,11 @@ printed, and the exit status is 1 if there is any.
 `full`: the full report (`--json`) of each revision of `--refs` and of this tree on each
 directory, `--rounds` rounds of each in turn, each in a fresh process: the best wall time of
 each, its CPU time and peak memory (of the process and what it forked), its ratio to the first
-revision's, and whether its diagnosis is the first revision's (as `scale` compares them).
+revision's, and whether this tree's diagnosis is the last revision's (as `scale` compares them).
+
+`halves`: each directory read on two processes (`commlib.observe.halves`) and in one pass, in
+this process: the two diagnoses must be equal but for float rounding (durations summed in
+another order), or both refused alike; exits 1 if any differs.
 
 `bytes`: a 2-rank gloo job (real processes, `commlib.testing.run`) issues `--collectives`
 all_reduces under `commlib.context(step=..., phase=...)`, once with the commlib of `--ref`
@@ -397,19 +402,21 @@ def _verdict_of(diagnosis: dict[str, Any]) -> dict[str, Any]:
             "attempts": [{k: v for k, v in a.items() if k != "start_ns"} for a in diagnosis["attempts"]]}
 
 
-def _differences(old: Any, new: Any, path: str = "", rel: float = 1e-9) -> list[str]:
-    """Where two diagnoses (`--json`) differ, but for the fields this doctor added (`ADDED`, and
+def _differences(old: Any, new: Any, path: str = "", rel: float = 1e-9, added: tuple[str, ...] = ADDED) -> list[str]:
+    """Where two diagnoses (`--json`) differ, but for the fields this doctor added (`added`, and
     any key the old diagnosis lacks) and float rounding (`rel`: the relative difference taken
     for rounding)."""
     if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted(set(old) - (set(ADDED) if path == "" else set()))
+        if set(new) - set(old) and not added:
+            return [f"{path}: keys {sorted(set(new) - set(old))} only in the second"]
+        keys = sorted(set(old) - (set(added) if path == "" else set()))
         return [d for k in keys for d in (
             [f"{path}.{k}: missing in this one"] if k not in new
-            else _differences(old[k], new[k], f"{path}.{k}", rel))]
+            else _differences(old[k], new[k], f"{path}.{k}", rel, added))]
     if isinstance(old, list) and isinstance(new, list):
         if len(old) != len(new):
             return [f"{path}: {len(old)} items vs {len(new)}"]
-        return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, f"{path}[{i}]", rel)]
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in _differences(a, b, f"{path}[{i}]", rel, added)]
     if isinstance(old, float) and isinstance(new, float):
         return [] if math.isclose(old, new, rel_tol=rel, abs_tol=1e-12) else [f"{path}: {old} vs {new}"]
     return [] if old == new else [f"{path}: {str(old)[:200]} vs {str(new)[:200]}"]
@@ -530,18 +537,43 @@ def full(args: argparse.Namespace) -> int:
                     runs[name].append(_doctor(tree, logdir))
                     print(f"  {logdir} {_say(name, runs[name][-1])}, load {os.getloadavg()[0]:.1f}", flush=True)
             best = {name: min(r, key=lambda m: m["wall_s"]) for name, r in runs.items()}
-            first = json.loads(best[args.refs[0]]["stdout"])
             for name, m in best.items():
-                mine = json.loads(m["stdout"])
-                found = _differences(_verdict_of(first), _verdict_of(mine)) + _differences(
-                    {k: first[k] for k in TABLES}, {k: mine[k] for k in TABLES}, rel=SKETCH_ERROR)
-                differing += bool(found)
                 print(f"{logdir}: {_say(name, m)} (best of {args.rounds}); "
-                      f"{m['wall_s'] / best[args.refs[0]]['wall_s']:.3f}x {args.refs[0]}'s wall time; "
-                      f"the same diagnosis: {not found}", flush=True)
-                for line in found[:10]:
-                    print(f"    {line}")
+                      f"{m['wall_s'] / best[args.refs[0]]['wall_s']:.3f}x {args.refs[0]}'s wall time", flush=True)
+            last, mine = json.loads(best[args.refs[-1]]["stdout"]), json.loads(best["this tree"]["stdout"])
+            found = _differences(_verdict_of(last), _verdict_of(mine)) + _differences(
+                {k: last[k] for k in TABLES}, {k: mine[k] for k in TABLES}, rel=SKETCH_ERROR)
+            differing += bool(found)
+            print(f"{logdir}: the same diagnosis from this tree as from {args.refs[-1]}: {not found}")
+            for line in found[:10]:
+                print(f"    {line}")
     return 1 if differing else 0
+
+
+def halves(args: argparse.Namespace) -> int:
+    """Each directory read on two processes (`commlib.observe.halves`) and in one pass, in this
+    process: the same diagnosis, but for float rounding, or the same refusal."""
+    from commlib.observe.doctor import analyze
+    from commlib.observe.model import load
+    from commlib.observe.records import LogDirError
+
+    differing = 0
+    for logdir in args.dirs:
+        try:
+            one: Any = analyze(load(logdir, halves=False)).to_dict()
+        except LogDirError as exc:
+            one = f"refused: {exc}"
+        try:
+            two: Any = analyze(load(logdir, halves=True)).to_dict()
+        except LogDirError as exc:
+            two = f"refused: {exc}"
+        found = _differences(one, two, rel=1e-12, added=()) if isinstance(one, dict) and isinstance(two, dict) else (
+            [] if one == two else [f"{str(one)[:200]} vs {str(two)[:200]}"])
+        differing += bool(found)
+        print(f"{'DIFFERENT' if found else 'same'}: {logdir}", flush=True)
+        for line in found[:10]:
+            print(f"    {line}")
+    return _tally(len(args.dirs), differing, "on two processes as in one pass")
 
 
 def main() -> int:
@@ -572,6 +604,8 @@ def main() -> int:
     f.add_argument("dirs", type=Path, nargs="+")
     f.add_argument("--refs", nargs="+", default=["af3dcc2"])
     f.add_argument("--rounds", type=int, default=1)
+    hv = sub.add_parser("halves", help="each directory read on two processes and in one pass: the same diagnosis?")
+    hv.add_argument("dirs", type=Path, nargs="+")
     g = sub.add_parser("generate", help="only write generated logs into DIR")
     g.add_argument("dir", type=Path)
     g.add_argument("--ranks", type=int, default=1000)
@@ -590,6 +624,8 @@ def main() -> int:
         return verdicts(args)
     elif args.cmd == "full":
         return full(args)
+    elif args.cmd == "halves":
+        return halves(args)
     elif args.cmd == "bytes":
         bytes_per_collective(args)
     else:
