@@ -263,9 +263,10 @@ def run_job(
             while processes.running():
                 if time.monotonic() > deadline:
                     outcome.timed_out = not outcome.stopped
-                    notes.info(
-                        "harness.timeout" if outcome.timed_out else "harness.stop_grace_over", timeout_s=timeout_s
-                    )
+                    if outcome.timed_out:
+                        notes.info("harness.timeout", timeout_s=timeout_s, asked_for_dumps=processes.ask_for_dumps())
+                    else:
+                        notes.info("harness.stop_grace_over", timeout_s=timeout_s)
                     break
                 if stop.requested_ns is not None and not outcome.stopped:
                     # The job's own preemption path: the ranks stop together after the step in

@@ -1,6 +1,7 @@
 """The job's processes: the torchrun agents the harness launches, their workers, and
 everything else in the agents' process groups. The harness finds, signals and stops the
-job's processes here only.
+job's processes here only. A job the harness gives up on is asked for its stacks and flight
+dumps first (`JobProcesses.ask_for_dumps`), so that a hang says where it hung.
 
 Each agent starts in a session of its own (`JobProcesses.launch`), so its process group is
 its pid and nothing it spawns can slip out of the job unseen. A worker is an agent's child,
@@ -32,8 +33,12 @@ from pathlib import Path
 import psutil
 
 from commlib.attempt import attempt_number
+from commlib.observe.flight import STACKS_SIGNAL
 
 TERM_GRACE_S = 5.0
+# What the harness gives a hung job's ranks to write their stacks and flight dumps before it
+# stops them (`JobProcesses.ask_for_dumps`): faulthandler writes at once, the dump thread soon after.
+DUMPS_WAIT_S = 2.0
 JOB_ENV = "CHAOS_JOB"  # the run's token, in the environment of every process of the job
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -106,6 +111,21 @@ class JobProcesses:
         """The live worker of `rank` (the newest, or the one with `pid`)."""
         found = [w for w in self.workers() if w.rank == rank and (pid is None or w.proc.pid == pid) and alive(w.proc)]
         return max(found, key=lambda w: (w.attempt, w.proc.create_time()), default=None)
+
+    def ask_for_dumps(self) -> list[int]:
+        """Ask every live worker for every thread's stack (SIGUSR2) and its flight recorder's
+        rings (SIGUSR1), as a timed-out rank asks its peers: what a hung job leaves to say where
+        it hung, when the harness gives up on it. Waits `DUMPS_WAIT_S` for them to be written;
+        the ranks asked. A worker that has not set its handlers yet dies of it: it was to be
+        stopped next anyway."""
+        asked = []
+        for w in self.workers():
+            if w.rank is not None and alive(w.proc) and send(w.proc, STACKS_SIGNAL) is None:
+                send(w.proc, signal.SIGUSR1)  # the flight recorder's dump (`commlib.observe.flight`)
+                asked.append(w.rank)
+        if asked:
+            time.sleep(DUMPS_WAIT_S)
+        return sorted(asked)
 
     def stop(self) -> None:
         """Stop every process of the job (`terminate`): the agents, all their descendants, their

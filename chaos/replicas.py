@@ -343,7 +343,7 @@ def run_replicas(
             while processes.running():
                 if time.monotonic() > deadline:
                     outcome.timed_out = True
-                    notes.info("harness.timeout", timeout_s=timeout_s)
+                    notes.info("harness.timeout", timeout_s=timeout_s, asked_for_dumps=processes.ask_for_dumps())
                     break
                 poll_job(tails, processes, faults, status, start_ns)  # type: ignore[arg-type]
                 time.sleep(POLL_S)

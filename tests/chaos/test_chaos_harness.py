@@ -8,8 +8,10 @@ import psutil
 import pytest
 
 import chaos
+from commlib.observe.model import load
+from commlib.observe.log import read_events
 from chaos.__main__ import main as cli
-from chaos.harness import Job, run_job
+from chaos.harness import Job, journal_name, run_job
 from chaos.plan import Ledger, Plan, parse_shorthand
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
@@ -66,3 +68,13 @@ def test_harness_timeout_stops_the_job(tmp_path, leftovers):
     assert outcome.timed_out and not outcome.ok and outcome.exit_codes == [None]
     assert len(outcome.pids) > 1  # the agent and its workers were running when the timeout hit
     assert leftovers(run_dir) == []
+    # Before stopping the hung job, the harness asked every rank where it was: its stacks
+    # (SIGUSR2) and its flight recorder (SIGUSR1), which the doctor shows.
+    [timeout] = [e for e in read_events(run_dir / journal_name(job)) if e["event"] == "harness.timeout"]
+    assert timeout["asked_for_dumps"] == [0, 1]
+    logs = run_dir / "logs"
+    assert len(list(logs.glob("stacks_*.txt"))) == 2 and len(list(logs.glob("flight_rank*_sigusr1.json"))) == 2
+    sleeping = next(n for n, line in enumerate(Path(TOY).read_text().splitlines(), 1) if "time.sleep(" in line)
+    [attempt] = load(logs).attempts.values()
+    assert {r: rl.signal_stack[-1].strip() for r, rl in attempt.ranks.items()} == {  # type: ignore[index]
+        r: f'File "{TOY}", line {sleeping}, in main' for r in (0, 1)}  # the step's sleep, where it hung
