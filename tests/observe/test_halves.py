@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -111,3 +113,29 @@ def test_only_large_logs_are_read_on_two_processes_and_never_forked_from_threads
     assert halves.worth_halves(segments) == ((os.cpu_count() or 1) >= 2)
     monkeypatch.setattr(halves.threading, "active_count", lambda: 2)  # a fork copies only the calling thread
     assert not halves.worth_halves(segments)
+
+
+def test_a_parent_killed_mid_read_takes_its_second_half_with_it(tmp_path: Path) -> None:
+    job = _job(tmp_path / "logs")
+    script = (
+        "import sys, time\n"
+        "from commlib.observe import halves\n"
+        "from commlib.observe.model import load\n"
+        "read = halves.read\n"
+        "def slow(*args, parity=None):\n"
+        "    if parity == 1:\n"
+        "        print('second half reading', flush=True)\n"
+        "        time.sleep(120)  # a read of very large logs\n"
+        "    return read(*args, parity=parity)\n"
+        "halves.read = slow\n"
+        "load(sys.argv[1], halves=True)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(job.directory)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == "second half reading\n"
+        [child] = psutil.Process(parent.pid).children()
+        parent.kill()
+        parent.wait()
+        child.wait(timeout=10)  # raises TimeoutExpired if it was left reading for nobody
+    finally:
+        parent.kill()
