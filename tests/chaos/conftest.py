@@ -52,10 +52,21 @@ def _processes_of(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def _named(procs):
+    """(pid, name) of each process still there to be named (one gone since it was found is no leftover)."""
+    found = []
+    for proc in procs:
+        try:
+            found.append((proc.pid, proc.name()))
+        except psutil.NoSuchProcess:  # it exited between the scan and its name (seen in run AB)
+            continue
+    return found
+
+
 @pytest.fixture
 def leftovers():
     """leftovers(run_dir) -> the run's processes still alive (expected: none)."""
-    return lambda run_dir: [(p.pid, p.name()) for p in _processes_of(Path(run_dir))]
+    return lambda run_dir: _named(_processes_of(Path(run_dir)))
 
 
 @pytest.fixture

@@ -122,9 +122,10 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
     from commlib.verdicts import BOARD_REREAD_S, Judge
 
     store = _CountingStore()
+    stopped_ns = time.time_ns()  # both at once: a read between two clocks would name one (seen in run AB)
     for r in (1, 2):
         store.set(f"board/{r}", json.dumps(asdict(BoardEntry(pid=10_000 + r, host="another-host",
-                                                            heartbeat_ns=time.time_ns()))))
+                                                            heartbeat_ns=stopped_ns))))
     board = ProgressBoard(store, 0, 3, os.getpid())
     try:
         judge = Judge(Members.of("world", 3), 0, store, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
