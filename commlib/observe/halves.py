@@ -32,6 +32,7 @@ import os
 import pickle
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,6 +84,7 @@ def read_in_halves(directory: Path, segments: dict[int, list[Path]], job: str | 
             os._exit(code)  # never the parent's exit handlers, nor its buffers flushed twice
     os.close(wfd)
     other: tuple[Fold, list[tuple[int, int, int]]] | None = None
+    status = 0
     try:
         fold, files = read(directory, segments, job, [], parity=0)
         with os.fdopen(rfd, "rb") as inp:
@@ -98,7 +100,12 @@ def read_in_halves(directory: Path, segments: dict[int, list[Path]], job: str | 
         if pid:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-    if other is None:  # the child failed: the whole read in this process
+    if other is None:  # the child failed: the whole read in this process, said (a bug shows as a slower doctor)
+        warnings.warn(
+            f"the second half of the read on two processes failed ({_ended(status)}); read again in one process",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return read(directory, segments, job, [])
     merge(fold, other[0])
     for report, (events, garbled, headers) in zip(files, other[1], strict=True):
@@ -106,6 +113,13 @@ def read_in_halves(directory: Path, segments: dict[int, list[Path]], job: str | 
         report.garbled += garbled
         report.headers += headers
     return fold, files
+
+
+def _ended(status: int) -> str:
+    """How a child ended, from its `waitpid` status."""
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.WEXITSTATUS(status)}" if os.WEXITSTATUS(status) else "nothing sent back"
 
 
 def _die_with(parent: int) -> None:
