@@ -34,7 +34,7 @@ from commlib.observe.records import FileReport, JobInfo, MixedJobsError, Observe
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
 
 FD_MARGIN = 64  # descriptors left to the rest of the process when every rank's file is open at once
-BATCH = 10_000  # lines the pass reads and folds in at a time (`stream`)
+BATCH = 40_000  # lines the pass reads and folds in at a time (`stream`)
 # In a window's lines, what has it folded in wall-clock order (`stream`): a deadline that
 # expired, a send's or a recv's start or end (as `EventWriter` writes them: the op first).
 TIMEOUT_MARK = b'"collective.timeout"'
@@ -293,18 +293,23 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
     live = [r for r in readers if r.head is not None]
     window = 1_000_000  # ns; adapted to the logs' pace
     add, add_collective = fold.add, fold.add_collective
-    begun = False
+    if live:
+        for observer in fold.observers:
+            observer.begin(min(r.head for r in live if r.head is not None))
     while live:
-        start = min(r.head for r in live if r.head is not None)
-        if not begun:
-            begun = True
-            for observer in fold.observers:
-                observer.begin(start)
-        groups = [(contexts[r.index], r.take(start + window)) for r in live]
-        lines = sum(len(items) for _, runs in groups for _, items, _ in runs)
-        if any(r.ordered for r in live):  # each line a run of its own, in order
-            for r in live:
-                r.ordered = False
+        until = min(r.head for r in live if r.head is not None) + window
+        groups: list[tuple[Context, list[Run]]] = []
+        lines = 0
+        ordered = False
+        for r in live:  # one loop over the ranks a window: there are thousands
+            runs = r.take(until)
+            if runs:
+                groups.append((contexts[r.index], runs))
+                for run in runs:
+                    lines += len(run[1])
+                if r.ordered:
+                    ordered, r.ordered = True, False
+        if ordered:  # each line a run of its own, in order
             groups = [
                 (context, [(report, [item], type(item) is CollectiveLine)])
                 for _, _, item, report, context in sorted(
@@ -343,12 +348,16 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                     if counted:
                         report.events -= 1  # a clock in its bytes, but not an event of a rank
                         report.garbled += 1
+        still = []
         for reader in live:
+            if reader.head is not None:
+                still.append(reader)
+                continue
             context = contexts[reader.index]
-            if reader.head is None and context.att is not None:
+            if context.att is not None:
                 context.rl.cut = reader.cut  # type: ignore[union-attr]
                 fold.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
-        live = [r for r in live if r.head is not None]
+        live = still
         window = max(1, min(window * 4, int(window * BATCH / max(1, lines))))
 
 
@@ -357,18 +366,16 @@ def _fold_collectives(
 ) -> None:
     """A run of `CollectiveLine`s folded in, each one a line not read where the fold refuses it
     (`stream`'s loop without its questions of each line: most runs are these)."""
-    at = 0
-    while at < len(lines):
+    remaining = iter(lines)
+    while True:
         try:
-            for line in islice(lines, at, None):
+            for line in remaining:
                 add_collective(line, context)  # type: ignore[arg-type]
-                at += 1
             return
         except MixedJobsError:
             raise
         except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
-            at += 1  # the line is not read
-            report.events -= 1
+            report.events -= 1  # the line is not read; the rest are, from the next one on
             report.garbled += 1
 
 

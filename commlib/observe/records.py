@@ -337,8 +337,7 @@ class CommLog:
         sketch = self.sketches.get(key)
         if sketch is None:
             sketch = self.sketches[key] = Quantiles()
-        for d in durations:
-            sketch.add(d)
+        sketch.extend(durations)
         durations.clear()
 
     def latencies(self) -> dict[tuple[str, int], Quantiles]:

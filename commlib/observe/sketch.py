@@ -48,6 +48,26 @@ class Quantiles:
             key = math.floor(math.log(value) / _LOG_GROWTH)
             self._buckets[key] = self._buckets.get(key, 0) + 1
 
+    def extend(self, values: list[float]) -> None:
+        """`add` each of `values`, in their order (the same sketch, sum included, a block at a time)."""
+        total = self.total
+        for value in values:
+            total += value  # one at a time, as `add` sums them: a float sum depends on its order
+        self.total = total
+        self.count += len(values)
+        positive = [value for value in values if not value <= 0.0]
+        self.zeros += len(values) - len(positive)
+        exact = self._exact
+        if exact is not None:
+            exact.extend(positive)
+            if len(exact) > EXACT_LIMIT:
+                self._to_buckets()
+            return
+        buckets, log, floor = self._buckets, math.log, math.floor
+        for value in positive:
+            key = floor(log(value) / _LOG_GROWTH)
+            buckets[key] = buckets.get(key, 0) + 1
+
     def add_zeros(self, n: int) -> None:
         self.count += n
         self.zeros += n
@@ -55,8 +75,7 @@ class Quantiles:
     def merge(self, other: Quantiles) -> None:
         self.add_zeros(other.zeros)
         if other._exact is not None:
-            for value in other._exact:
-                self.add(value)
+            self.extend(other._exact.tolist())
             return
         self.count += other.count - other.zeros
         self.total += other.total
