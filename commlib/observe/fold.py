@@ -48,6 +48,7 @@ from commlib.observe.records import (
     MixedJobsError,
     Observer,
     RankLog,
+    SeqSet,
     disagree,
     peer_of,
 )
@@ -285,7 +286,7 @@ class Fold:
         label = self.label(att.attempt, rank, name)
         comm = att.comms.get(label)
         if comm is None:
-            comm = att.comms[label] = CommLog(label)
+            comm = att.comms[label] = CommLog(label, seqs=SeqSet(self.parity))
         self._comms_of[(att.attempt, rank)].add(label)
         return comm
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from commlib.observe.fold import Fold
 from commlib.observe.reading import read
-from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, Place, RankLog
+from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, Place, RankLog, SeqSet
 
 V = TypeVar("V")
 HALVES_FROM_BYTES = 64 << 20  # logs smaller than this are read in one process
@@ -143,6 +143,10 @@ def merge(fold: Fold, other: Fold) -> None:
         fold._comms_of[key] |= labels
     for attempt, done in other._done.items():
         fold._done[attempt] |= done
+    for att in fold.attempts.values():
+        for comm in att.comms.values():
+            if comm.seqs.step != 1:  # a communicator of one half only: its seqs, as a set of every seq
+                comm.seqs = SeqSet.union(comm.seqs)
 
 
 def _merge_attempt(
@@ -243,7 +247,7 @@ def _merge_comm(mine: CommLog, theirs: CommLog) -> None:
     for key, seq in theirs.logged.items():
         if seq > mine.logged.get(key, 0):
             mine.logged[key] = seq
-    mine.seqs.update(theirs.seqs)
+    mine.seqs = SeqSet.union(mine.seqs, theirs.seqs)
     for key in [*theirs.latency, *theirs.sketches]:
         if key not in mine.latency:
             mine.latency[key] = []

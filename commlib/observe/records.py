@@ -13,9 +13,10 @@ needs more than the verdicts sees of the pass (`Observer`). The fold
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,21 +243,24 @@ class RankLog:
 
 
 class SeqSet:
-    """Sequence numbers seen (from 1), in the memory of the few seen out of order."""
+    """Sequence numbers seen (from 1), in the memory of the few seen out of order. In one half of
+    a read on two processes (`parity`: `Fold.parity`), only that half's seqs ever come: they are
+    counted two at a time, so that every other one is not held as seen out of order."""
 
-    __slots__ = ("below", "above")
+    __slots__ = ("below", "above", "step")
 
-    def __init__(self) -> None:
-        self.below = 1  # every seq under it was seen
+    def __init__(self, parity: int | None = None) -> None:
+        self.step = 1 if parity is None else 2
+        self.below = 1 if parity is None else 2 - parity  # every seq of this set under it was seen
         self.above: set[int] = set()
 
     def add(self, seq: int) -> bool:
         """Add `seq`; whether it is new."""
         if seq == self.below:
-            self.below += 1
+            self.below += self.step
             while self.below in self.above:
                 self.above.remove(self.below)
-                self.below += 1
+                self.below += self.step
             return True
         if seq < self.below or seq in self.above:
             return False
@@ -266,12 +270,19 @@ class SeqSet:
     def __contains__(self, seq: int) -> bool:
         return seq < self.below or seq in self.above
 
-    def update(self, other: SeqSet) -> None:
-        """Add every seq `other` has seen."""
-        for seq in range(1, other.below):
-            self.add(seq)
-        for seq in sorted(other.above):
-            self.add(seq)
+    def __iter__(self) -> Iterator[int]:
+        """The seqs seen, in order."""
+        first = 1 if self.step == 1 else 2 - (self.below & 1)
+        yield from range(first, self.below, self.step)
+        yield from sorted(self.above)
+
+    @staticmethod
+    def union(*sets: SeqSet) -> SeqSet:
+        """Every seq any of `sets` has seen, as one set of every seq (the two halves' merged)."""
+        whole = SeqSet()
+        for seq in heapq.merge(*sets):
+            whole.add(seq)
+        return whole
 
 
 @dataclass

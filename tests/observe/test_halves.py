@@ -16,6 +16,7 @@ from commlib.observe import halves
 from commlib.observe.doctor import analyze
 from commlib.observe.log import rank_segments
 from commlib.observe.model import load
+from commlib.observe.reading import read
 from commlib.observe.records import MixedJobsError
 from doctor_logs import Job, assert_same
 
@@ -72,6 +73,31 @@ def test_two_halves_make_the_model_of_one_pass_and_count_each_line_once(tmp_path
     assert (final["culprits"], [p["seq"] for p in final["problems"]]) == ([2], [1, 2])  # an odd seq and an even
     assert one.attempts[0].p2p_ops == two.attempts[0].p2p_ops == 2
     assert _children() == before
+
+
+def test_each_half_holds_only_its_own_seqs_and_the_merge_knows_every_seq_of_one_pass(tmp_path: Path) -> None:
+    """A half counts the collectives of its parity two at a time: none of them is held as seen
+    out of order (at 10^7 lines that was every seq of the half); merged, every communicator
+    knows each seq one pass knows, and goes on counting new ones (a flight dump's) one at a time."""
+    job = _job(tmp_path / "logs")
+    segments = rank_segments(job.directory)
+    for parity in (0, 1):
+        fold, _ = read(job.directory, segments, None, [], parity)
+        world = fold.attempts[0].comms["world"].seqs
+        assert (list(world), world.above) == ([s for s in range(1, 8) if s % 2 == parity], set())
+    one, two = load(job.directory, halves=False), load(job.directory, halves=True)
+    for attempt, att in one.attempts.items():
+        for label, comm in att.comms.items():
+            merged = two.attempts[attempt].comms[label].seqs
+            assert (list(merged), merged.step) == (list(comm.seqs), 1), label
+    world = two.attempts[0].comms["world"].seqs
+    assert world.add(9) and world.add(8) and not world.add(9) and list(world) == list(range(1, 10))
+    solo = Job(tmp_path / "solo", size=2)  # a communicator with no comm.init, and one odd seq only
+    for rank in range(2):
+        solo.start(rank, "node0", 300 + rank)
+        solo.collective(rank, 1, comm="solo")
+    seqs = load(solo.directory, halves=True).attempts[0].comms["solo"].seqs
+    assert (list(seqs), seqs.step) == ([1], 1)
 
 
 def test_a_second_half_that_fails_leaves_the_read_to_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
