@@ -12,16 +12,18 @@ pass would. What is left to merge is small and has one rule each (`merge`):
 - where a rank was (its last event, its last one with a step or phase, its last started and
   last finished call, its first failure) is the later (or first) of the two halves' answers,
   at the end and in each snapshot taken when a deadline expired (both halves take every one);
-- everything else (ranks' hosts and pids, communicators' members, errors, jobs) both halves
-  read alike from the same events: this process's is kept.
+- the jobs, their ranks and processes, and which ranks each pid was, join (a process whose
+  every event but its header is a collective of the other half's is seen by that half only);
+- everything else (ranks' hosts, communicators' members, errors) both halves read alike from
+  the same events: this process's is kept.
 
 The child sends its fold back pickled through a pipe; a child that fails or dies leaves the
 read to one process again, from the start; a parent that dies takes the child with it. The
 model is the one pass's, but for sums of durations added in another order (their last bits)
 and for ties between two events of one rank at the same nanosecond. Each half still decodes
-every line (telling the other half's apart from their bytes cost as much as decoding them),
-so two cores give a little under twice the speed; on small logs (`worth_halves`) the fork,
-the pickle and the merge cost more than they save.
+every line (telling the other half's apart from their bytes costs more than decoding them:
+`scripts/bench_doctor.py decode`), so two cores give a little under twice the speed; on small
+logs (`worth_halves`) the fork, the pickle and the merge cost more than they save.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, TypeVar
 
 from commlib.observe.fold import Fold
 from commlib.observe.reading import read
-from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, Place, RankLog, SeqSet
+from commlib.observe.records import AttemptLog, Call, CommLog, FileReport, JobInfo, Place, RankLog, SeqSet
 
 V = TypeVar("V")
 HALVES_FROM_BYTES = 64 << 20  # logs smaller than this are read in one process
@@ -141,6 +143,13 @@ def merge(fold: Fold, other: Fold) -> None:
     )
     for key, labels in other._comms_of.items():
         fold._comms_of[key] |= labels
+    for process, ranks in other.pids.items():
+        fold.pids[process] |= ranks
+    for job, info in other.jobs.items():  # a process whose events were all of one half's collectives
+        own = fold.jobs.setdefault(job, JobInfo(job))
+        own.ranks |= info.ranks
+        own.attempts |= info.attempts
+        own.processes |= info.processes
     for attempt, done in other._done.items():
         fold._done[attempt] |= done
     for att in fold.attempts.values():

@@ -96,8 +96,14 @@ def test_each_half_holds_only_its_own_seqs_and_the_merge_knows_every_seq_of_one_
     for rank in range(2):
         solo.start(rank, "node0", 300 + rank)
         solo.collective(rank, 1, comm="solo")
-    seqs = load(solo.directory, halves=True).attempts[0].comms["solo"].seqs
+    alone, split = load(solo.directory, halves=False), load(solo.directory, halves=True)
+    seqs = split.attempts[0].comms["solo"].seqs
     assert (list(seqs), seqs.step) == ([1], 1)
+    # This process's half saw nothing of them but their headers: their job and pids are the other's.
+    assert_same(analyze(split).to_dict(), analyze(alone).to_dict(), "diagnosis")
+    one_fold, _ = read(solo.directory, rank_segments(solo.directory), None, [])
+    two_fold, _ = halves.read_in_halves(solo.directory, rank_segments(solo.directory), None)
+    assert (two_fold.jobs, two_fold.pids) == (one_fold.jobs, one_fold.pids)
 
 
 def test_a_second_half_that_fails_leaves_the_read_to_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
