@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Iterable, Sequence
 
 EXACT_LIMIT = 1024
 GROWTH = 1.01
@@ -34,39 +35,24 @@ class Quantiles:
         return self._exact is not None
 
     def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        if value <= 0.0:
-            self.zeros += 1
-            return
-        exact = self._exact
-        if exact is not None:
-            exact.append(value)
-            if len(exact) > EXACT_LIMIT:
-                self._to_buckets()
-        else:
-            key = math.floor(math.log(value) / _LOG_GROWTH)
-            self._buckets[key] = self._buckets.get(key, 0) + 1
+        self.extend((value,))
 
-    def extend(self, values: list[float]) -> None:
-        """`add` each of `values`, in their order (the same sketch, sum included, a block at a time)."""
+    def extend(self, values: Sequence[float]) -> None:
+        """`add` each of `values`, in their order (a block at a time: the fold's latencies)."""
         total = self.total
         for value in values:
-            total += value  # one at a time, as `add` sums them: a float sum depends on its order
+            total += value  # one at a time, in order: a float sum depends on its order
         self.total = total
         self.count += len(values)
         positive = [value for value in values if not value <= 0.0]
         self.zeros += len(values) - len(positive)
         exact = self._exact
-        if exact is not None:
-            exact.extend(positive)
-            if len(exact) > EXACT_LIMIT:
-                self._to_buckets()
+        if exact is None:
+            self._count_in_buckets(positive)
             return
-        buckets, log, floor = self._buckets, math.log, math.floor
-        for value in positive:
-            key = floor(log(value) / _LOG_GROWTH)
-            buckets[key] = buckets.get(key, 0) + 1
+        exact.extend(positive)
+        if len(exact) > EXACT_LIMIT:
+            self._to_buckets()
 
     def add_zeros(self, n: int) -> None:
         self.count += n
@@ -87,9 +73,14 @@ class Quantiles:
     def _to_buckets(self) -> None:
         assert self._exact is not None
         values, self._exact = self._exact, None
+        self._count_in_buckets(values)
+
+    def _count_in_buckets(self, values: Iterable[float]) -> None:
+        """Each of `values` (every one > 0) counted in its logarithmic bucket."""
+        buckets, log, floor = self._buckets, math.log, math.floor
         for value in values:
-            key = math.floor(math.log(value) / _LOG_GROWTH)
-            self._buckets[key] = self._buckets.get(key, 0) + 1
+            key = floor(log(value) / _LOG_GROWTH)
+            buckets[key] = buckets.get(key, 0) + 1
 
     def quantile(self, q: float) -> float:
         """The nearest-rank q-quantile (0 < q <= 1); 0.0 when nothing was added."""

@@ -49,7 +49,6 @@ attempt numbers as the first's, whose `log.open` lines no window holds.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import os
@@ -571,13 +570,7 @@ def _fold(
                 lines.append(s.header)  # what its process's events leave to it: host, size, job
             lines += s.lines
         readers.append(WindowReader(rank, paths[rank][-1], lines, segments[-1].cut if segments else False))
-    collecting = gc.isenabled()
-    gc.disable()  # as in `load`: millions of short-lived dicts, no cycles
-    try:
-        stream(fold, readers)
-    finally:
-        if collecting:
-            gc.enable()
+    stream(fold, readers)
     for rank, (_, segments) in ranks.items():
         for before, s in itertools.pairwise(segments):
             rl = fold.attempts[before.attempt].ranks.get(rank) if before.attempt in fold.attempts else None
