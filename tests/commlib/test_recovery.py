@@ -135,7 +135,7 @@ def test_a_new_recovery_object_after_each_failure_takes_a_new_epoch_from_the_sto
 
 def _a_rank_fails_in_the_rebuild():
     rank = init_commlib(2.0)  # every group's deadline: the bound of its rebuild
-    policy = commlib.RecoveryPolicy(join_timeout_s=10)
+    policy = commlib.RecoveryPolicy(join_timeout_s=30)  # far beyond the rebuild's bound, so the two tell apart
     if rank == 2:  # a bad engine name: rank 2 raises building its communicators
         os.environ["COMMLIB_ENGINE"] = "bogus"
     raised = _recovery_outcome(policy)
@@ -143,6 +143,14 @@ def _a_rank_fails_in_the_rebuild():
     if rank == 2:  # then it dies as its next rebuild starts
         CommlibProcessGroup.rebuild_communicators = lambda group, epoch: os.kill(os.getpid(), signal.SIGKILL)
     return raised, _recovery_outcome(policy)
+
+
+# A survivor's failed rebuild ends at the group's 2 s deadline plus at most OUTCOME_GRACE_S; the
+# slack is for a loaded machine's store server, not for commlib: on a CI run of the suite (stop
+# 43) both survivors' cancelled store wait came back 5.0 s late, together (7.02 s in all). What
+# the bound must catch stays far above it: a rebuild held to the join timeout (30 s here) or a
+# wait for the outcome of a dead rank held to the store's own timeout (300 s).
+REBUILD_BOUND_S = 2.0 + OUTCOME_GRACE_S + 7.0
 
 
 def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
@@ -156,11 +164,11 @@ def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
         assert ("expected every rank to build epoch 1's communicators; ranks [2] raised building theirs"
                 in raised["message"]), raised
         assert "expected COMMLIB_ENGINE to be one of" in raised["message"]  # rank 2's own error, read from the store
-        assert raised["waited_s"] < 2.0 + OUTCOME_GRACE_S + 1.0
+        assert 2.0 <= raised["waited_s"] < REBUILD_BOUND_S, raised
         # ... and, dead, as the one that never finished: a new Recovery object's new epoch.
         assert (died["reason"], died["epoch"], died["failed"], died["missing"]) == ("rebuild", 2, [], [2]), died
         assert "ranks [2] never finished theirs (gone, or stuck)" in died["message"], died
-        assert died["waited_s"] < 2.0 + OUTCOME_GRACE_S + 1.0
+        assert 2.0 <= died["waited_s"] < REBUILD_BOUND_S, died
 
 
 def test_policy_is_validated():
