@@ -19,7 +19,8 @@ What torchft's Manager reads of it, through the interfaces it already has:
 
 What the logs say (the rank's commlib log): ``replicas.quorum`` at each reconfiguration (the
 quorum id, this rank, the members as global ranks and replica groups, the communicator's name
-``replicas.q{id}``, which every collective of that quorum carries as its ``comm``), and
+``replicas.q{id}``, or ``replicas.q{id}.shard{k}`` where each replica group has more than one
+rank (`Quorum.comm_name`), which every collective of that quorum carries as its ``comm``), and
 ``replicas.failure`` when a collective fails, naming the failed peers' replica groups.
 
 A member's global rank is read from torchft's reconfigure handles: the Manager puts each
@@ -41,6 +42,7 @@ from typing import Any
 
 from commlib.errors import CollectiveTimeout, CommError, PeerFailure
 from commlib.observe import log as _log
+from commlib.observe.replicas import quorum_comm
 from commlib.settings import number
 
 INSTALL_HINT = "install it with the project's extra: pip install -e '.[replicas]' (torchft-nightly==2026.10.26)"
@@ -64,7 +66,12 @@ class Quorum:
 
     @property
     def comm_name(self) -> str:
-        return f"replicas.q{self.quorum_id}"
+        """`commlib.observe.replicas.quorum_comm`: with the members' common rank within their
+        replica group where a group has more than one rank (every member of a quorum communicator
+        is rank k of its group, for one k; the members' global ranks say which)."""
+        if self.global_ranks is None or self.group_size == 1:
+            return quorum_comm(self.quorum_id)
+        return quorum_comm(self.quorum_id, self.global_ranks[0] % self.group_size)
 
     @property
     def replicas(self) -> tuple[int, ...] | None:

@@ -4,7 +4,7 @@ A run of replica groups keeps one log dir per group (``replica{R}/rank{K}.jsonl`
 `chaos.replicas` writes them). `analyze_replicas(root)` reads, from every rank of every
 group, only commlib's own events: ``replicas.quorum`` (each quorum's id and members),
 ``replicas.failure`` (a collective between groups that failed, and the groups it blames)
-and the ends of the collectives on the quorums' communicators (``replicas.q{id}``). It says:
+and the ends of the collectives on the quorums' communicators (`quorum_comm`). It says:
 
 - the quorum changes: which groups left and joined, at which quorum, when;
 - for every group that left: its ranks in the job, what the survivors' collective met
@@ -39,7 +39,21 @@ from typing import Any
 from commlib.observe.log import rank_segments, read_rank
 
 GROUP_DIR = re.compile(r"^replica(\d+)$")
-COMM_PREFIX = "replicas.q"
+_QUORUM_COMM = re.compile(r"^replicas\.q(\d+)(?:\.shard\d+)?$")
+
+
+def quorum_comm(quorum_id: int, shard: int | None = None) -> str:
+    """The name of a quorum's communicator, as `commlib.replicas` gives it and the logs carry it:
+    ``replicas.q{id}``, or ``replicas.q{id}.shard{k}`` for the members that are each rank k of
+    their replica group, where a group has more than one rank (each k has a communicator of its
+    own: one name for all of them would be read as one communicator)."""
+    return f"replicas.q{quorum_id}" if shard is None else f"replicas.q{quorum_id}.shard{shard}"
+
+
+def quorum_of(comm: Any) -> int | None:
+    """The quorum id of a quorum's communicator named `comm` (`quorum_comm`); None for any other."""
+    found = _QUORUM_COMM.match(comm) if isinstance(comm, str) else None
+    return int(found.group(1)) if found else None
 
 
 @dataclass
@@ -150,14 +164,14 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
                     q["group_size"] = e.get("group_size", 1)
                 elif name == "replicas.failure":
                     failures.append({**e, "replica": replica, "group_rank": rank})
-                elif name == "collective.start" and str(e.get("comm", "")).startswith(COMM_PREFIX):
+                elif name == "collective.start" and quorum_of(e.get("comm")) is not None:
                     starts[(replica, rank, e["comm"], e.get("seq"))] = e["ts_ns"]
                 elif (
                     name == "collective.end"
                     and e.get("status") == "ok"
-                    and str(e.get("comm", "")).startswith(COMM_PREFIX)
+                    and (qid := quorum_of(e.get("comm"))) is not None
                 ):
-                    ends.append((e["ts_ns"], int(e["comm"][len(COMM_PREFIX) :]), replica, rank))
+                    ends.append((e["ts_ns"], qid, replica, rank))
     findings = ReplicaFindings(str(root), sorted(groups))
     ordered = sorted(quorums.items())
     before: list[int] = []

@@ -78,6 +78,12 @@ def test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwis
         assert made["addresses"][r] in launch["cmd"], launch["cmd"]
     assert not set(made["namespaces"]) & set(namespaces())
 
+    # Each rank of a group has a quorum communicator of its own, and of its own name (rank k's: ".shard{k}").
+    for rank in (0, 1):
+        quorums = [json.loads(line) for line in (run_dir / "logs/replica0" / f"rank{rank}.jsonl").open()
+                   if '"replicas.quorum"' in line]
+        assert quorums and all(q["comm_name"].endswith(f".shard{rank}") for q in quorums), quorums
+
     # The survivors' typed errors name the lost group.
     failures = [json.loads(line) for rank in (0, 1) for line in (run_dir / "logs/replica0" / f"rank{rank}.jsonl").open()
                 if '"replicas.failure"' in line]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from commlib import testing
-from commlib.replicas import replica_group
+from commlib.observe.replicas import quorum_of
+from commlib.replicas import Quorum, replica_group
 
 STEPS, DIES_AT = 8, 4
 
@@ -93,6 +94,18 @@ def test_the_manager_sees_commlibs_typed_error_naming_the_dead_replica_and_the_l
     failure, = _events(tmp_path, 0, "replicas.failure")
     assert (failure["error_type"], failure["failed_replicas"], failure["quorum_id"]) == \
         ("PeerFailure", [1], quorums[-2]["quorum_id"]), failure
+
+
+def test_each_rank_of_a_replica_group_has_a_quorum_communicator_of_its_own_name():
+    # Two groups of two ranks: ranks 0 and 2 (each rank 0 of its group) share one communicator,
+    # ranks 1 and 3 another. One name for both made the doctor read them as one communicator.
+    first, second = Quorum(3, 0, 2, (0, 2), 2), Quorum(3, 0, 2, (1, 3), 2)
+    assert (first.comm_name, second.comm_name) == ("replicas.q3.shard0", "replicas.q3.shard1")
+    # One rank per group, or members unknown: one communicator per quorum, named by it alone.
+    assert Quorum(3, 1, 2, (0, 1), 1).comm_name == Quorum(3, 1, 2, None, 2).comm_name == "replicas.q3"
+    # The doctor reads the quorum back from either form, and from nothing else.
+    assert [quorum_of(n) for n in ("replicas.q3.shard1", "replicas.q12", "replicas.q3x", "world", None)] == \
+        [3, 12, None, None, None]
 
 
 @pytest.mark.parametrize("timeout_s, error", [(0, ValueError), (float("nan"), ValueError), (None, TypeError),
