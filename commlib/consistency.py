@@ -43,6 +43,9 @@ from commlib.verdicts import Judge
 
 CONSISTENCY_SLOTS = 2  # store keys per rank the check reuses in turn (`_fingerprints_through_store`)
 _STORE_PAUSE_MAX_S = 0.05  # the longest pause between two reads of the peers' fingerprints
+# `agree_on_settings`' keys, beside each rank's own setting (settings/{rank}): how many ranks
+# came, how many of them with the check on, and that every one came.
+SETTINGS_CAME, SETTINGS_ON, SETTINGS_ALL_CAME = "settings/came", "settings/on", "settings/all_came"
 
 
 def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeout_s: float, on: bool) -> None:
@@ -53,11 +56,20 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
     each other's data instead of failing. So the setting is compared once, at creation,
     through the store, which makes creating a communicator wait for every rank to create it
     (as the engine's own rendezvous mostly does anyway), at most `timeout_s`.
+
+    Each rank counts itself in (how many came, how many with the check on) and the last to
+    come says all came: a handful of requests a rank, each of one key. Waiting for every
+    rank's key and reading them all instead made each of N ranks ask about N keys, N^2 at
+    the job's one store server (`scripts/bench_store_reads.py --creation`). The rank keys are
+    read only to name who never came, or who differs.
     """
     keys = [f"settings/{r}" for r in range(size)]
     store.set(keys[rank], "on" if on else "off")
+    store.add(SETTINGS_ON, int(on))  # before this rank counts as come: the last one's count then includes it
+    if store.add(SETTINGS_CAME, 1) == size:
+        store.set(SETTINGS_ALL_CAME, "1")
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        store.wait([SETTINGS_ALL_CAME], timedelta(seconds=timeout_s))
     except Exception as exc:
         raise CommError(
             f"creating {name!r} on rank {rank}: expected every rank to create it within "
@@ -66,14 +78,15 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
             comm=name,
             rank=rank,
         ) from exc
+    if store.add(SETTINGS_ON, 0) in (0, size):
+        return
     settings = [value.decode() for value in store.multi_get(keys)]
-    if len(set(settings)) > 1:
-        by_setting = {s: [r for r, v in enumerate(settings) if v == s] for s in ("on", "off")}
-        raise ValueError(
-            f"creating {name!r} on rank {rank}: expected every rank to create it with the "
-            f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
-            f"{by_setting['on']} and off for ranks {by_setting['off']}"
-        )
+    by_setting = {s: [r for r, v in enumerate(settings) if v == s] for s in ("on", "off")}
+    raise ValueError(
+        f"creating {name!r} on rank {rank}: expected every rank to create it with the "
+        f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
+        f"{by_setting['on']} and off for ranks {by_setting['off']}"
+    )
 
 
 class CheckedComm(Protocol):

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_store_reads.py [--ranks 1000] [--readers 8] [--reads 4] [--rounds 2]
     .venv/bin/python scripts/bench_store_reads.py --capacity [--writers 1 4 16]
+    .venv/bin/python scripts/bench_store_reads.py --creation [--ranks 1000] [--rounds 2]
 
 A TCPStore server in this process stands for the job's store. Every rank's board entry is
 published in it (`board/{r}`, a `BoardEntry` as JSON), then `--readers` processes (the
@@ -21,6 +22,13 @@ publication, and the ratio of the two reads' medians.
 `--capacity`: how many sets a second the same server takes from 1, 4 and 16 processes each
 setting a board-sized value as fast as it can (a TCPStore `set` waits for no reply): the figure
 the boards' budget (`commlib.observe.board.JOB_SETS_PER_S`) is a tenth of.
+
+`--creation`: every one of `--ranks` ranks creating a communicator at once, as far as the store
+sees it (`commlib.consistency.agree_on_settings`, the only store exchange of a creation), each
+rank a thread with a client of its own, in 8 processes. Alternating, each time under a new
+prefix: the agreement before (every rank waits for every rank's key, then reads them all) and
+now (each counts itself in, the last says all came). Printed: the wall time from the start
+until the last rank is through, and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from commlib.observe.board import BoardEntry  # noqa: E402
+from commlib.consistency import agree_on_settings  # noqa: E402
 from commlib.store_reads import present  # noqa: E402
 
 HEARTBEAT_EVERY_S = 0.05
@@ -111,6 +120,57 @@ def capacity(port: int, writers: int, sets: int = 4000) -> float:
     return writers * sets / wall
 
 
+def agree_before(store: Any, name: str, rank: int, size: int, timeout_s: float, on: bool) -> None:
+    """`agree_on_settings` before it counted: wait for every rank's key, then read them all."""
+    keys = [f"settings/{r}" for r in range(size)]
+    store.set(keys[rank], "on" if on else "off")
+    store.wait(keys, timedelta(seconds=timeout_s))
+    assert len({value.decode() for value in store.multi_get(keys)}) == 1
+
+
+AGREEMENTS = {"every rank's key (before)": agree_before, "counted (now)": agree_on_settings}
+CREATING_PROCESSES = 8
+
+
+def _creators(port: int, prefix: str, ranks: list[int], size: int, how: str, start: Any, out: Any) -> None:
+    import threading
+
+    stores = [dist.PrefixStore(prefix, _client(port)) for _ in ranks]
+    agree = AGREEMENTS[how]
+    start.wait()
+    threads = [
+        threading.Thread(target=agree, args=(store, "world", rank, size, 300.0, False))
+        for store, rank in zip(stores, ranks, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(time.perf_counter())
+
+
+def creation(port: int, size: int, how: str, prefix: str) -> float:
+    """Seconds from the start until every one of `size` ranks is through `how`'s agreement."""
+    ctx = mp.get_context("forkserver")
+    start, out = ctx.Barrier(CREATING_PROCESSES + 1), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_creators, args=(port, prefix, list(range(p, size, CREATING_PROCESSES)), size, how, start, out)
+        )
+        for p in range(CREATING_PROCESSES)
+    ]
+    for p in procs:
+        p.start()
+    start.wait()
+    t = time.perf_counter()
+    ends = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise SystemExit(f"expected every creating process to exit 0; found {p.exitcode}")
+    return max(ends) - t
+
+
 def storm(port: int, args: argparse.Namespace, how: str) -> dict[str, float]:
     # Not a plain fork: this process runs the store's server thread, whose locks a forked child
     # could inherit held. The fork server is a process of one thread that imported torch once.
@@ -152,9 +212,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--capacity", action="store_true", help="the server's sets a second instead")
     parser.add_argument("--writers", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--creation", action="store_true", help="every rank creating a communicator at once instead")
     args = parser.parse_args()
-    mp.set_forkserver_preload(["torch.distributed", "commlib.store_reads"])
+    mp.set_forkserver_preload(["torch.distributed", "commlib.store_reads", "commlib.consistency"])
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if args.creation:
+        took: dict[str, list[float]] = {how: [] for how in AGREEMENTS}
+        for round_ in range(args.rounds):
+            for how in AGREEMENTS:
+                took[how].append(creation(server.port, args.ranks, how, f"round{round_}/{how}/"))
+                print(f"round {round_ + 1}, {how}: {args.ranks} ranks through in {took[how][-1]:.2f} s")
+        before, now = (min(took[how]) for how in AGREEMENTS)
+        print(f"a creation's agreement now takes {now / before:.3f}x the time ({now:.2f} s against {before:.2f} s)")
+        return 0
     if args.capacity:
         for writers in args.writers:
             print(f"{writers} writers: {capacity(server.port, writers):,.0f} sets a second")

@@ -28,25 +28,35 @@ class _CountingStore(dist.Store):
         super().__init__()
         self._inner = dist.HashStore()
         self.requests = 0
+        self.keys = 0  # the keys those reads asked about
 
     def set(self, key: str, value: Any) -> None:  # the writers' side: not counted
         self._inner.set(key, value)
 
     def get(self, key: str) -> bytes:
         self.requests += 1
+        self.keys += 1
         return self._inner.get(key)
 
     def check(self, keys: list[str]) -> bool:
         self.requests += 1
+        self.keys += len(keys)
         return self._inner.check(keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.requests += 1
+        self.keys += len(keys)
         return self._inner.multi_get(keys)
 
     def wait(self, keys: list[str], timeout: Any = None) -> None:
         self.requests += 1
+        self.keys += len(keys)
         self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        self.requests += 1
+        self.keys += 1
+        return self._inner.add(key, amount)
 
 
 def _board(missing: set[int]) -> tuple[ProgressBoard, _CountingStore]:
@@ -111,6 +121,26 @@ def test_the_ranks_that_never_created_a_communicator_are_named() -> None:
         agree_on_settings(store, "world", 0, 4, 0.2, True)
 
 
+def test_creating_a_communicator_asks_the_store_about_a_few_keys_not_every_ranks() -> None:
+    # The last of 4,000 ranks to create it: each rank asking after every rank's setting was
+    # 8,000 keys a rank, 32 million at the job's one store server.
+    from commlib.consistency import SETTINGS_CAME, SETTINGS_ON, agree_on_settings
+
+    store = _CountingStore()
+    store.add(SETTINGS_CAME, 3999)  # every other rank came, with the check off
+    store.requests = store.keys = 0
+    agree_on_settings(store, "world", 0, 4000, 1.0, False)
+    assert store.keys <= 4, store.keys
+    # One that came with the check on is named, with everyone else, from every rank's key.
+    store = _CountingStore()
+    for r in range(1, 4):
+        store.set(f"settings/{r}", "on" if r == 2 else "off")
+        store.add(SETTINGS_ON, r == 2)
+    store.add(SETTINGS_CAME, 3)
+    with pytest.raises(ValueError, match=r"found it on for ranks \[2\] and off for ranks \[0, 1, 3\]"):
+        agree_on_settings(store, "world", 0, 4, 1.0, False)
+
+
 def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartbeat_can_change() -> None:
     # Rank 0's connection broke; ranks 1 and 2 live on another host, where only their heartbeat
     # can tell, and they stop beating now: rank 0 names them once it is STALE_AFTER_S old.
@@ -164,9 +194,10 @@ def test_a_large_communicators_waits_read_the_abort_key_less_often() -> None:
         def finalize(self) -> None:
             return None
 
+    from commlib.consistency import SETTINGS_CAME
+
     store = _CountingStore()
-    for r in range(1, 4000):  # every peer created it too (`agree_on_settings`)
-        store.set(f"settings/{r}", "off")
+    store.add(SETTINGS_CAME, 3999)  # every peer created it too, with the check off (`agree_on_settings`)
     comm = Communicator(Instant(), store, "world", 60.0)  # type: ignore[arg-type]
     try:
         slices: list[float] = []
