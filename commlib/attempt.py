@@ -46,6 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from commlib.errors import CommError
+from commlib.observe.records import rank_list
 from commlib.settings import env, env_integer
 from commlib.store_reads import absent
 
@@ -132,7 +133,7 @@ def _lead(store: Any, size: int, timeout_s: float) -> int:
             missing = [i + 1 for i in absent(store, confirmed)]
             raise CommError(
                 f"commlib.init: rank 0: expected every rank to settle this attempt within {timeout_s:g} s; "
-                f"found ranks {missing} did not",
+                f"found ranks {rank_list(missing)} did not",
                 rank=0,
             )
         time.sleep(poll_s)

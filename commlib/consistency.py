@@ -36,6 +36,7 @@ from commlib.hooks import HookRegistry, run_hooks
 from commlib.lifecycle import Lifecycle
 from commlib.members import Members
 from commlib.observe.flight import FlightEntry, FlightRecorder
+from commlib.observe.records import rank_list
 from commlib.ops import Collective, OpName, ReduceOp
 from commlib.store_reads import absent
 from commlib.validation import deadline_timedelta
@@ -73,7 +74,7 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
     except Exception as exc:
         raise CommError(
             f"creating {name!r} on rank {rank}: expected every rank to create it within "
-            f"{timeout_s:g} s; found ranks {absent(store, keys)} did not",
+            f"{timeout_s:g} s; found ranks {rank_list(absent(store, keys))} did not",
             op="init",
             comm=name,
             rank=rank,
@@ -85,7 +86,7 @@ def agree_on_settings(store: dist.Store, name: str, rank: int, size: int, timeou
     raise ValueError(
         f"creating {name!r} on rank {rank}: expected every rank to create it with the "
         f"same check_consistency (COMMLIB_CHECK_CONSISTENCY); found it on for ranks "
-        f"{by_setting['on']} and off for ranks {by_setting['off']}"
+        f"{rank_list(by_setting['on'])} and off for ranks {rank_list(by_setting['off'])}"
     )
 
 

@@ -68,6 +68,7 @@ import torch.distributed as dist
 from commlib.errors import CommError, find_comm_error
 from commlib.failures import Failure, classify
 from commlib.observe import log as _log
+from commlib.observe.records import rank_list, ranks_text
 from commlib.store_reads import absent, present
 
 if TYPE_CHECKING:
@@ -327,7 +328,7 @@ class Recovery:
         raise self._failed(
             attempt,
             f"expected all {attempt.size} ranks to join epoch {epoch} within "
-            f"{self.policy.join_timeout_s:g} s; ranks {missing} did not",
+            f"{self.policy.join_timeout_s:g} s; ranks {_said(missing)} did not",
             "join_timeout",
             epoch,
             missing,
@@ -383,7 +384,7 @@ class Recovery:
         return self._failed(
             attempt,
             f"expected to join epoch {epoch} with every rank; found rank {gave_up['rank']} "
-            f"had given up on it ({gave_up['reason']}: ranks {gave_up['missing']} did not "
+            f"had given up on it ({gave_up['reason']}: ranks {_said(gave_up['missing'])} did not "
             f"join within {gave_up['waited_s']:g} s), so this rank came too late and the "
             f"job falls back to a restart",
             "refused",
@@ -487,16 +488,24 @@ def _rebuild_culprits(store: dist.Store, size: int) -> tuple[dict[int, str], lis
     return raised, [r for r in range(size) if r not in outcomes]
 
 
+def _said(ranks: list[int] | None) -> str:
+    """Ranks as a message says them (`rank_list`); None: the store could not say which."""
+    return rank_list(ranks) if ranks is not None else "(which, the job's store could not say)"
+
+
 def _describe_culprits(raised: dict[int, str], missing: list[int] | None) -> str:
     parts = []
     if raised:
+        by_error: dict[str, list[int]] = {}
+        for r, error in sorted(raised.items()):
+            by_error.setdefault(error, []).append(r)
         parts.append(
-            f"ranks {sorted(raised)} raised building theirs ("
-            + "; ".join(f"rank {r}: {error}" for r, error in sorted(raised.items()))
+            f"ranks {rank_list(raised)} raised building theirs ("
+            + "; ".join(f"{ranks_text(ranks)}: {error}" for error, ranks in by_error.items())
             + ")"
         )
     if missing:
-        parts.append(f"ranks {missing} never finished theirs (gone, or stuck)")
+        parts.append(f"ranks {rank_list(missing)} never finished theirs (gone, or stuck)")
     if missing is None:
         parts.append("the job's store could not be read to say which ranks did not")
     return "; ".join(parts) or "found no rank that raised or stopped: each waited for the others"

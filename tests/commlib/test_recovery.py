@@ -171,6 +171,17 @@ def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
         assert 2.0 <= died["waited_s"] < REBUILD_BOUND_S, died
 
 
+def test_a_rebuild_that_a_thousand_ranks_failed_alike_is_said_in_a_line():
+    from commlib.recovery import _describe_culprits
+
+    raised = {r: "ValueError: bad engine" for r in range(1000) if r != 737}
+    said = _describe_culprits(raised, [737])
+    assert said == ("ranks [0-736, 738-999] raised building theirs (ranks 0-736, 738-999: ValueError: bad engine); "
+                    "ranks [737] never finished theirs (gone, or stuck)"), said
+    # Different errors are each said once, with the ranks that raised it.
+    assert _describe_culprits({1: "A", 2: "B", 3: "A"}, []) == "ranks [1-3] raised building theirs (ranks 1, 3: A; rank 2: B)"
+
+
 def test_policy_is_validated():
     with pytest.raises(ValueError, match="join_timeout_s > 0"):
         commlib.RecoveryPolicy(join_timeout_s=0)

@@ -119,6 +119,10 @@ def test_the_ranks_that_never_created_a_communicator_are_named() -> None:
     store.set("settings/2", "on")  # of 4 ranks, only rank 2 came (and rank 0, which asks)
     with pytest.raises(CommError, match=r"expected every rank to create it within 0.2 s; found ranks \[1, 3\] did not"):
         agree_on_settings(store, "world", 0, 4, 0.2, True)
+    # Of 4,000, said in ranges: every rank listed was 20,000 characters.
+    with pytest.raises(CommError) as raised:
+        agree_on_settings(dist.HashStore(), "world", 0, 4000, 0.2, True)
+    assert str(raised.value).endswith("found ranks [1-3999] did not"), str(raised.value)[-200:]
 
 
 def test_creating_a_communicator_asks_the_store_about_a_few_keys_not_every_ranks() -> None:
@@ -137,7 +141,7 @@ def test_creating_a_communicator_asks_the_store_about_a_few_keys_not_every_ranks
         store.set(f"settings/{r}", "on" if r == 2 else "off")
         store.add(SETTINGS_ON, r == 2)
     store.add(SETTINGS_CAME, 3)
-    with pytest.raises(ValueError, match=r"found it on for ranks \[2\] and off for ranks \[0, 1, 3\]"):
+    with pytest.raises(ValueError, match=r"found it on for ranks \[2\] and off for ranks \[0-1, 3\]"):
         agree_on_settings(store, "world", 0, 4, 1.0, False)
 
 
