@@ -37,11 +37,9 @@ Everything trains in fp32: in bf16 the chunked loss *value* is off by up to 15% 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import functools
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -96,43 +94,14 @@ class ModelConfig:
 def set_deterministic() -> None:
     """Make training bitwise reproducible across processes (same seed, inputs, thread count).
 
-    Call once per process before the first CUDA/cuBLAS call, and before the first MKL call
-    (any CPU matmul). On CPU the remaining requirement is an equal intra-op thread count in
-    the processes being compared, since reduction splits follow it.
+    Call once per process before the first CUDA/cuBLAS call. On CPU the remaining
+    requirement is an equal intra-op thread count in the processes being compared, since
+    reduction splits follow it.
     """
     # cuBLAS needs a fixed workspace to be deterministic; it must be set before cuBLAS starts.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
-    _fix_mkl()
-
-
-# mkl_cbwr.h: the "branch" setting, and its code path that is the same on every x86 CPU.
-_MKL_CBWR_BRANCH, _MKL_CBWR_COMPATIBLE = 1, 3
-
-
-def _fix_mkl() -> None:
-    """MKL's CPU matmuls pick, call by call, their code path (by CPU and memory alignment) and
-    how many threads they use (fewer on a loaded machine): either changes how sums are split, so
-    the same step computed twice in one process could differ in its last bits (the FSDP modes
-    test, two at a time on 2 cores: 3 of 26 runs; with both fixed, 0 of 36; docs/testing.md).
-    Both are fixed here, through the two functions torch's own library exports; the code path
-    only takes before MKL's first call in the process (after it, a warning says so)."""
-    if not torch.backends.mkl.is_available():
-        return
-    try:
-        mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        set_dynamic, cbwr_set, cbwr_get = mkl.mkl_set_dynamic, mkl.mkl_serv_cbwr_set, mkl.mkl_serv_cbwr_get
-    except (OSError, AttributeError):  # another platform's library, or a build without them
-        return
-    set_dynamic(ctypes.byref(ctypes.c_int(0)))  # the exported name is the Fortran-style one: by reference
-    if cbwr_set(_MKL_CBWR_COMPATIBLE) != 0 and cbwr_get(_MKL_CBWR_BRANCH) != _MKL_CBWR_COMPATIBLE:
-        warnings.warn(
-            "set_deterministic: expected to fix MKL's code path before its first use in this process; "
-            "found MKL used already, so CPU matmuls may differ in their last bits from run to run",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -233,24 +233,3 @@ def test_ranks_of_one_host_compile_a_cold_kernel_once(tmp_path: Path) -> None:
     counts = [json.loads(out.splitlines()[-1]) for out in outs]
     assert sorted((c.get("fxgraph_cache_miss", 0), c.get("fxgraph_cache_hit", 0)) for c in counts) == [
         (0, 1), (1, 0)], counts
-
-
-def test_set_deterministic_fixes_mkls_code_path_and_thread_count_before_its_first_use():
-    # Left to choose them call by call, MKL made one step differ in its last bits from the same
-    # step computed again in one process, on a loaded machine (docs/testing.md). A fresh process
-    # (this one has used MKL already, and there set_deterministic can only warn that it is late).
-    probe = textwrap.dedent("""
-        import ctypes, os, warnings, torch
-        from chaos.workload.model import set_deterministic
-        warnings.simplefilter("error")
-        set_deterministic()
-        mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        print(mkl.mkl_serv_cbwr_get(1), mkl.mkl_serv_get_dynamic())
-        torch.randn(64, 64) @ torch.randn(64, 64)
-        set_deterministic()  # again, after MKL's first use: the same settings, so no warning
-    """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MKL_")}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["3", "0"], done.stdout  # MKL_CBWR_COMPATIBLE, and no dynamic thread count
