@@ -82,7 +82,7 @@ class ExternalFaults:
     ) -> None:
         self.faults = [(i, f) for i, f in enumerate(plan.faults) if f.type.external]
         self.ledger = ledger
-        self.notes = notes  # the harness's journal (`commlib.observe.log.event_log`)
+        self.notes = notes  # the harness's journal (`commlib.record.log.event_log`)
         self.processes = processes
         self.start_ns = start_ns
         self.disk = disk

@@ -67,7 +67,8 @@ from chaos.plan import FaultType, Ledger, Plan, PlanError, check_network, check_
 from chaos.processes import JobProcesses, send
 from chaos.progress import Progress
 from commlib.attempt import MAX_RESTARTS_ENV, NODES_ENV, launch_base
-from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log, read_events
+from commlib.observe.events import LogTail, read_events
+from commlib.record.log import LOG_DIR_ENV, event_log
 
 # TYPED_ERRORS is chaos.external's, public here too: the verifier's detections are the same events.
 # Job, REFERENCE_TRAINER, free_port and torchrun_commands are chaos.job's, public here too: where run_job is.

@@ -61,7 +61,7 @@ from chaos.fault import DELAY_MARGIN_S, Fault, FaultType, TriggerKind
 from chaos.ledger import Ledger
 from chaos.plan import Plan
 from commlib import settings
-from commlib.observe.log import attempt_number
+from commlib.attempt import attempt_number
 from commlib.ops import Collective
 
 # How long a rank waits at a step start for the harness to fire a kill or hang planned there

@@ -38,7 +38,7 @@ from typing import Any
 from chaos.harness import Job, JobOutcome, first_attempt, journal_name, run_job
 from chaos.plan import Plan
 from chaos.report import Report
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 DECISION = "reference.json"
 PEER_WAIT_S = 120.0  # after its own job ended, how long a node waits for the others' part of it

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from commlib.attempt import attempt_number
-from commlib.observe.flight import STACKS_SIGNAL
+from commlib.record.flight import STACKS_SIGNAL
 
 TERM_GRACE_S = 5.0
 # What the harness gives a hung job's ranks to write their stacks and flight dumps before it
@@ -121,7 +121,7 @@ class JobProcesses:
         asked = []
         for w in self.workers():
             if w.rank is not None and alive(w.proc) and send(w.proc, STACKS_SIGNAL) is None:
-                send(w.proc, signal.SIGUSR1)  # the flight recorder's dump (`commlib.observe.flight`)
+                send(w.proc, signal.SIGUSR1)  # the flight recorder's dump (`commlib.record.flight`)
                 asked.append(w.rank)
         if asked:
             time.sleep(DUMPS_WAIT_S)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.harness import journal
-from commlib.observe.log import rank_segments, read_rank
+from commlib.observe.events import rank_segments, read_rank
 from commlib.observe.replicas import analyze_replicas
 
 REPORT = "replica_report.json"

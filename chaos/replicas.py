@@ -59,7 +59,8 @@ from chaos.net import DEVICE, Network
 from chaos.plan import Plan, check_network, check_run
 from chaos.processes import JobProcesses, Worker
 from chaos.progress import Progress
-from commlib.observe.log import LOG_DIR_ENV, LogTail, event_log
+from commlib.observe.events import LogTail
+from commlib.record.log import LOG_DIR_ENV, event_log
 from commlib.settings import choice, integer
 
 REPLICA_TRAINER = "chaos.workload.replica"

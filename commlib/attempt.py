@@ -46,7 +46,7 @@ from datetime import timedelta
 from typing import Any
 
 from commlib.errors import CommError
-from commlib.observe.records import rank_list
+from commlib.members import rank_list
 from commlib.settings import env, env_integer
 from commlib.store_reads import absent
 

@@ -50,10 +50,10 @@ from commlib.device_ops import DeviceOps
 from commlib.hooks import HookRegistry, RemovableHandle, run_hooks
 from commlib.lifecycle import Lifecycle
 from commlib.members import Members
-from commlib.observe import log as _log
-from commlib.observe.board import ProgressBoard
-from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp, Reduction
+from commlib.record import log as _log
+from commlib.record.board import ProgressBoard
+from commlib.record.flight import FlightEntry, FlightRecorder
 from commlib.validation import CallChecker, Deadline, deadline_timedelta, seconds
 from commlib.verdicts import Judge
 from commlib.watchdog import DeviceOp

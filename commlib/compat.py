@@ -177,7 +177,7 @@ def backfill() -> dict[str, str]:
         shown.append(f"{owner.__name__}.{newest} = {older[0]}")
     BACKFILLED.update(added)
     if added:
-        from commlib.observe import log as _log
+        from commlib.record import log as _log
 
         _log.get_logger().warning("compat.backfill", torch=_torch_version(), added=shown, unavailable=unavailable)
     return added

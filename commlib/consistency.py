@@ -34,10 +34,9 @@ from commlib.errors import CollectiveMismatch, CommError
 from commlib.failures import Failure
 from commlib.hooks import HookRegistry, run_hooks
 from commlib.lifecycle import Lifecycle
-from commlib.members import Members
-from commlib.observe.flight import FlightEntry, FlightRecorder
-from commlib.observe.records import rank_list
+from commlib.members import Members, rank_list
 from commlib.ops import Collective, OpName, ReduceOp
+from commlib.record.flight import FlightEntry, FlightRecorder
 from commlib.store_reads import absent
 from commlib.validation import deadline_timedelta
 from commlib.verdicts import Judge

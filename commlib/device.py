@@ -145,7 +145,7 @@ def _thread_local_capture_mode() -> None:
     _capture_mode_set.done = True
     cudart = _cudart()
     if cudart is None:
-        from commlib.observe import log as _log
+        from commlib.record import log as _log
 
         _log.get_logger().warning(
             "device.capture_mode_unset",

@@ -46,9 +46,9 @@ import torch
 from commlib.backends.base import Backend, keep_until_done
 from commlib.device import CAPTURED, Event, Runtime, engine_timeout_s
 from commlib.lifecycle import Lifecycle
-from commlib.observe.board import ProgressBoard
-from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
+from commlib.record.board import ProgressBoard
+from commlib.record.flight import FlightEntry, FlightRecorder
 from commlib.validation import deadline_timedelta
 from commlib.verdicts import Judge, report_side_failure
 from commlib.watchdog import DeviceOp, InFlight

@@ -29,12 +29,12 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from commlib.members import rank_ranges, ranks_text
 from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.events import RANK_FILE
 from commlib.observe.findings import AttemptFinding
-from commlib.observe.log import RANK_FILE
 from commlib.observe.model import LogDirError, load
 from commlib.observe.position import RankPosition
-from commlib.observe.records import rank_ranges, ranks_text
 from commlib.observe.replicas import group_dirs
 from commlib.observe.replicas import main as replicas_main
 from commlib.observe.tail import ReadInfo, verdict

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from commlib import settings
 from commlib.communicator import CHECK_CONSISTENCY_ENV, Communicator
-from commlib.observe import log as _log
+from commlib.record import log as _log
 
 ENGINE_ENV = "COMMLIB_ENGINE"
 ENGINES = ("auto", "gloo", "nccl", "torchcomms")

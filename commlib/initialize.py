@@ -16,8 +16,8 @@ from commlib import attempt as _attempt
 from commlib.backends.c10d import C10dBackend
 from commlib.communicator import Communicator
 from commlib.errors import CommError
-from commlib.observe import flight
-from commlib.observe import log as _log
+from commlib.record import flight
+from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKENDS = ("auto", "gloo", "nccl", "torchcomms")

@@ -35,10 +35,10 @@ from commlib.backends.base import Backend
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure
 from commlib.hooks import HookRegistry, run_hooks
 from commlib.members import Members
-from commlib.observe import log as _log
-from commlib.observe.board import ProgressBoard
-from commlib.observe.flight import FlightEntry, FlightRecorder
 from commlib.ops import Collective
+from commlib.record import log as _log
+from commlib.record.board import ProgressBoard
+from commlib.record.flight import FlightEntry, FlightRecorder
 from commlib.validation import Deadline, seconds
 from commlib.verdicts import Judge, report_side_failure
 

@@ -73,8 +73,8 @@ from commlib.group_calls import (
     strided,
 )
 from commlib.group_timeouts import engine_timeout, follow_engine_timeouts, set_engine_timeout
-from commlib.observe import flight
-from commlib.observe import log as _log
+from commlib.record import flight
+from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"

@@ -67,8 +67,8 @@ import torch.distributed as dist
 
 from commlib.errors import CommError, find_comm_error
 from commlib.failures import Failure, classify
-from commlib.observe import log as _log
-from commlib.observe.records import rank_list, ranks_text
+from commlib.members import rank_list, ranks_text
+from commlib.record import log as _log
 from commlib.store_reads import absent, present
 
 if TYPE_CHECKING:

@@ -41,8 +41,8 @@ from datetime import timedelta
 from typing import Any
 
 from commlib.errors import CollectiveTimeout, CommError, PeerFailure
-from commlib.observe import log as _log
-from commlib.observe.replicas import quorum_comm
+from commlib.members import quorum_comm
+from commlib.record import log as _log
 from commlib.settings import number
 
 INSTALL_HINT = "install it with the project's extra: pip install -e '.[replicas]' (torchft-nightly==2026.10.26)"

@@ -17,7 +17,7 @@ each kind is checked by one function here and every reader calls it, instead of 
   was expected, naming the value, and quoting what was found.
 
 Modules own their own names and bounds (`COMMLIB_LOG_MAX_MB` and its range live in
-`commlib.observe.log`); this module owns only what the kinds mean.
+`commlib.record.log`); this module owns only what the kinds mean.
 """
 
 from __future__ import annotations

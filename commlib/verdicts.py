@@ -44,19 +44,10 @@ from commlib.backends.base import Backend
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure, WaitTimeout
 from commlib.failures import Failure
 from commlib.members import Members
-from commlib.observe.board import (
-    HEARTBEAT_S,
-    STALE_AFTER_S,
-    BoardEntry,
-    ProgressBoard,
-    ask_for_stacks,
-    explain_timeout,
-    find_gone,
-    own_client,
-    stale_after_s,
-)
-from commlib.observe.flight import FlightEntry
+from commlib.missing_ranks import ask_for_stacks, explain_timeout, find_gone
 from commlib.ops import Collective, OpName
+from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, own_client, stale_after_s
+from commlib.record.flight import FlightEntry
 
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`Judge._find_gone_peers`)

@@ -46,8 +46,8 @@ from typing import Protocol
 
 from commlib.backends.base import BackendWork
 from commlib.device import Event, Runtime
-from commlib.observe.flight import FlightEntry
 from commlib.ops import Collective
+from commlib.record.flight import FlightEntry
 
 POLL_S = 0.05  # how often the watchdog looks: an expired deadline is seen within this (and the scan)
 _WAIT_PAUSE_S = 0.001  # `check(wait=True)`'s pause between two scans

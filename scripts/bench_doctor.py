@@ -83,8 +83,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from commlib.observe import log  # noqa: E402
-from commlib.observe.logfile import LOG_FORMAT  # noqa: E402
+from commlib.record import log  # noqa: E402
+from commlib.record.logfile import LOG_FORMAT  # noqa: E402
 
 TP = 8
 STRAGGLER, CULPRIT = 5, 637
@@ -483,7 +483,9 @@ def _writer_cost(trees: dict[str, Path], rounds: int = 15, per_round: int = 2000
     writers = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, tree in trees.items():
-            spec = importlib.util.spec_from_file_location(f"log_{name}", tree / "commlib" / "observe" / "log.py")
+            writer = tree / "commlib" / "record" / "log.py"  # before the writer had a package: observe/log.py
+            writer = writer if writer.exists() else tree / "commlib" / "observe" / "log.py"
+            spec = importlib.util.spec_from_file_location(f"log_{name}", writer)
             module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
             sys.modules[spec.name] = module  # type: ignore[union-attr]  # dataclasses look their module up
             spec.loader.exec_module(module)  # type: ignore[union-attr]

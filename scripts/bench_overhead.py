@@ -51,11 +51,11 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 import commlib
 from commlib import testing
 from commlib.communicator import ABORT_POLL_S, Communicator
-from commlib.observe import log
-from commlib.observe.board import ProgressBoard
-from commlib.observe.flight import FlightRecorder
 from commlib.ops import Collective, OpName, ReduceOp
 from commlib.process_group import CommlibProcessGroup
+from commlib.record import log
+from commlib.record.board import ProgressBoard
+from commlib.record.flight import FlightRecorder
 
 SIZES = {"4 B": 1, "4 KiB": 1024, "4 MiB": 1024 * 1024}
 

@@ -21,7 +21,7 @@ publication, and the ratio of the two reads' medians.
 
 `--capacity`: how many sets a second the same server takes from 1, 4 and 16 processes each
 setting a board-sized value as fast as it can (a TCPStore `set` waits for no reply): the figure
-the boards' budget (`commlib.observe.board.JOB_SETS_PER_S`) is a tenth of.
+the boards' budget (`commlib.record.board.JOB_SETS_PER_S`) is a tenth of.
 
 `--creation`: every one of `--ranks` ranks creating a communicator at once, as far as the store
 sees it (`commlib.consistency.agree_on_settings`, the only store exchange of a creation), each
@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from commlib.observe.board import BoardEntry  # noqa: E402
 from commlib.consistency import agree_on_settings  # noqa: E402
+from commlib.record.board import BoardEntry  # noqa: E402
 from commlib.store_reads import present  # noqa: E402
 
 HEARTBEAT_EVERY_S = 0.05

@@ -4,7 +4,7 @@
 
 The board of a job where rank 0 timed out in all_reduce #5, one rank never started #4 and every
 other rank waits in #4 for it (four of them silent for 10 s, one never published): the case
-where most ranks are behind. `commlib.observe.board.explain_timeout` on it, in a fresh process
+where most ranks are behind. `commlib.missing_ranks.explain_timeout` on it, in a fresh process
 for each tree (`--ref`, a git revision, is extracted to a temporary directory), interleaved:
 the message's length in characters, and the best CPU time of three calls.
 """
@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 _MEASURE = """
 import json, sys, time
 from commlib.members import Members
-from commlib.observe.board import BoardEntry, explain_timeout
+from commlib.missing_ranks import explain_timeout
+from commlib.record.board import BoardEntry
 ranks = int(sys.argv[1])
 now = 100 * 10**9
 def entry(started, beat_s_ago=0.0):

@@ -22,7 +22,7 @@ kills a torchrun agent). Its only command is the batch step's driver (`driver`):
   there to say it: Slurm SIGKILLs it KillWait after the SIGTERM). A requeued job runs the script again with
   ``SLURM_RESTART_COUNT`` one higher, the same job id and run directory: each harness joins
   the run, the ledger keeps every fault from firing twice, the trainer resumes from its
-  checkpoint, and the attempt numbers go on (`commlib.observe.log.attempt_number`);
+  checkpoint, and the attempt numbers go on (`commlib.attempt.attempt_number`);
 - at its start in a requeued job it gives back the time limit a ``time_limit`` fault took
   (`chaos.slurm.faults.restore_time_limit`), and it refuses to go past `Settings.max_requeues`.
 
@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from chaos.plan import Plan
-from commlib.observe.log import event_log, read_events
+from commlib.observe.events import read_events
+from commlib.record.log import event_log
 from commlib.settings import env_integer, integer, text
 
 SETTINGS = "slurm.json"

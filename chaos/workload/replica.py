@@ -75,7 +75,7 @@ from chaos.workload.model import (
     warm_up_attention,
 )
 from commlib import settings
-from commlib.observe.log import attempt_number
+from commlib.attempt import attempt_number
 
 PGS = ("commlib", "torchft-gloo")
 MAX_REPLICAS = 1024

@@ -79,7 +79,7 @@ from chaos.workload.model import (
     set_deterministic,
     warm_up_attention,
 )
-from commlib.observe.log import attempt_number
+from commlib.attempt import attempt_number
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -453,7 +453,7 @@ if __name__ == "__main__":
     # a success, teardown used to abort the process now and then ("terminate called without
     # an active exception", SIGABRT, after results, checkpoint and `comm.finalize` were done):
     # the progress board's thread returning from a store call into the finalizing
-    # interpreter, now stopped at exit (commlib/observe/board.py); other threads of torch's
+    # interpreter, now stopped at exit (commlib/record/board.py); other threads of torch's
     # may do the same. Everything this process owes is on disk by now: logs are written line
     # by line with os.write, results and checkpoints atomically.
     os._exit(code)

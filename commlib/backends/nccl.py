@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from commlib.device import engine_timeout_s
-from commlib.observe import log as _log
+from commlib.record import log as _log
 
 # What c10d's NCCL engine would otherwise do by itself on a timeout or an error (MEASURED.md,
 # torch 2.11; ProcessGroupNCCL's source): commlib's watchdog decides instead, and the process

@@ -1,7 +1,8 @@
-"""Observability: structured logs, the flight recorder, the progress board; reading them back: the
-log model (`model`, made of `records`, fed by `reading` (and `typed`) into the `fold`, on two
-cores by `halves`, with `dumps` and `position`), the doctor (`doctor`, with its rules in `blame`,
-`mismatch` and `hangs`, what they find in `findings`, and its tables in `stats`), traces.
+"""The doctor: a run's logs read back and judged. The log model (`model`, made of `records`, fed by
+`reading` (and `typed`) into the `fold`, with `dumps`, `stacks` and `position`; `events` for the
+events themselves), the doctor (`doctor`, with its rules in `blame`, `mismatch` and `hangs`, what
+they find in `findings`, and its tables in `stats`), the verdict read from the end (`tail`), the
+rule for replica groups (`replicas`), traces (`trace`).
 
-`Communicator` feeds all of it from its one path; nothing here issues a collective.
+It reads what a rank writes (`commlib.record`) and sits on top: nothing of the runtime imports it.
 """

@@ -28,21 +28,12 @@ from dataclasses import asdict
 from typing import Any
 
 from commlib.failures import Failure, classify
+from commlib.members import rank_ranges, ranks_text
 from commlib.observe.findings import AttemptFinding, Kind, Problem
 from commlib.observe.hangs import MATCHING_P2P, collective_hang, p2p_hangs
 from commlib.observe.mismatch import first_mismatch
 from commlib.observe.position import position, where, where_text
-from commlib.observe.records import (
-    AttemptLog,
-    Call,
-    CommLog,
-    DumpInfo,
-    ErrorGroup,
-    p2p_name,
-    peer_of,
-    rank_ranges,
-    ranks_text,
-)
+from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, p2p_name, peer_of
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")

@@ -33,7 +33,7 @@ class Diagnosis:
     stragglers: list[StragglerStat]
     ops: list[OpStat]
     dumps: list[DumpInfo]
-    job: str | None = None  # the job's id (`commlib.observe.log.job_id`); None in logs that carry none
+    job: str | None = None  # the job's id (`commlib.record.log.job_id`); None in logs that carry none
     # {"path", "why"}: rank files nothing was read from, and flight dumps and stacks files not read
     unreadable: list[dict[str, str]] = field(default_factory=list)
     skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any

@@ -1,6 +1,6 @@
 """What the processes left beside their logs, read into the log model: flight-recorder dumps and stacks.
 
-`flight_dumps(directory)` finds the `flight_rank*.json` dumps (`commlib.observe.flight`)
+`flight_dumps(directory)` finds the `flight_rank*.json` dumps (`commlib.record.flight`)
 and `dump_calls` reads one's entries as calls. `add_dump(fold, path, data)` attributes a
 dump to the process that wrote it (by its host and pid, which the dump names with its attempt and
 communicator rank) and adds to the model the entries its log lacks (a log cut short by a kill); a call its
@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.files import open_regular
 from commlib.observe.fold import Fold, find_call
 from commlib.observe.records import Call, CommLog, DumpInfo, peer_of
-from commlib.observe.stacks import read_main_stacks, safe_host
+from commlib.observe.stacks import read_main_stacks
+from commlib.record.files import open_regular, safe_host
 
 FLIGHT_DUMP_KIND = "commlib.flight_recorder"
 

@@ -32,8 +32,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from commlib.observe.log import HEADER_ONLY
-from commlib.observe.logfile import HEADER_EVENT
 from commlib.observe.records import (
     ERROR_LEVELS,
     FAILURE_EVENTS,
@@ -53,6 +51,8 @@ from commlib.observe.records import (
     peer_of,
 )
 from commlib.observe.typed import UNSET, CollectiveLine, Event
+from commlib.record.log import HEADER_ONLY
+from commlib.record.logfile import HEADER_EVENT
 
 
 class Unplaceable(ValueError):

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from commlib.members import ranks_text
 from commlib.observe.findings import Kind, Problem
 from commlib.observe.position import where, where_text
-from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, p2p_name, ranks_text
+from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, p2p_name
 
 MATCHING_P2P = {"send": "recv", "recv": "send"}  # the op a send/recv's peer posts to match it
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from commlib.members import ranks_text
 from commlib.observe.findings import Kind, Problem
-from commlib.observe.records import CommLog, ranks_text
+from commlib.observe.records import CommLog
 
 
 def first_mismatch(comm: CommLog) -> dict[int, Problem]:

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
-from commlib.observe.files import kind
+from commlib.observe.events import Inflater, rank_segments, read_run
 from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.halves import read_in_halves, worth_halves
-from commlib.observe.log import Inflater, rank_segments, read_run
 from commlib.observe.reading import read
 from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, Observer
+from commlib.record.files import kind
 
 LISTED = 10  # files an error names one by one
 

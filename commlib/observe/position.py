@@ -13,7 +13,8 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from commlib.observe.records import AttemptLog, Call, p2p_name, ranks_text
+from commlib.members import ranks_text
+from commlib.observe.records import AttemptLog, Call, p2p_name
 
 
 @dataclass

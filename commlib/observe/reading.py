@@ -25,13 +25,13 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.codec import decode
-from commlib.observe.files import open_regular
+from commlib.observe.events import after_cut, rank_segments
 from commlib.observe.fold import Context, Fold, Unplaceable
-from commlib.observe.log import after_cut, rank_segments
-from commlib.observe.logfile import HEADER_EVENT, HEADER_START
 from commlib.observe.records import FileReport, JobInfo, MixedJobsError, Observer
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
+from commlib.record.codec import decode
+from commlib.record.files import open_regular
+from commlib.record.logfile import HEADER_EVENT, HEADER_START
 
 FD_MARGIN = 64  # descriptors left to the rest of the process when every rank's file is open at once
 BATCH = 40_000  # lines the pass reads and folds in at a time (`stream`)

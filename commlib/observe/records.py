@@ -20,6 +20,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from commlib.members import rank_ranges
 from commlib.observe.sketch import Quantiles
 from commlib.observe.typed import UNSET, CollectiveLine, Event
 
@@ -438,10 +439,6 @@ class AttemptLog:
     snapshots: dict[int, dict[int, Place]] = field(default_factory=dict)
 
 
-# A dump's reason when an operator asked for it (SIGUSR1); any other reason is a failure's or an abort's.
-SIGUSR1_REASON = "sigusr1"
-
-
 @dataclass
 class DumpInfo:
     """A flight-recorder dump found in the log directory."""
@@ -500,31 +497,6 @@ class JobInfo:
             f"job {name}: ranks [{rank_ranges(self.ranks)}], attempt(s) {sorted(self.attempts)}, "
             f"{len(self.processes)} process(es)"
         )
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """Ranks as ranges, in order: "0-736, 738-999" (a thousand ranks in a few characters)."""
-    out: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        if out and out[-1][1] == r - 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """ "[2]", "[1, 3]", "[0-736, 738-999]": a list of ranks as an error message says it, in ranges
-    (a creation that 3,999 ranks of 4,000 missed was said in 20,000 characters before)."""
-    return f"[{rank_ranges(ranks)}]"
-
-
-def ranks_text(ranks: Iterable[int]) -> str:
-    """ "rank 3", "ranks 0-736, 738-999", or "no rank": how the doctor names a set of ranks."""
-    unique = set(ranks)
-    if not unique:
-        return "no rank"
-    return f"rank {next(iter(unique))}" if len(unique) == 1 else f"ranks {rank_ranges(unique)}"
 
 
 class Observer:

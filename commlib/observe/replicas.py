@@ -36,24 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.log import rank_segments, read_rank
+from commlib.members import quorum_of
+from commlib.observe.events import rank_segments, read_rank
 
 GROUP_DIR = re.compile(r"^replica(\d+)$")
-_QUORUM_COMM = re.compile(r"^replicas\.q(\d+)(?:\.shard\d+)?$")
-
-
-def quorum_comm(quorum_id: int, shard: int | None = None) -> str:
-    """The name of a quorum's communicator, as `commlib.replicas` gives it and the logs carry it:
-    ``replicas.q{id}``, or ``replicas.q{id}.shard{k}`` for the members that are each rank k of
-    their replica group, where a group has more than one rank (each k has a communicator of its
-    own: one name for all of them would be read as one communicator)."""
-    return f"replicas.q{quorum_id}" if shard is None else f"replicas.q{quorum_id}.shard{shard}"
-
-
-def quorum_of(comm: Any) -> int | None:
-    """The quorum id of a quorum's communicator named `comm` (`quorum_comm`); None for any other."""
-    found = _QUORUM_COMM.match(comm) if isinstance(comm, str) else None
-    return int(found.group(1)) if found else None
 
 
 @dataclass

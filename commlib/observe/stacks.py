@@ -1,6 +1,6 @@
 """The stacks a rank's `faulthandler` wrote on SIGUSR2 (``stacks_{host}_{pid}.txt``), read back.
 
-`commlib.observe.flight` registers faulthandler on SIGUSR2 (`flight.STACKS_SIGNAL`), which writes, without needing
+`commlib.record.flight` registers faulthandler on SIGUSR2 (`flight.STACKS_SIGNAL`), which writes, without needing
 the GIL, one block per thread::
 
     Thread 0x00007f... (most recent call first):
@@ -15,8 +15,7 @@ Each SIGUSR2 appends such a dump, with no marker between dumps: a new one starts
 thread id already seen in the current one comes again. The main thread is the one that
 runs a module's top level (a ``<module>`` frame; under ``python -m``, runpy's frames are
 outside it). Files are read line by line, keeping one dump at a time. A file is named by its
-process's host and pid (`file_name`): pids repeat across the hosts of a job, whose ranks may
-share one log dir. Torch-free (the doctor reads it).
+process's host and pid (`commlib.record.files.stacks_file_name`). Torch-free (the doctor reads it).
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from commlib.observe.files import open_regular
+from commlib.record.files import STACKS_FILE, open_regular
 
-FILE_PATTERN = re.compile(r"^stacks_(?:(.+)_)?(\d+)\.txt$")  # the host is absent in files written before it was named
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
@@ -68,25 +65,15 @@ def main_thread(dump: dict[str, list[Frame]]) -> list[Frame] | None:
     return next((frames for frames in dump.values() if any(f.func == "<module>" for f in frames)), None)
 
 
-def safe_host(host: str | None) -> str | None:
-    """`host` as it shows in a file name (anything but letters, digits, '.', '_' and '-' as '-')."""
-    return None if host is None else _UNSAFE.sub("-", host)
-
-
-def file_name(host: str, pid: int) -> str:
-    """The stacks file of process `pid` on `host`."""
-    return f"stacks_{safe_host(host)}_{pid}.txt"
-
-
 def read_main_stacks(
     directory: Path, skipped: list[tuple[str, str]] | None = None
 ) -> dict[tuple[str | None, int], list[Frame]]:
-    """(host as in the file name (`safe_host`), pid) -> the main thread's frames of the last
+    """(host as in the file name (`commlib.record.files.safe_host`), pid) -> the main thread's frames of the last
     dump, for every stacks file of `directory` (host None: a file named by its pid alone);
     (path, why) of each that could not be read goes into `skipped`."""
     out: dict[tuple[str | None, int], list[Frame]] = {}
     for path in sorted(directory.glob("stacks_*.txt")):
-        match = FILE_PATTERN.match(path.name)
+        match = STACKS_FILE.match(path.name)
         if match is None:
             continue
         try:

@@ -60,17 +60,17 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.blame import attempt_finding
-from commlib.observe.codec import decode
 from commlib.observe.doctor import Diagnosis, analyze
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
-from commlib.observe.files import open_regular
+from commlib.observe.events import after_cut, rank_segments
 from commlib.observe.findings import AttemptFinding, Kind
 from commlib.observe.fold import Fold
-from commlib.observe.log import after_cut, rank_segments
-from commlib.observe.logfile import HEADER_START
 from commlib.observe.model import load
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
-from commlib.observe.records import SIGUSR1_REASON, AttemptLog, Call, MixedJobsError, Observer
+from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer
+from commlib.record.codec import decode
+from commlib.record.files import SIGUSR1_REASON, open_regular
+from commlib.record.logfile import HEADER_START
 
 INITIAL_BYTES = 6 * 1024  # of each rank's attempt: a few steps (less costs growth rounds: docs/measurements.md)
 LINE_PROBE = 4096  # bytes read at a time to find a whole line (the binary search, a header)

@@ -37,10 +37,10 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from commlib.observe.codec import encode
-from commlib.observe.files import kind
 from commlib.observe.model import RunLogs, load
 from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
+from commlib.record.codec import encode
+from commlib.record.files import kind
 
 # Fields every event carries: the track already says them.
 _COMMON_FIELDS = (

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from commlib.observe.log import attempt_number
+from commlib.attempt import attempt_number
 
 BUSY_S = 120.0  # rank 0's first round: longer than its agent takes to restart it
 

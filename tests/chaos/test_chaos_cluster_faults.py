@@ -20,7 +20,7 @@ comparison holds only if the older checkpoint was the one loaded and no step was
 """
 
 from chaos.plan import Ledger
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 STRAGGLER_MS = 40
 

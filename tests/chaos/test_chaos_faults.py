@@ -13,7 +13,7 @@ only if every one of those recoveries was exact. Each firing is checked on its o
 
 import chaos
 from chaos.plan import Ledger
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 
 def _run(tmp_path, faults, tiny_args, reference_dir, leftovers, **kwargs):

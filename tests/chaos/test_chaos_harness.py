@@ -8,11 +8,11 @@ import psutil
 import pytest
 
 import chaos
-from commlib.observe.model import load
-from commlib.observe.log import read_events
 from chaos.__main__ import main as cli
 from chaos.harness import Job, journal_name, run_job
 from chaos.plan import Ledger, Plan, parse_shorthand
+from commlib.observe.events import read_events
+from commlib.observe.model import load
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 

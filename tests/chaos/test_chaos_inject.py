@@ -12,7 +12,7 @@ import commlib.testing
 from chaos.fault import Fault, FaultType, Trigger, TriggerKind
 from chaos.inject import SIGNAL_GRACE_S, Injector, _act
 from chaos.plan import Ledger, Plan, parse_shorthand
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 from commlib.ops import Collective, OpName
 
 

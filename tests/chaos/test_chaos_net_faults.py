@@ -17,7 +17,7 @@ fails, saying so (`chaos.net.NetworkUnavailable`); it never skips.
 
 from chaos.harness import journal
 from chaos.net import namespaces
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 TOPOLOGY = {"nnodes": 2, "nproc_per_node": 1}
 

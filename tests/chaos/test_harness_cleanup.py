@@ -33,7 +33,7 @@ from chaos.cleanup import LOG, Guard, state_dir, sweep
 from chaos.disk import unmount
 from chaos.harness import journal
 from chaos.net import delete_namespace, namespaces
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 # The supervisor's part: the job gets TERM_GRACE_S (5 s) after SIGTERM before SIGKILL, then the

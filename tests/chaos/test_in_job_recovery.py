@@ -15,7 +15,7 @@ The final comparison holds only if all four recoveries were exact.
 import json
 
 import chaos
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 
 def test_in_job_for_live_ranks_restart_for_a_dead_one_all_bitwise(tmp_path, tiny_args, deadline_s, reference_dir,

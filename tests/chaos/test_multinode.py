@@ -26,7 +26,7 @@ from pathlib import Path
 
 from chaos.harness import RUN_DIR_ENV, free_port
 from chaos.plan import Ledger
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 PROBE = str(Path(__file__).with_name("restart_probe.py"))
 NPROC = 1  # ranks per node: two nodes give the world size of the tiny reference (tests/chaos/conftest.py)

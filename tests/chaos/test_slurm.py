@@ -36,7 +36,8 @@ import pytest
 from chaos.plan import Ledger, Plan
 from chaos.slurm.batch import timings
 from chaos.slurm.cluster import Cluster, sweep
-from commlib.observe.log import attempt_number, read_events
+from commlib.attempt import attempt_number
+from commlib.observe.events import read_events
 
 NPROC = 1  # ranks per node: two nodes give the world size of the tiny reference (tests/chaos/conftest.py)
 JOB_TIMEOUT_S = 300

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from backend_world import init_commlib
 from commlib import compat, testing
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
+from backend_world import init_commlib
 
 
 def _stall_in_tp(stall_s: float) -> dict[str, Any]:

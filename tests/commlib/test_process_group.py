@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import commlib
 from commlib import testing
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 TRAINER = Path(__file__).with_name("user_trainer.py")
 

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from backend_world import init_commlib
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 from commlib.process_group import CommlibProcessGroup, commlib_groups
 from commlib.recovery import OUTCOME_GRACE_S
 from commlib.testing import run
+from backend_world import init_commlib
 
 
 def _fail_one_collective(comm, straggle_s: float) -> BaseException | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commlib import testing
-from commlib.observe.replicas import quorum_of
+from commlib.members import quorum_of
 from commlib.replicas import Quorum, replica_group
 
 STEPS, DIES_AT = 8, 4
@@ -24,7 +24,7 @@ def _replica(lighthouse: str, log_root: str) -> dict:
     import torch.distributed as dist
     from torchft import Manager
 
-    from commlib.observe import log
+    from commlib.record import log
 
     replica = int(os.environ["RANK"])
     log.configure(0, 1, f"{log_root}/replica{replica}")

@@ -13,7 +13,7 @@ import torch
 
 import commlib
 from commlib import testing
-from commlib.observe.log import LogTail, read_events
+from commlib.observe.events import LogTail, read_events
 
 
 def _split_and_hooks(comm: commlib.Communicator) -> dict[str, object]:

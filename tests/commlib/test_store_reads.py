@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from commlib.observe.board import BoardEntry, ProgressBoard
+from commlib.record.board import BoardEntry, ProgressBoard
 from commlib.store_reads import absent, present
 
 RANKS = 256
@@ -151,8 +151,8 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
     import time
 
     from commlib.members import Members
-    from commlib.observe import log
-    from commlib.observe.board import HEARTBEAT_S, STALE_AFTER_S
+    from commlib.record import log
+    from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S
     from commlib.verdicts import BOARD_REREAD_S, Judge
 
     store = _CountingStore()

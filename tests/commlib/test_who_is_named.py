@@ -206,7 +206,8 @@ def test_a_rank_frozen_inside_a_collective_is_named_under_a_short_deadline() -> 
     # Rank 1 started #5 and stopped (SIGSTOP) at once: at rank 0's 2 s deadline its heartbeat is
     # 2 s old, under the 3 s an idle board may take, but past half the deadline.
     from commlib.members import Members
-    from commlib.observe.board import BoardEntry, explain_timeout
+    from commlib.missing_ranks import explain_timeout
+    from commlib.record.board import BoardEntry
 
     now = 100 * 10**9
     frozen = BoardEntry(started_seq=5, started_op="all_reduce", finished_seq=4, finished_op="all_reduce",
@@ -219,8 +220,8 @@ def test_a_rank_frozen_inside_a_collective_is_named_under_a_short_deadline() -> 
 
 def test_a_send_to_a_peer_that_finished_no_collective_says_so() -> None:
     from commlib.members import Members
-    from commlib.observe.board import BoardEntry
     from commlib.ops import Collective, OpName
+    from commlib.record.board import BoardEntry
     from commlib.verdicts import _explain_p2p_timeout
 
     call = Collective(OpName.SEND, "world", 0, 2, False, 5.0, 1, tensor=torch.ones(1), peer=1)
@@ -232,7 +233,8 @@ def test_a_thousand_ranks_behind_are_said_in_a_line_as_ranges() -> None:
     # Rank 0 timed out in #5 of a 1,000-rank world. Rank 637 never started #4; every other rank
     # waits in #4 for it, ranks 10-13 having stopped beating meanwhile; rank 999 never published.
     from commlib.members import Members
-    from commlib.observe.board import BoardEntry, explain_timeout
+    from commlib.missing_ranks import explain_timeout
+    from commlib.record.board import BoardEntry
 
     now = 100 * 10**9
     def entry(started: int, beat_s_ago: float = 0.0) -> BoardEntry:

@@ -11,6 +11,7 @@ from torch import nn
 
 import commlib
 from commlib import testing
+from commlib.observe.events import read_events
 from fsdp_overlap import timeline
 from fsdp_overlap.shard import shard
 
@@ -160,6 +161,6 @@ def test_real_logs(tmp_path: Path) -> None:
         assert not t.exposed_upper_bound  # every async all-gather was waited through FSDPWork
         # all-gathers: the root and 4 blocks in forward, the 4 blocks again in backward; 5 reduce-scatters
         assert t.collectives == 9 + 5
-    rs_comms = {e["comm"] for e in commlib.observe.log.read_events(tmp_path / "rank0.jsonl")
+    rs_comms = {e["comm"] for e in read_events(tmp_path / "rank0.jsonl")
                 if e.get("op") == "reduce_scatter_single"}
     assert rs_comms == {"world.reduce_scatter"}

@@ -15,8 +15,8 @@ from typing import Any
 
 from commlib.observe import reading
 from commlib.observe.doctor import Diagnosis, analyze, diagnose
+from commlib.observe.events import read_events
 from commlib.observe.model import load
-from commlib.observe.log import read_events
 from commlib.observe.tail import verdict, verdict_fields
 
 

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from commlib.observe import board as board_mod
-from commlib.observe import log
-from commlib.observe.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard
+from commlib.missing_ranks import ask_for_stacks
+from commlib.observe import events
+from commlib.record import board as board_mod
+from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard
 from commlib.testing import run
 
 PEER_LATE_S = 5.0  # longer than STALE_AFTER_S: a heartbeat that stops is called stale by then
@@ -78,7 +79,7 @@ class _FlakyStore(dist.Store):
 
 
 def _events(path: Path, name: str) -> list[dict[str, Any]]:
-    return [e for e in log.read_events(path) if e["event"] == name]
+    return [e for e in events.read_events(path) if e["event"] == name]
 
 
 def _store_hiccup_and_loss(_: commlib.Communicator, logdir: str) -> dict[str, Any]:
@@ -150,7 +151,7 @@ _EXIT_PROBE = """
 import atexit, threading
 atexit.register(lambda: print("alive at exit:", [t.name for t in threading.enumerate() if t.is_alive()]))
 import os, torch.distributed as dist
-from commlib.observe.board import ProgressBoard
+from commlib.record.board import ProgressBoard
 board = ProgressBoard(dist.HashStore(), 0, 1, os.getpid())  # left open, as a trainer that just returns does
 print("alive before exit:", [t.name for t in threading.enumerate()])
 """
@@ -174,11 +175,11 @@ def test_stacks_are_asked_only_of_the_process_that_published_the_entry() -> None
         started = board_mod.process_start_time(child.pid)
         assert started, "expected /proc to give the child's start time"
         entry = BoardEntry(pid=child.pid, host=board_mod.HOST, dumps_stacks=True, started=started + 1)
-        assert board_mod.ask_for_stacks({1: entry}, [1]) == []  # another process's start time: not signalled
+        assert ask_for_stacks({1: entry}, [1]) == []  # another process's start time: not signalled
         time.sleep(0.2)
         assert child.poll() is None
         entry.started = started
-        assert board_mod.ask_for_stacks({1: entry}, [1]) == [1]
+        assert ask_for_stacks({1: entry}, [1]) == [1]
         assert child.wait(timeout=10) == -board_mod.STACKS_SIGNAL
     finally:
         child.kill()
@@ -204,7 +205,7 @@ class _CountedSets(dist.Store):
 
 
 def test_the_boards_of_a_large_job_are_published_less_often_within_the_stores_budget() -> None:
-    from commlib.observe.board import JOB_SETS_PER_S, PUBLISH_INTERVAL_S, publish_interval_s
+    from commlib.record.board import JOB_SETS_PER_S, PUBLISH_INTERVAL_S, publish_interval_s
 
     assert publish_interval_s(8, 1) == PUBLISH_INTERVAL_S == publish_interval_s(1000, 2)
     for world, boards in ((1000, 2), (4000, 2), (5000, 2)):

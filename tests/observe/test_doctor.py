@@ -26,12 +26,13 @@ import torch
 
 import commlib
 from commlib.doctor import main, render
-from commlib.observe import log
+from commlib.observe import events
 from commlib.observe.blame import FROZEN_GRACE_S, Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.trace import build_trace
-from doctor_logs import live_copy, same_verdict
+from commlib.record import log
 from commlib.testing import outcome, run
+from doctor_logs import live_copy, same_verdict
 
 DEADLINE = 1.5
 CLEAN_STEPS = 50  # 4 collectives a step
@@ -45,7 +46,7 @@ def _sleep_until_logged(path: Path, event: str) -> None:
 
 
 def _logged_ns(path: Path, event: str) -> int:
-    return next(e["ts_ns"] for e in log.read_events(path) if e["event"] == event)
+    return next(e["ts_ns"] for e in events.read_events(path) if e["event"] == event)
 
 
 def _wait_stopped(pid: int) -> None:

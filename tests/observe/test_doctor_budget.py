@@ -23,13 +23,15 @@ import torch
 
 import commlib
 from commlib import testing
+from commlib.attempt import attempt_number
 from commlib.doctor import main, render
-from commlib.observe import log
+from commlib.observe import events
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.model import load
 from commlib.observe.records import MixedJobsError
 from commlib.observe.trace import build_trace
+from commlib.record import log
 from doctor_logs import same_verdict
 
 MAX_MB, KEEP = 0.02, 2  # 20 kB a file: a rotation every ~40 collectives
@@ -51,7 +53,7 @@ def _rotating_job(comm: commlib.Communicator, log_dir: str) -> dict[str, Any]:
     # Rank 1 skips it, and stays until rank 0 has timed out (its exit would be a peer failure).
     give_up = time.monotonic() + 60
     while time.monotonic() < give_up and not any(
-            e["event"] == "collective.timeout" for e in log.read_rank(log.rank_segments(log_dir)[0])):
+            e["event"] == "collective.timeout" for e in events.read_rank(events.rank_segments(log_dir)[0])):
         time.sleep(0.05)
     return {}
 
@@ -89,7 +91,7 @@ def _headers(paths: list[Path]) -> list[dict[str, Any]]:
 def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -> None:
     logs = runs["logs"]
     assert runs["results"][0] == {"missing": [1], "seq": COLLECTIVES + 1}
-    segments = log.rank_segments(logs)
+    segments = events.rank_segments(logs)
     assert sorted(segments) == [0, 1]
     for rank, paths in segments.items():
         # The live file and the newest KEEP rotated ones: numbered up, the oldest removed.
@@ -101,10 +103,10 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
             assert p.stat().st_size <= MAX_MB * 1e6 + len(lines[-1]) + 1, (p, p.stat().st_size)
             assert json.loads(lines[0])["event"] == "log.open"  # each file says whose lines it holds
         # Read across the files: one stream, every collective once, in order, none missing.
-        seqs = [e["seq"] for e in log.read_rank(paths) if e["event"] == "collective.start"]
+        seqs = [e["seq"] for e in events.read_rank(paths) if e["event"] == "collective.start"]
         assert seqs == list(range(seqs[0], seqs[-1] + 1)) and seqs[0] > 1, seqs[:3]
         assert seqs[-1] == COLLECTIVES + (1 if rank == 0 else 0)
-        assert all("host" in e and e["size"] == 2 for e in log.read_rank(paths))  # the header's fields, put back
+        assert all("host" in e and e["size"] == 2 for e in events.read_rank(paths))  # the header's fields, put back
     # One job, agreed through the store (no torchrun here): every process's header says the same id.
     jobs = {h["job"] for h in _headers([p for paths in segments.values() for p in paths])}
     assert len(jobs) == 1 and None not in jobs
@@ -115,7 +117,7 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
     assert final is not None and (final.status, final.culprits, d.unreadable) == ("failed", [1], [])
     [timeout] = [p for p in final.problems if p.kind is Kind.TIMEOUT]
     assert (timeout.ranks, timeout.op, timeout.seq, timeout.comm) == ([1], "all_reduce", COLLECTIVES + 1, "world")
-    kept = {e["seq"] for paths in segments.values() for e in log.read_rank(paths)  # a start rotated away: its end
+    kept = {e["seq"] for paths in segments.values() for e in events.read_rank(paths)  # a start rotated away: its end
             if e["event"] in ("collective.start", "collective.end")}
     # What was read is what counts: the collectives of the kept files (rank 0's flight dump, of
     # its last 2000, adds none: it only fills in the end of a log cut short).
@@ -124,7 +126,7 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
 
     trace = build_trace(logs)
     drawn = {e["args"]["seq"]: e["args"]["status"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0}
-    rank0 = {e["seq"] for e in log.read_rank(segments[0]) if e["event"] in ("collective.start", "collective.end")}
+    rank0 = {e["seq"] for e in events.read_rank(segments[0]) if e["event"] in ("collective.start", "collective.end")}
     assert sorted(drawn) == sorted(rank0) and drawn[COLLECTIVES + 1] == "timed_out"
     # chaos's verification reads the run's logs through the same readers.
     from chaos.verify import read_logs
@@ -132,7 +134,7 @@ def test_rotated_logs_stay_in_budget_and_are_read_as_one(runs: dict[str, Any]) -
     run_logs = read_logs(runs["run"])
     assert run_logs is not None
     starts = [e for e in run_logs.events() if e["event"] == "collective.start"]
-    assert len(starts) == sum(1 for paths in segments.values() for e in log.read_rank(paths)
+    assert len(starts) == sum(1 for paths in segments.values() for e in events.read_rank(paths)
                               if e["event"] == "collective.start")
 
 
@@ -142,7 +144,7 @@ LINES = 600  # about 80 kB: rotated seven times
 def _tail_across_rotations(log_dir: str) -> dict[str, Any]:
     os.environ[log.MAX_MB_ENV], os.environ[log.KEEP_ENV] = "0.01", "3"  # 10 kB a file (the least allowed)
     log.configure(0, 1, log_dir)
-    tail = log.LogTail(Path(log_dir))
+    tail = events.LogTail(Path(log_dir))
     seen: list[int] = []
     logger = log.get_logger()
     for i in range(LINES):
@@ -150,7 +152,7 @@ def _tail_across_rotations(log_dir: str) -> dict[str, Any]:
         if i % 7 == 0:  # a poll every few lines: some between rotations, some across one
             seen += [e["i"] for e in tail.poll() if e["event"] == "app.tick"]
     seen += [e["i"] for e in tail.poll() if e["event"] == "app.tick"]
-    return {"seen": seen, "files": len(log.rank_segments(log_dir)[0])}
+    return {"seen": seen, "files": len(events.rank_segments(log_dir)[0])}
 
 
 def test_log_tail_follows_a_live_log_across_rotations(tmp_path: Path) -> None:
@@ -165,7 +167,7 @@ def test_two_jobs_in_one_directory_are_refused_and_read_apart(runs: dict[str, An
     trace = tmp_path / "t.json"
     assert main([str(mixed), "--trace", str(trace)]) == 2
     err = capsys.readouterr().err
-    [job_a] = {h["job"] for h in _headers([p for ps in log.rank_segments(runs["logs"]).values() for p in ps])}
+    [job_a] = {h["job"] for h in _headers([p for ps in events.rank_segments(runs["logs"]).values() for p in ps])}
     assert f"job '{job_a}': ranks [0-1]" in err and "job 'job-b': ranks [0-2]" in err and "--job" in err, err
     assert not list(tmp_path.iterdir()), "expected no trace, and no part of one, from a refused directory"
     with pytest.raises(MixedJobsError):
@@ -227,5 +229,5 @@ def test_budget_and_attempt_settings_are_checked() -> None:
             log.budget(env)
     assert log.budget({}) == (int(log.DEFAULT_MAX_MB * 1e6), log.DEFAULT_KEEP)
     with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT to be an integer; found 'two'"):
-        log.attempt_number({"TORCHELASTIC_RESTART_COUNT": "two"})
-    assert log.attempt_number({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
+        attempt_number({"TORCHELASTIC_RESTART_COUNT": "two"})
+    assert attempt_number({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3

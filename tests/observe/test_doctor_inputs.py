@@ -15,10 +15,11 @@ import pytest
 
 import commlib
 from commlib.doctor import main
-from commlib.observe import log
+from commlib.observe import events
 from commlib.observe.doctor import diagnose
 from commlib.observe.model import load
 from commlib.observe.position import position
+from commlib.record import log
 from doctor_logs import Job, same_verdict
 
 _STACKS = """Thread 0x00007f0000000001 (most recent call first):
@@ -264,7 +265,7 @@ def test_a_new_process_ends_a_line_cut_short_before_its_own(tmp_path: Path) -> N
         log.release()
     lines = (tmp_path / "rank0.jsonl").read_text().splitlines()
     assert lines[0] == '{"event":"collective.start","op":"all_red'
-    assert [e["event"] for e in log.read_events(tmp_path / "rank0.jsonl")] == ["app.started"]
+    assert [e["event"] for e in events.read_events(tmp_path / "rank0.jsonl")] == ["app.started"]
     assert json.loads(lines[1])["event"] == "log.open"
 
 

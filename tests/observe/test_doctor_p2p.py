@@ -30,12 +30,12 @@ import torch
 
 import commlib
 from commlib.doctor import render
-from commlib.observe import log
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.trace import build_trace
-from doctor_logs import live_copy, same_verdict
+from commlib.record import log
 from commlib.testing import outcome, run
+from doctor_logs import live_copy, same_verdict
 
 DEADLINE = 1.5
 PIPE_ORDER = [2, 0, 1]  # global ranks in the order of their rank in "pipe"

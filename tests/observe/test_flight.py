@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import commlib
 from commlib import testing
-from commlib.observe import flight, log
+from commlib.observe import events
+from commlib.record import flight
 from doctor_logs import wait_for
 
 STORM = 200  # SIGUSR1s, one every STORM_GAP_S: the "200 signals in about a second"
@@ -173,7 +174,7 @@ def test_asyncio_signals_still_arrive_and_a_failed_dump_is_not_the_last(tmp_path
     assert out["usr1_dumped"], "expected commlib's SIGUSR1 dump beside the loop's own handler"
     assert out["failure_logged"], "expected a failed SIGUSR1 dump to be logged as flight.sigusr1_dump_failed"
     assert out["dumped_after_failure"], "expected the SIGUSR1 after a failed dump to dump again"
-    failed, interval = [e for e in log.read_events(tmp_path / "logs" / "rank0.jsonl")
+    failed, interval = [e for e in events.read_events(tmp_path / "logs" / "rank0.jsonl")
                         if e["event"] == "flight.sigusr1_dump_failed"]
     assert failed["level"] == "error" and "FileNotFoundError" in failed["error"] and failed["comm"] == "world"
     # A failure that repeats is logged once, and the thread rests between tries instead of spinning.

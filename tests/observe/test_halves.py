@@ -14,7 +14,7 @@ import pytest
 
 from commlib.observe import halves
 from commlib.observe.doctor import analyze
-from commlib.observe.log import rank_segments
+from commlib.observe.events import rank_segments
 from commlib.observe.model import load
 from commlib.observe.reading import read
 from commlib.observe.records import MixedJobsError

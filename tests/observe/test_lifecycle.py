@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import commlib
 from commlib import testing
-from commlib.observe import flight
-from commlib.observe.stacks import file_name
 from commlib.process_group import commlib_groups
+from commlib.record import flight
+from commlib.record.files import stacks_file_name
 from doctor_logs import wait_for
 
 
@@ -63,7 +63,7 @@ def _lifecycle(log_dir: str) -> dict[str, Any]:
     group = dist.new_group([0, 1])
     dist.all_reduce(torch.ones(2))
     dist.all_reduce(torch.ones(2), group=group)
-    stacks = directory / file_name(socket.gethostname(), os.getpid())
+    stacks = directory / stacks_file_name(socket.gethostname(), os.getpid())
     out["stacks_before_a_dump"] = stacks.exists()
     installed = flight._INSTALLED[0]
     pipe = {fds_before.get(fd) or _fds()[fd] for fd in (installed.read_fd, installed.write_fd)}

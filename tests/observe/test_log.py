@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import commlib
 from commlib import testing
-from commlib.observe import log
+from commlib.observe.events import read_events
+from commlib.record import log
 
 RECONFIGURES = 50
 
@@ -55,10 +56,10 @@ def test_host_structlog_configuration_survives_commlib(tmp_path: Path) -> None:
     assert all(set(e) <= {"event", "level", "n"} for e in host_events), host_events
     assert out["same_config"], "expected structlog's global configuration untouched by commlib"
 
-    events = [e["event"] for e in log.read_events(logs / "rank0.jsonl")]
+    events = [e["event"] for e in read_events(logs / "rank0.jsonl")]
     assert "comm.init" in events and events.count("collective.end") == 2
     assert not [e for e in events if e.startswith("host.")], f"host events leaked into commlib's log: {events}"
-    assert [e["event"] for e in log.read_events(other / "rank0.jsonl")] == ["app.via_commlib"]
+    assert [e["event"] for e in read_events(other / "rank0.jsonl")] == ["app.via_commlib"]
 
 
 def _reconfigure_many(root: str) -> dict[str, Any]:
@@ -86,10 +87,10 @@ def test_reconfiguring_the_log_leaks_no_descriptor(tmp_path: Path) -> None:
         f"expected at most one more open descriptor after {RECONFIGURES} log.configure calls; found "
         f"{out['after'] - out['before']} more")
     assert out["at_end"] <= out["before"] - 1, f"expected every log file closed once unused; found {out}"
-    assert [(e["event"], e.get("who")) for e in log.read_events(tmp_path / "d0" / "rank0.jsonl")] == [
+    assert [(e["event"], e.get("who")) for e in read_events(tmp_path / "d0" / "rank0.jsonl")] == [
         ("app.first", "early"), ("app.late", "early")]
     for i in (1, 25, RECONFIGURES):
-        assert [(e["event"], e["i"]) for e in log.read_events(tmp_path / f"d{i}" / "rank0.jsonl")] == [("app.step", i)]
+        assert [(e["event"], e["i"]) for e in read_events(tmp_path / f"d{i}" / "rank0.jsonl")] == [("app.step", i)]
 
 
 def _both_paths(root: str) -> dict[str, Any]:
@@ -121,6 +122,6 @@ def test_a_collectives_direct_event_path_writes_the_line_structlog_writes(tmp_pa
     assert not {"host", "size", "level", "backend"} & direct.keys(), direct
     assert (direct["rank"], direct["comm"], direct["step"], direct["shapes"]) == (0, "world", 3, [[4, 2]])
     # The reader puts them back.
-    [_, read] = log.read_events(tmp_path / "rank0.jsonl")
+    [_, read] = read_events(tmp_path / "rank0.jsonl")
     assert (read["level"], read["size"], read["host"], read.get("peer"), read["backend"], read["comm_size"]) == (
         "info", 2, header["host"], None, "gloo", 2)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commlib import _torch_backend
-from commlib.observe import flight, log
+from commlib.record import flight, log
 
 # (variable, value, what the refusal says): every one names the variable and quotes the value.
 REFUSED = [

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from commlib.observe.stacks import file_name, last_dump, main_thread, read_main_stacks
+from commlib.observe.stacks import last_dump, main_thread, read_main_stacks
+from commlib.record.files import stacks_file_name
 
 # Two SIGUSR2s from two places, with a second thread alive: the reader must return the
 # second dump's main thread, innermost frame first.
@@ -36,7 +37,7 @@ def test_the_last_dump_and_its_main_thread_are_read_back(tmp_path: Path) -> None
     frames = main_thread(dump)
     assert frames is not None and frames[0].func == "second_place", frames
     pid = int(done.stdout.strip())
-    target.rename(tmp_path / file_name("node-1.cluster", pid))  # named by host and pid, as the recorder names it
+    target.rename(tmp_path / stacks_file_name("node-1.cluster", pid))  # named by host and pid, as the recorder names it
     [(process, read_frames)] = read_main_stacks(tmp_path).items()
     assert process == ("node-1.cluster", pid) and read_frames == frames
     assert read_frames[0].traceback_line().startswith('  File "<string>", line ')

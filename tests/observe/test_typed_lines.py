@@ -11,11 +11,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from commlib.observe import log
 from commlib.observe.fold import Context, Unplaceable
 from commlib.observe.reading import _fold_collectives
 from commlib.observe.records import FileReport
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
+from commlib.record import log
 from doctor_logs import Job
 
 

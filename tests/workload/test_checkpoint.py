@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_train import torchrun_train  # the one launcher of the trainer in tests
 
 from chaos.results import read_results
 from chaos.workload.checkpoint import (
@@ -20,8 +21,7 @@ from chaos.workload.checkpoint import (
     step_dir_name,
     verify,
 )
-from commlib.observe.log import read_events
-from test_train import torchrun_train  # the one launcher of the trainer in tests
+from commlib.observe.events import read_events
 
 
 def _staged(ckpt_dir: Path, step: int, attempt: int = 0) -> Path:

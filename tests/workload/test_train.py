@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from chaos.results import read_results, state_digest, write_results
-from commlib.observe.log import read_events
+from commlib.observe.events import read_events
 
 # The tiniest config FlexAttention and FSDP2 take: each launch is dominated by process
 # start (~2.5 s) and the compiled attention (~2 s per process with a warm inductor cache).

@@ -32,7 +32,7 @@ before. SIGUSR2 is a signal of its own: on SIGUSR1 beside the flight dump, a bur
 signals made faulthandler's all-thread walk crash the process now and then (SIGSEGV, seen
 under fifty SIGUSR1s in a row). Each SIGUSR2 appends one dump; the doctor reads the last one
 (`commlib.observe.stacks`). A rank whose collective timed out sends SIGUSR2 to the peers it
-names that run on its own host (`board.ask_for_stacks`).
+names that run on its own host (`commlib.missing_ranks.ask_for_stacks`).
 
 The process's part ends with its last communicator: `FlightRecorder.close` (a communicator
 finalized; `destroy_process_group` finalizes every group's) releases, once no recorder is
@@ -70,10 +70,10 @@ from typing import Any
 import torch
 
 from commlib import settings
-from commlib.observe import log as _log
-from commlib.observe.records import SIGUSR1_REASON
-from commlib.observe.stacks import file_name, safe_host
+from commlib.attempt import attempt_number
 from commlib.ops import PLAIN_NAMES, Collective
+from commlib.record import log as _log
+from commlib.record.files import SIGUSR1_REASON, safe_host, stacks_file_name
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
 STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
@@ -202,7 +202,7 @@ class FlightRecorder:
             "comm": self.comm,
             "rank": self.rank,  # in the communicator
             "world_rank": self.world_rank,
-            "attempt": _log.attempt_number(),
+            "attempt": attempt_number(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "reason": reason,
@@ -415,7 +415,7 @@ STACKS_SIGNAL = signal.SIGUSR2
 
 class _StackFile:
     """faulthandler's C handler on STACKS_SIGNAL (no GIL needed), writing into a file that gets
-    its name in the log dir (`stacks.file_name`: its host and pid), only once a dump is in it
+    its name in the log dir (`stacks_file_name`: its host and pid), only once a dump is in it
     (module docstring)."""
 
     def __init__(self, directory: Path | None) -> None:
@@ -427,7 +427,7 @@ class _StackFile:
                 self.fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_APPEND, 0o644)
             except OSError:  # a file system without O_TMPFILE: named from the start, as it must be open now
                 self.fd = os.open(
-                    directory / file_name(socket.gethostname(), os.getpid()),
+                    directory / stacks_file_name(socket.gethostname(), os.getpid()),
                     os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                     0o644,
                 )
@@ -444,7 +444,7 @@ class _StackFile:
         if self.fd is None or self.named or os.fstat(self.fd).st_size == 0:
             return
         assert self.directory is not None
-        name = file_name(socket.gethostname(), os.getpid())
+        name = stacks_file_name(socket.gethostname(), os.getpid())
         directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         try:  # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N: os.link takes that path only with dir fds
             os.link(f"/proc/self/fd/{self.fd}", name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=True)

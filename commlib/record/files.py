@@ -1,4 +1,10 @@
-"""Files the observability layer opens by a name that someone else may have given to something else.
+"""The log dir's files as a rank names them and as their readers open them.
+
+What a process writes beside its log is named by its host and pid (`stacks_file_name`, and a
+flight dump's name: `commlib.record.flight`), since pids repeat across the hosts of a job whose
+ranks share one log dir; a host's name is made safe for a file name (`safe_host`). A dump that
+an operator asked for (SIGUSR1) says so in its name and its `reason` (`SIGUSR1_REASON`).
+
 
 A log dir is shared and its names are predictable (`rank{R}.jsonl`, `flight_rank*.json`,
 `stacks_*.txt`, a `--trace` path), so a name may hold a FIFO (opening it blocks until a
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 
 _KINDS = (
@@ -24,6 +31,20 @@ _KINDS = (
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISLNK, "a symlink"),
 )
+# A dump's reason when an operator asked for it (SIGUSR1); any other reason is a failure's or an abort's.
+SIGUSR1_REASON = "sigusr1"
+STACKS_FILE = re.compile(r"^stacks_(?:(.+)_)?(\d+)\.txt$")  # the host is absent in files written before it was named
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def safe_host(host: str | None) -> str | None:
+    """`host` as it shows in a file name (anything but letters, digits, '.', '_' and '-' as '-')."""
+    return None if host is None else _UNSAFE.sub("-", host)
+
+
+def stacks_file_name(host: str, pid: int) -> str:
+    """The stacks file of process `pid` on `host`."""
+    return f"stacks_{safe_host(host)}_{pid}.txt"
 
 
 class NotRegularFile(OSError):

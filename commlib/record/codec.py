@@ -1,6 +1,6 @@
 """How a line of commlib's logs is encoded and decoded: compact JSON, with orjson where it is installed.
 
-The writer (`commlib.observe.log`) encodes a collective's two events on the hot path, where
+The writer (`commlib.record.log`) encodes a collective's two events on the hot path, where
 orjson encodes about 5x faster than the standard library; the readers decode with the same.
 Both libraries give the same JSON, so a log written with one reads with the other.
 """

@@ -6,7 +6,7 @@ communicator's store (at most every `PUBLISH_INTERVAL_S`, or less often in a job
 every rank's boards would crowd its store: `publish_interval_s`) together with a heartbeat. So
 publishing never puts a store round trip on a collective's path, and a board is at most one
 interval behind. When a deadline expires, the rank that timed out reads every peer's entry
-and `explain_timeout` names who never started the collective, and who stopped beating.
+(`commlib.missing_ranks` names who never started the collective, and who stopped beating).
 
 The board holds collectives only: send/recv have their own per-peer numbering, which no
 peer outside the pair can compare with.
@@ -43,9 +43,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commlib.members import Members
-from commlib.observe import log as _log
-from commlib.observe.flight import STACKS_SIGNAL, install_sigusr1
+from commlib.record import log as _log
+from commlib.record.flight import install_sigusr1
 from commlib.store_reads import present
 
 PUBLISH_INTERVAL_S = 0.05  # between the publisher's passes, in a job small enough (`publish_interval_s`)
@@ -306,15 +305,6 @@ def stale_after_s(deadline_s: float) -> float:
     return min(STALE_AFTER_S, max(MIN_STALE_S, deadline_s / 2))
 
 
-@dataclass
-class TimeoutExplanation:
-    """What the board says about one expired deadline: the message, and whom it names."""
-
-    message: str
-    missing_ranks: list[int]
-    stale_ranks: list[int]
-
-
 def _stat_fields(pid: int) -> list[bytes] | None:
     """/proc/PID/stat's fields from the third on (state first); None where there is no such process or no /proc."""
     try:
@@ -341,225 +331,3 @@ def process_gone(pid: int, started: int) -> bool:
     if fields is None:
         return os.path.isdir("/proc/self")  # without /proc nothing can be told
     return fields[0] in (b"Z", b"X") or (started != 0 and int(fields[19]) != started)
-
-
-def find_gone(
-    entries: dict[int, BoardEntry | None], me: int, announcer: int | None, now_ns: int
-) -> tuple[list[int], str, bool]:
-    """Which peers of `me` are gone, as the board tells: (ranks, how that was found, whether
-    some live on other hosts, where only a heartbeat can tell, in up to `STALE_AFTER_S`).
-
-    A process on this host that has exited, or a heartbeat older than `STALE_AFTER_S`. Never
-    a rank that broke the communicator itself after meeting the failure (`BoardEntry.broken`)
-    or the one that announced it (`announcer`): those are alive, or exited after the fact.
-    """
-    suspects = {r: e for r, e in entries.items() if r not in (me, announcer) and e is not None and e.broken is None}
-    exited = [r for r, e in suspects.items() if e.host == HOST and process_gone(e.pid, e.started)]
-    if exited:
-        return exited, "their process on this host has exited", False
-    silent = [r for r, e in suspects.items() if (now_ns - e.heartbeat_ns) / 1e9 > STALE_AFTER_S]
-    if silent:
-        return silent, f"no heartbeat for over {STALE_AFTER_S:g} s", False
-    return [], "every peer's process is alive and beating", any(e.host != HOST for e in suspects.values())
-
-
-def ask_for_stacks(entries: dict[int, BoardEntry | None], ranks: list[int]) -> list[int]:
-    """STACKS_SIGNAL (SIGUSR2) to those of `ranks` that run on this host and dump on it; returns whom it reached.
-
-    Their stacks land in the log dir (`commlib.observe.flight`), written even by a rank
-    wedged in C code with the GIL held; the doctor shows them. Ranks on other hosts cannot
-    be signalled from here: an operator sends them SIGUSR2 (the doctor prints their pids).
-    """
-    reached = []
-    for r in ranks:
-        e = entries.get(r)
-        if e is None or not e.dumps_stacks or e.host != HOST or e.pid in (0, os.getpid()):
-            continue
-        # A dead rank's pid may have been given to another process since: signal only the
-        # process that published the entry (where /proc tells start times apart).
-        if e.started and process_start_time(e.pid) != e.started:
-            continue
-        try:
-            os.kill(e.pid, STACKS_SIGNAL)
-        except OSError:  # gone meanwhile
-            continue
-        reached.append(r)
-    return reached
-
-
-def explain_timeout(
-    op: str,
-    seq: int,
-    members: Members,
-    rank: int,
-    elapsed: float,
-    deadline_s: float,
-    entries: dict[int, BoardEntry | None],
-    now_ns: int,
-) -> TimeoutExplanation:
-    """Say who kept collective `seq` from completing, and where each other rank last was.
-
-    Missing is a rank that has not started running it (on its device, where it has one) and
-    is not held up inside an earlier collective of this communicator by other ranks: a rank
-    waiting in collective k for ranks that have not started k is named as waiting, and those
-    ranks are the missing ones; it is missing itself only where every other rank has left k
-    (it is stuck in k on its own). So a gather's root, waiting for a late rank, is not blamed
-    by a peer that finished the gather and timed out in the next op: the late rank is. Board
-    entries lag by up to `publish_interval_s` (50 ms up to 1,000 ranks), so a rank's last op is "last reported". A rank
-    whose heartbeat is older than `stale_after_s(deadline_s)` is stopped or dead. Ranks are the
-    communicator's own in what is returned, and named as `members` says in the message: one by
-    one up to `NAMED_ONE_BY_ONE` of them, else in groups that share a story, as ranges (a
-    thousand ranks behind in a line, not a thousand notes).
-    """
-    missing: list[int] = []
-    stale: list[int] = []
-    stories: dict[int, _Story] = {}  # every rank the message says something of
-    ages: dict[int, float] = {}
-    behind = _Behind(entries, rank)
-    stale_s = stale_after_s(deadline_s)
-    for r, e in sorted(entries.items()):
-        if r == rank:
-            continue
-        if e is None:
-            missing.append(r)
-            stale.append(r)
-            stories[r] = _Story("never_published")
-            continue
-        ages[r] = (now_ns - e.heartbeat_ns) / 1e9
-        if ages[r] > stale_s:
-            stale.append(r)
-        if e.running_seq() >= seq:
-            if ages[r] > stale_s:
-                stories[r] = _Story("started_stale")
-            continue
-        stories[r] = story = _where_held(seq, e, behind)
-        if story.missing:
-            missing.append(r)
-    # One by one up to NAMED_ONE_BY_ONE ranks; beyond, the ranks that share a story together.
-    groups: dict[Any, list[int]] = {}
-    for r, story in stories.items():
-        groups.setdefault(story if len(stories) > NAMED_ONE_BY_ONE else r, []).append(r)
-    said = _Saying(op, seq, members, entries, behind, stale_s)
-    notes = [said.say(stories[ranks[0]], ranks, ages, set(stale)) for ranks in groups.values()] or [
-        "every rank started it; the backend did not complete it"
-    ]
-    message = f"{op} #{seq} on {members.comm!r} timed out after {elapsed:.1f} s on {members.name(rank)}: " + "; ".join(
-        notes
-    )
-    return TimeoutExplanation(message, missing, stale)
-
-
-NAMED_ONE_BY_ONE = 8  # ranks a timeout's message names one by one; beyond, it says them in groups
-
-
-@dataclass(frozen=True)
-class _Story:
-    """Why a rank is named in a timeout's message (`explain_timeout`). `kind`: never_published;
-    started_stale (it started the op, then stopped beating); not_started; waiting (in an earlier
-    collective k, for ranks that have not started k); with_others (in k, with others that have
-    not left it either); alone (in k, which every other rank has left)."""
-
-    kind: str
-    k: int = -1
-    k_op: str | None = None
-    issued: bool = False  # its host issued the op; its GPU never started it
-    missing: bool = False
-
-
-class _Behind:
-    """Who is behind each earlier collective k, as the board says, worked out once per k: a
-    thousand ranks held in the same k cost one pass over the board, not one each."""
-
-    def __init__(self, entries: dict[int, BoardEntry | None], me: int) -> None:
-        self.entries, self.me = entries, me
-        self._not_there: dict[int, list[int]] = {}
-        self._in_it: dict[int, list[int]] = {}
-
-    def not_there(self, k: int) -> list[int]:
-        """The ranks (but the one that timed out) that have not started running k."""
-        if k not in self._not_there:
-            self._not_there[k] = [
-                q for q, e in sorted(self.entries.items()) if q != self.me and (e is None or e.running_seq() < k)
-            ]
-        return self._not_there[k]
-
-    def in_it(self, k: int) -> list[int]:
-        """The ranks that have not left k (but the one that timed out: it left every earlier collective)."""
-        if k not in self._in_it:
-            self._in_it[k] = [
-                q for q, e in sorted(self.entries.items()) if q != self.me and e is not None and e.finished_seq < k
-            ]
-        return self._in_it[k]
-
-
-def _where_held(seq: int, e: BoardEntry, behind: _Behind) -> _Story:
-    """The story of a rank (entry `e`) that has not started collective `seq` running."""
-    issued = e.stream_ordered and e.started_seq >= seq
-    if not e.inside():
-        return _Story("not_started", issued=issued, missing=True)
-    k, k_op = e.running_seq(), e.running_op()
-    if behind.not_there(k):
-        return _Story("waiting", k, k_op, issued)
-    if len(behind.in_it(k)) > 1:  # the rank itself is one of them
-        return _Story("with_others", k, k_op, issued)
-    return _Story("alone", k, k_op, issued, missing=True)
-
-
-@dataclass
-class _Saying:
-    """How `explain_timeout` says a story: of one rank, or of a group of ranks."""
-
-    op: str
-    seq: int
-    members: Members
-    entries: dict[int, BoardEntry | None]
-    behind: _Behind
-    stale_s: float
-
-    def say(self, story: _Story, ranks: list[int], ages: dict[int, float], stale: set[int]) -> str:
-        """What `story` says of `ranks`: of one rank with its own figures, of several as ranges
-        with the first one's whereabouts as the example."""
-        many = len(ranks) > 1
-        who = self.members.names(ranks) if many else self.members.name(ranks[0])
-        if story.kind == "never_published":
-            return f"{who} never published progress (possibly dead)"
-        if story.kind == "started_stale":
-            silence = f"for over {self.stale_s:g} s" if many else f"for {ages[ranks[0]]:.1f} s"
-            return f"{who} started it but {'' if many else 'has '}sent no heartbeat {silence}: possibly dead or stopped"
-        its, it_is, has = ("their GPUs", "they are", "have") if many else ("its GPU", "it is", "has")
-        gpu = f"{who} issued {self.op} #{self.seq}, but {its} never started it" if story.issued else None
-        if story.kind == "not_started":
-            note = (
-                f"{gpu}: {its} {'are' if many else 'is'} still busy with work queued before it"
-                if gpu
-                else (f"{who} never started it")
-            )
-        else:
-            still = f"{gpu or f'{who} {has} not started it'}: {it_is} still in {story.k_op} #{story.k}"
-            if story.kind == "waiting":
-                waited = self.members.names(self.behind.not_there(story.k))
-                note = f"{still}, waiting for {waited}, which have not started that"
-            elif story.kind == "with_others":
-                others = [q for q in self.behind.in_it(story.k) if q not in ranks]
-                note = f"{still}, with {self.members.names(others)}" if others else f"{still}, together"
-            else:
-                note = f"{still}, which every other rank has left"
-        first = ranks[0]
-        note += f" ({self.members.name(first)}, for one: {self._last(first)})" if many else f" ({self._last(first)})"
-        silent = [r for r in ranks if r in stale]
-        if silent and many:
-            note += f"; of them, {self.members.names(silent)} sent no heartbeat for over {self.stale_s:g} s"
-        elif silent:
-            note += f"; no heartbeat for {ages[first]:.1f} s"
-        return note + (": possibly dead or stopped" if silent else "")
-
-    def _last(self, r: int) -> str:
-        e = self.entries[r]
-        assert e is not None
-        if e.finished_seq >= 0:
-            last = f"last reported finishing {e.finished_op} #{e.finished_seq}"
-        else:
-            last = "no collective finished yet"
-        if e.step is not None or e.phase is not None:
-            last += f", at step {e.step}, phase {e.phase}"
-        return last

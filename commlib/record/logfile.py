@@ -1,9 +1,9 @@
 """A log file as its process writes it: one descriptor every logger of the process shares, and its rotation.
 
-Each line is written with a single `os.write` on an `O_APPEND` descriptor (`commlib.observe.log`
+Each line is written with a single `os.write` on an `O_APPEND` descriptor (`commlib.record.log`
 says why). A file that a rank's log starts begins with its process's `log.open` line
 (`header_line`); so does each file a rotation starts. The budget itself (how large a file
-grows, how many rotated files are kept) is read by `commlib.observe.log.budget`.
+grows, how many rotated files are kept) is read by `commlib.record.log.budget`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.codec import encode
-from commlib.observe.files import open_regular
+from commlib.record.codec import encode
+from commlib.record.files import open_regular
 
 HEADER_EVENT = "log.open"
 HEADER_START = b'{"event":"' + HEADER_EVENT.encode() + b'"'  # how `header_line` starts every header
@@ -26,7 +26,7 @@ LOG_FORMAT = 2  # 1: every field on every line (no header); 2: per-process field
 
 class LogFile:
     """A log file as this process writes it: one descriptor that every logger of the process
-    pointed at it shares, its size, and, for a rank's log, its rotation (`commlib.observe.log`'s docstring).
+    pointed at it shares, its size, and, for a rank's log, its rotation (`commlib.record.log`'s docstring).
 
     A rotation swaps the descriptor; the one it replaces is closed only at the next
     rotation, because another thread may have read it just before the swap and be about
