@@ -40,7 +40,7 @@ _EXPORTS = {
     "Recovery": "commlib.recovery",
     "RecoveryFailed": "commlib.recovery",
     "RecoveryPolicy": "commlib.recovery",
-    "check": "commlib.watchdog",
+    "check": "commlib.communicator",
     "context": "commlib.record.log",
     "get_logger": "commlib.record.log",
     "Collective": "commlib.ops",

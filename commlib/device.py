@@ -1,37 +1,22 @@
-"""Stream order: what commlib sees of a device whose engine runs ops on streams (CUDA).
+"""Stream order: the little commlib needs of a device whose engine runs ops on streams (CUDA).
 
-On such an engine (nccl; torchcomms on CUDA) an op is enqueued, not run: it starts on the
-device once the stream it runs on has reached it and the op before it on the same engine
-lane has ended, and it ends some time later. commlib keeps that asynchrony. It never blocks
-the CPU for an op; what it knows of one comes from two points, which the watchdog
-(`commlib.watchdog`) reads from its own thread:
+On such an engine (nccl; torchcomms on CUDA) a collective is enqueued, not run, and commlib
+keeps that asynchrony: the CPU never waits for an op (but for a barrier, whose point is the
+hosts' rendezvous). What commlib reads of an op it reads from the engine where the engine
+says it (c10d's verdict future, its error, torchcomms' work status); where it does not (c10d's
+synchronous path hands back no work), one event is recorded on the caller's current stream
+right after the launch, on which the op ran (`StreamEvents.mark`): torchft's `stream_timeout`.
 
-- its start: an event `mark()`ed on the caller's current stream before the launch. The op
-  runs on that stream (c10d's synchronous path) or on an engine stream that waits for that
-  point of it (c10d's and torchcomms' asynchronous launches both do), so the op has started
-  on the device once this event has completed and the op queued before it on its lane has
-  ended;
-- its end: what the engine offers that can be read from another thread without blocking and
-  without the engine's locks (`BackendWork.end`: c10d's own verdict future, torchcomms' work
-  status); where the engine offers nothing (c10d's synchronous path hands back no work),
-  a second `mark()` right after the launch, on the stream the op ran on.
+`StreamEvents` is that small surface, so that a test engine brings its own (CI has no GPU:
+tests/commlib/emulated_device.py emulates streams, events and graph capture on CPU);
+`CudaStreamEvents` is torch.cuda's. Events are pooled (timing off). An op issued while the
+caller's stream captures a CUDA graph is recorded into the graph, not run: `mark` gives
+`CAPTURED` for it, and it is never timed (c10d does not watch captured works either).
 
-A caller's `Work.wait()` is the engine's stream-only wait (`BackendWork.order`); commlib
-keeps no streams of its own.
-
-A `Runtime` is the small surface this needs, so that a test engine can bring its own (CI has
-no GPU: tests/commlib/emulated_device.py emulates streams, events, devices and graph capture
-on CPU); `CudaRuntime` is torch.cuda's. Events are pooled (timing off): one whose op has
-ended goes back for reuse.
-
-Reading events from the watchdog's thread is done as c10d's watchdog does it (its event
-queries run under a device guard and a thread-local capture mode): `Runtime.watching()` makes
-the runtime's device the thread's current one, so a rank on GPU k never creates a context on
-GPU 0 from that thread, and `Runtime.side_thread()` puts the watchdog's thread (once) in the
-thread-local capture mode, so its queries never invalidate a CUDA graph that another thread
-is capturing. An op issued while the caller's stream is capturing a graph is not watched at
-all (`mark()` returns `CAPTURED`): it is recorded into the graph, not run, and its replays are the
-graph's; and `commlib.check()` on a thread that is capturing reads no event (`capturing()`).
+The timer thread (`commlib.deadlines`) reads events as c10d's watchdog reads its own: with the
+events' device current (`watching`, so a rank on GPU k never opens a context on GPU 0 from that
+thread) and in the thread-local stream capture mode (`side_thread`, so its queries never
+invalidate a graph another thread is capturing).
 """
 
 from __future__ import annotations
@@ -44,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-POOL_CAP = 1024  # completed events kept for reuse per runtime; more are left to the garbage collector
+POOL_CAP = 1024  # passed events kept for reuse per communicator; more are left to the garbage collector
 ENGINE_TIMEOUT_MIN_S = 3600.0  # the engine's own timeout on a stream-ordered engine: see `engine_timeout_s`
 ENGINE_TIMEOUT_FACTOR = 10.0
 _CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
@@ -53,24 +38,22 @@ _CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
 def engine_timeout_s(deadline_s: float) -> float:
     """The timeout a stream-ordered engine is given for an op whose commlib deadline is `deadline_s`.
 
-    Far beyond the deadline: the engine's watchdog counts from the enqueue, so with the
-    deadline itself it would time out an op that merely waits behind earlier GPU work, and
-    it would act first (c10d marks the work failed; torchcomms aborts). commlib's watchdog
-    (`commlib.watchdog`) decides; the engine's timeout only catches what commlib could not.
-    The one home of this rule: the backends set it, the launch passes it, and every way of
-    changing a group's timeout goes through it (`commlib.process_group`).
+    Far beyond the deadline, as torchft gives c10d's (it resets an op's timeout to the default):
+    c10d's own timeout path, on a false timeout of an op queued behind GPU work, left the
+    process hung (MEASURED.md, "Surviving an NCCL timeout"); commlib's deadline aborts the
+    engine first. The one home of this rule: the backends set it, the launch passes it, and
+    every way of changing a group's timeout goes through it (`commlib.engine_calls`).
     """
     return max(ENGINE_TIMEOUT_FACTOR * deadline_s, ENGINE_TIMEOUT_MIN_S)
 
 
 class Event(Protocol):
     def query(self) -> bool:
-        """Whether the point it stands for has been reached; never blocks."""
+        """Whether the point it stands for has been passed; never blocks."""
 
 
 class _Captured:
-    """What `Runtime.mark` gives while the caller's stream captures a CUDA graph: no point of a
-    stream that runs now (module docstring)."""
+    """What `StreamEvents.mark` gives while the caller's stream captures a CUDA graph."""
 
     def query(self) -> bool:
         return True
@@ -79,43 +62,46 @@ class _Captured:
 CAPTURED = _Captured()
 
 
-class Runtime(Protocol):
-    """The stream operations commlib uses (module docstring)."""
+class StreamEvents(Protocol):
+    """The stream operations commlib uses on one device (module docstring)."""
 
     device: torch.device
 
     def mark(self) -> Event:
-        """A (pooled) event recorded on the caller's current stream of this device; `CAPTURED`
-        while that stream is capturing a CUDA graph (the op is then not watched)."""
+        """A pooled event recorded on the caller's current stream of this device; `CAPTURED`
+        while that stream captures a CUDA graph."""
 
     def release(self, event: Event) -> None:
-        """Hand a completed event that nothing holds back for reuse."""
+        """Hand a passed event that nothing holds back for reuse."""
 
     def watching(self) -> contextlib.AbstractContextManager[None]:
-        """Around reads of this runtime's events: its device current on the reading thread."""
+        """Around reads of this device's events: its device current on the reading thread."""
 
     def side_thread(self) -> None:
-        """On a thread of commlib's own that reads events (the watchdog's): the thread-local
-        capture mode, so its reads never disturb another thread's graph capture."""
-
-    def capturing(self) -> bool:
-        """Whether the calling thread's current stream is capturing a CUDA graph now."""
+        """On a thread of commlib's own that reads events: the thread-local capture mode."""
 
 
-class CudaRuntime:
-    """`Runtime` over torch.cuda, for one communicator on one device."""
+class CudaStreamEvents:
+    """`StreamEvents` over torch.cuda, for one communicator on one device."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pool: list[Any] = []  # list.pop and list.append are atomic: the watchdog releases, callers take
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._pool: list[Any] = []  # list.pop and list.append are atomic: the timer releases, callers take
+        self._streams: dict[int, Any] = {}  # torch.cuda.Stream per stream id: building one per op costs more
 
     def mark(self) -> Any:
-        # Captures run on the device that is current (torch.cuda.graph's own stream): the one
-        # whose current stream this asks about.
-        if torch.cuda.is_current_stream_capturing():
+        # The C calls under torch.cuda's wrappers: this runs on every synchronous op.
+        if torch._C._cuda_isCurrentStreamCapturing():
             return CAPTURED
-        event = self._pool.pop() if self._pool else torch.cuda.Event()  # timing off, not blocking
-        event.record(torch.cuda.current_stream(self.device))
+        stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self._index)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = torch.cuda.Stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
+        event = self._pool.pop() if self._pool else torch.cuda.Event()
+        torch._C._CudaEventBase.record(event, stream)
         return event
 
     def release(self, event: Any) -> None:
@@ -123,23 +109,20 @@ class CudaRuntime:
             self._pool.append(event)
 
     def watching(self) -> contextlib.AbstractContextManager[None]:
-        return torch.cuda.device(self.device)
+        return torch.cuda.device(self._index)
 
     def side_thread(self) -> None:
         _thread_local_capture_mode()
-
-    def capturing(self) -> bool:
-        return torch.cuda.is_current_stream_capturing()
 
 
 _capture_mode_set = threading.local()
 
 
 def _thread_local_capture_mode() -> None:
-    """Put the calling thread in CUDA's thread-local stream capture mode, once per thread: its
-    event queries then never invalidate another thread's capture (as c10d's and torchcomms'
-    watchdogs do). torch has no Python call for it, so it goes to the CUDA runtime torch loaded;
-    where that cannot be found, the log says that a capture on another thread is not safe."""
+    """Put the calling thread in CUDA's thread-local stream capture mode, once per thread, as
+    c10d's watchdog does (a `CUDAStreamCaptureModeGuard` around its queries). torch has no
+    Python call for it, so it goes to the CUDA runtime torch loaded; where that cannot be
+    found, the log says that a capture on another thread is not safe."""
     if getattr(_capture_mode_set, "done", False):
         return
     _capture_mode_set.done = True
@@ -151,7 +134,7 @@ def _thread_local_capture_mode() -> None:
             "device.capture_mode_unset",
             cuda=torch.version.cuda,
             consequence="a CUDA graph captured on another thread in global mode may be "
-            "invalidated by the watchdog's event queries",
+            "invalidated by the deadline thread's event queries",
         )
         return
     mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)

@@ -134,7 +134,7 @@ def main_cuda_device(
     LOCAL_RANK gives this rank of its node, else the current device. Never only the current
     device where anything else says: a trainer may set it after `init_process_group` (or pass
     only `device_id=`, which a creator that returns its own group never sees), and the
-    watchdog would then read events of another device than the one NCCL runs on."""
+    deadline thread would then read events of another device than the one NCCL runs on."""
     if asked is not None:
         device = torch.device(asked)
         if device.type != "cuda":

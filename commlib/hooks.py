@@ -4,16 +4,13 @@ Three kinds:
 - pre-hooks `fn(call: Collective)` run after validation and sequence numbering, before the
   backend launch. They may inspect or modify the input tensors, sleep, or raise (the chaos
   injector uses exactly this).
-- post-hooks `fn(call: Collective, duration_s: float)` run after a successful completion.
-  On a stream-ordered communicator (a GPU engine) the op completes on the device, and the
-  watchdog sees it there: its post-hooks run on the watchdog's thread, `duration_s` being
-  from the issue to when the watchdog saw the end (within `commlib.watchdog.POLL_S`).
+- post-hooks `fn(call: Collective, duration_s: float)` run after a successful completion,
+  on the caller's thread. On a stream-ordered communicator (a GPU engine) that is once the
+  op is enqueued and the caller's stream ordered behind it: the device completes it later.
 - timeout/failure hooks `fn(call: Collective, error: CommError)` run before a typed error
-  is raised, on the thread it is raised on (for a failure the watchdog found: the caller's,
-  at its next call, `Work.wait()` or `commlib.check()`).
-- pre-hooks of a stream-ordered communicator run after the op's start event is marked on
-  the caller's stream: device work a pre-hook enqueues counts into the op's run (a chaos
-  device hang is exactly that).
+  is raised, on the thread it is raised on (for a failure found off the caller's thread on a
+  stream-ordered communicator: the caller's, at its next call, `Work.wait()` or
+  `commlib.check()`).
 
 A hook registered on `HookRegistry.process()` applies to every communicator of the process,
 including ones created later (splits); a hook registered on a communicator applies to it

@@ -84,7 +84,7 @@ def explain_timeout(
 ) -> TimeoutExplanation:
     """Say who kept collective `seq` from completing, and where each other rank last was.
 
-    Missing is a rank that has not started running it (on its device, where it has one) and
+    Missing is a rank that has not started it (issued it, on a stream-ordered engine) and
     is not held up inside an earlier collective of this communicator by other ranks: a rank
     waiting in collective k for ranks that have not started k is named as waiting, and those
     ranks are the missing ones; it is missing itself only where every other rank has left k
@@ -113,11 +113,11 @@ def explain_timeout(
         ages[r] = (now_ns - e.heartbeat_ns) / 1e9
         if ages[r] > stale_s:
             stale.append(r)
-        if e.running_seq() >= seq:
+        if e.started_seq >= seq:
             if ages[r] > stale_s:
                 reasons[r] = _Reason("started_stale")
             continue
-        reasons[r] = reason = _reason_not_running(seq, e, peers)
+        reasons[r] = reason = _reason_not_started(seq, e, peers)
         if reason.missing:
             missing.append(r)
     # One by one up to NAMED_ONE_BY_ONE ranks; beyond, the ranks named for the same reason together.
@@ -144,7 +144,6 @@ class _Reason:
     kind: str
     k: int = -1
     k_op: str | None = None
-    issued: bool = False  # its host issued the op; its GPU never started it
     missing: bool = False
 
 
@@ -159,10 +158,10 @@ class _PeersByCollective:
         self._not_left: dict[int, list[int]] = {}
 
     def not_started(self, k: int) -> list[int]:
-        """The ranks (but the one that timed out) that have not started running k."""
+        """The ranks (but the one that timed out) that have not started k."""
         if k not in self._not_started:
             self._not_started[k] = [
-                q for q, e in sorted(self.entries.items()) if q != self.me and (e is None or e.running_seq() < k)
+                q for q, e in sorted(self.entries.items()) if q != self.me and (e is None or e.started_seq < k)
             ]
         return self._not_started[k]
 
@@ -175,17 +174,16 @@ class _PeersByCollective:
         return self._not_left[k]
 
 
-def _reason_not_running(seq: int, e: BoardEntry, peers: _PeersByCollective) -> _Reason:
-    """Why a rank (entry `e`) that has not started collective `seq` running is named."""
-    issued = e.stream_ordered and e.started_seq >= seq
+def _reason_not_started(seq: int, e: BoardEntry, peers: _PeersByCollective) -> _Reason:
+    """Why a rank (entry `e`) that has not started collective `seq` is named."""
     if not e.inside():
-        return _Reason("not_started", issued=issued, missing=True)
-    k, k_op = e.running_seq(), e.running_op()
+        return _Reason("not_started", missing=True)
+    k, k_op = e.started_seq, e.started_op
     if peers.not_started(k):
-        return _Reason("waiting", k, k_op, issued)
+        return _Reason("waiting", k, k_op)
     if len(peers.not_left(k)) > 1:  # the rank itself is one of them
-        return _Reason("with_others", k, k_op, issued)
-    return _Reason("alone", k, k_op, issued, missing=True)
+        return _Reason("with_others", k, k_op)
+    return _Reason("alone", k, k_op, missing=True)
 
 
 @dataclass
@@ -210,16 +208,11 @@ def _note(at: _TimedOut, reason: _Reason, ranks: list[int], ages: dict[int, floa
     if reason.kind == "started_stale":
         silence = f"for over {at.stale_s:g} s" if many else f"for {ages[ranks[0]]:.1f} s"
         return f"{who} started it but {'' if many else 'has '}sent no heartbeat {silence}: possibly dead or stopped"
-    its, it_is, has = ("their GPUs", "they are", "have") if many else ("its GPU", "it is", "has")
-    gpu = f"{who} issued {at.op} #{at.seq}, but {its} never started it" if reason.issued else None
+    it_is, has = ("they are", "have") if many else ("it is", "has")
     if reason.kind == "not_started":
-        note = (
-            f"{gpu}: {its} {'are' if many else 'is'} still busy with work queued before it"
-            if gpu
-            else (f"{who} never started it")
-        )
+        note = f"{who} never started it"
     else:
-        still = f"{gpu or f'{who} {has} not started it'}: {it_is} still in {reason.k_op} #{reason.k}"
+        still = f"{who} {has} not started it: {it_is} still in {reason.k_op} #{reason.k}"
         if reason.kind == "waiting":
             waited = at.members.names(at.peers.not_started(reason.k))
             note = f"{still}, waiting for {waited}, which have not started that"

@@ -144,6 +144,7 @@ class Collective:
     peer: int | None = None
     reduce_op: Reduction | None = None
     context: dict[str, object] = field(default_factory=dict)
+    tag: int = 0  # a send/recv's: its messages with the peer are matched and numbered per tag
 
     def inputs(self) -> list[torch.Tensor]:
         """Tensors the op reads on this rank."""

@@ -25,7 +25,7 @@ its own stand-in, `default_pg_timeout` (30 min), so that value reads as "not giv
 ways of changing a group's timeout later reach commlib too: `ProcessGroup.set_timeout` (what
 2.14's `dist.set_timeout` calls) is this class's, and an engine's `_set_default_timeout`
 (what 2.13's `_set_pg_timeout` and callers of `group._get_backend(device)` call) also sets the
-deadline of the commlib communicator over that engine (`commlib.group_timeouts`).
+deadline of the commlib communicator over that engine (`commlib.engine_calls`).
 
 Tensors that are not contiguous, which gloo takes (`all_reduce(t.t())`, `broadcast(t[::2])`,
 strided outputs), go through a contiguous copy, copied back into the caller's tensors when
@@ -42,10 +42,9 @@ Limits (see docs/torch-backend.md):
   directly, bypassing commlib. torch.distributed's Python functions always come here.
 - DDP: a bucket's all-reduce completes inside `get_future()`, on the autograd thread that
   asked for it, so it no longer overlaps the rest of backward.
-- `all_to_all_single` with uneven splits, `recv_anysource` and tagged send/recv are refused
-  with a clear error: commlib's API has no equivalent. torch refuses `monitored_barrier` for
-  every backend but gloo; `dist.barrier` over commlib already names the ranks that did not
-  arrive.
+- `all_to_all_single` with uneven splits and `recv_anysource` are refused with a clear error:
+  commlib's API has no equivalent. torch refuses `monitored_barrier` for every backend but
+  gloo; `dist.barrier` over commlib already names the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from commlib import attempt, compat
 from commlib.communicator import Communicator
+from commlib.engine_calls import engine_timeout, follow_engine_calls, set_engine_timeout
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
 from commlib.group_calls import (
     CommlibWork,
@@ -72,19 +72,11 @@ from commlib.group_calls import (
     restaged,
     strided,
 )
-from commlib.group_timeouts import engine_timeout, follow_engine_timeouts, set_engine_timeout
 from commlib.record import flight
 from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
-# The backend types a rebuilt group registers its new engines under, in turn (`_register_engines`).
-_REGISTRY_TYPES = tuple(
-    getattr(dist.ProcessGroup.BackendType, name)
-    for name in ("CUSTOM", "UCC", "MPI", "XCCL")
-    if hasattr(dist.ProcessGroup.BackendType, name)
-)
-
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
 _DEFAULTS: list[EngineOptions] = []
@@ -142,7 +134,7 @@ def create(opts: Any, engine_options: EngineOptions | None) -> CommlibProcessGro
         _deadline_of_new_group(opts.timeout, is_default),
         global_ranks,
     )
-    follow_engine_timeouts(_communicators_over)
+    follow_engine_calls(_communicators_over)
     group = CommlibProcessGroup(recipe.build(store), opts.group_rank, opts.group_size)
     group._recipe = recipe
     return group
@@ -188,7 +180,7 @@ def _deadline_of_new_group(timeout: timedelta, is_default: bool) -> float:
 
 
 def _communicators_over(engine: Any) -> list[Communicator]:
-    """The communicators over `engine`, in every commlib group of the process (`follow_engine_timeouts`)."""
+    """The communicators over `engine`, in every commlib group of the process (`follow_engine_calls`)."""
     return [comm for group in commlib_groups() for comm in group._communicators_over(engine)]
 
 
@@ -266,7 +258,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         super().set_timeout(timeout)
         for comm in self._comms.values():
             comm.set_timeout(timeout)
-            engine = getattr(comm._backend, "engine", None)
+            engine = comm.engine
             if engine is not None and comm.stream_ordered:
                 set_engine_timeout(engine, engine_timeout(comm, timeout))
 
@@ -275,50 +267,43 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return [self._comms[kind] for registered, kind in self._engines if registered is engine]
 
     def _set_communicators(self, comms: dict[str, Communicator]) -> None:
+        first = not hasattr(self, "_comms")
         self._comms = comms
         # What a group with a single communicator hands every op, without a device lookup.
         self._only = next(iter(comms.values())) if len(comms) == 1 else None
-        self._register_engines()
+        if first:
+            self._engines: list[tuple[Any, str]] = []  # every engine the group ever had, with its device
+        for kind, comm in comms.items():
+            if comm.engine is not None:
+                self._engines.append((comm.engine, kind))
+        if first:
+            self._register_engines()
 
     def _register_engines(self) -> None:
-        """Register each communicator's engine for its device, so that torch's callers of
-        `group._get_backend(device)` (`_set_pg_timeout`, device capability checks, object
-        collectives' device) reach the engine commlib runs on.
+        """Register each communicator's engine for its device, with c10d's own backend type.
 
-        c10d keys a group's backends by backend type, keeps the first backend of a type for
-        good (ProcessGroup::setBackend points the device at it and ignores a new one), and
-        has no way to remove one; so the engines of a rebuilt group (in-job recovery) are
-        registered under a backend type the group has not used yet (`_REGISTRY_TYPES`), which
-        points the device at them. Retired engines stay registered under their old types
-        (c10d's `set_timeout` still reaches them: `_communicators_over` maps them to the
-        live communicator). Once the types are spent, the log says that `_get_backend`
-        returns a retired engine. The main device's type is the group's default backend:
-        torch 2.15 reads the group's name through it (its flight-recorder hook), and without
-        one that raises "Could not find the default backend type 0".
+        c10d keeps the first backend of a type for good (ProcessGroup::setBackend ignores a new
+        one) and has no way to remove one, so only the first engines are registered: torch's
+        Python callers of `group._get_backend(device)` (`_set_pg_timeout`, device capability
+        checks, `init_process_group`'s eager connect) get the live engine from this class's
+        `_get_backend`, through every rebuild; C++ callers, which read only the group's name and
+        backend type through it, keep the first. The main device's type is the group's default
+        backend: torch 2.15 reads the group's name through it.
         """
-        if not hasattr(self, "_engines"):
-            self._engines: list[tuple[Any, str]] = []  # every engine registered, with its device
-            self._used_types: set[Any] = set()
         for kind, comm in self._comms.items():
-            engine = getattr(comm._backend, "engine", None)
+            engine = comm.engine
             if engine is None:
                 continue
-            self._engines.append((engine, kind))
-            native = dist.ProcessGroup.BackendType.NCCL if kind == "cuda" else dist.ProcessGroup.BackendType.GLOO
-            free = [t for t in (native, *_REGISTRY_TYPES) if t not in self._used_types]
-            if not free:
-                _log.get_logger().warning(
-                    "comm.engine_not_registered",
-                    comm=comm.name,
-                    device=kind,
-                    consequence="torch's group._get_backend() returns a retired engine; "
-                    "commlib's own calls are not affected",
-                )
-                continue
-            self._used_types.add(free[0])
-            self._register_backend(torch.device(kind), free[0], engine)
+            backend_type = dist.ProcessGroup.BackendType.NCCL if kind == "cuda" else dist.ProcessGroup.BackendType.GLOO
+            self._register_backend(torch.device(kind), backend_type, engine)
             if kind == next(iter(self._comms)):
-                self._set_default_backend(free[0])
+                self._set_default_backend(backend_type)
+
+    def _get_backend(self, device: Any) -> Any:
+        """The engine of the live communicator for `device`'s type (`_register_engines`)."""
+        comm = self._comms.get(torch.device(device).type)
+        engine = None if comm is None else comm.engine
+        return engine if engine is not None else super()._get_backend(device)
 
     def _on(self, tensor: torch.Tensor) -> Communicator:
         return self._only if self._only is not None else self.communicator(tensor.device)
@@ -540,17 +525,15 @@ class CommlibProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "send")
-        self._untagged("send", tag)
         if not t.is_contiguous():
             return restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
-        return CommlibWork([self._on(t).send(t, dst, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
+        return CommlibWork([self._on(t).send(t, dst, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
-        self._untagged("recv", tag)
         if not t.is_contiguous():
             return restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
-        return CommlibWork([self._on(t).recv(t, src, async_op=True)], tensors)  # type: ignore[list-item]  # async: a Work
+        return CommlibWork([self._on(t).recv(t, src, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(
@@ -571,14 +554,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         for comm in self._comms.values():
             comm.finalize()
-
-    # -- helpers -----------------------------------------------------------------------
-    def _untagged(self, what: str, tag: int) -> None:
-        if tag:
-            raise NotImplementedError(
-                f"commlib process group {what} on rank {self.rank()}: expected tag 0; found "
-                f"tag {tag} (commlib orders each peer's messages by sequence, not tag)"
-            )
 
 
 def _alias_old_method_names() -> None:

@@ -47,9 +47,10 @@ fresh store prefix rather than torchcomms' own `reconfigure`). Communicators mad
 `Communicator.split` outside a process group are not rebuilt: their holders must split
 again from the new world communicator. Stream-ordered engines (nccl, torchcomms on CUDA):
 the abort is `ncclCommAbort` through the backend's `abort`, in a thread of its own that the
-abort phase waits on for at most `device_ops.ENGINE_ABORT_BOUND_S` (a wedged device can hold it); the
-rebuild is a fresh `ncclCommInitRank` under the new prefix; the closing barrier waits on the
-CPU. On CPU this path runs over the tests' emulated stream-ordered engine
+abort phase waits on for at most `communicator.ENGINE_ABORT_BOUND_S` (a wedged device can hold
+it); the rebuild is a fresh nonblocking `ncclCommInitRank` under the new prefix, bounded by the
+group's deadline (`commlib.backends.nccl.build_engine`); the closing barrier waits on the CPU.
+On CPU this path runs over the tests' emulated stream-ordered engine
 (tests/commlib/test_stream_ordered.py); scripts/bench_gpu.py checks it on one GPU; several GPUs
 are designed for and untested.
 """

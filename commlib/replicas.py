@@ -66,7 +66,7 @@ class Quorum:
 
     @property
     def comm_name(self) -> str:
-        """`commlib.observe.replicas.quorum_comm`: with the members' common rank within their
+        """`commlib.members.quorum_comm`: with the members' common rank within their
         replica group where a group has more than one rank (every member of a quorum communicator
         is rank k of its group, for one k; the members' global ranks say which)."""
         if self.global_ranks is None or self.group_size == 1:

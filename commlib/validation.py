@@ -242,7 +242,23 @@ class CallChecker:
         self._passed: set[tuple[object, ...]] = set()
 
     def __call__(self, call: Collective) -> None:
-        key = _signature(call)
+        t = call.tensor
+        # The common case (one tensor, a plain reduction or none) keyed here, not in `_signature`:
+        # this runs on every collective.
+        if t is not None and type(t) is torch.Tensor and type(call.reduce_op) in _PLAIN_REDUCTIONS:
+            key: tuple[object, ...] | None = (
+                call.op,
+                call.reduce_op,
+                type(call.root),
+                call.root,
+                type(call.peer),
+                call.peer,
+                t.dtype,
+                t.device,
+                t.is_contiguous(),
+            )
+        else:
+            key = _signature(call)
         if key is not None:
             try:
                 if key in self._passed:
@@ -252,6 +268,9 @@ class CallChecker:
         check_call(call, self._unsupported)
         if key is not None and len(self._passed) < self.MAX_SIGNATURES:
             self._passed.add(key)
+
+
+_PLAIN_REDUCTIONS = (ReduceOp, type(None))
 
 
 def _signature(call: Collective) -> tuple[object, ...] | None:

@@ -74,7 +74,7 @@ def _interleaved(comm: commlib.Communicator, rounds: int, iters: int,
     microseconds, and commlib's whole added cost is CPU work on that thread.
     """
     if check_through_store:
-        comm._fingerprints_via_engine = False
+        comm._consistency.via_engine = False
     out: dict[str, dict[str, float]] = {}
     plain = dist.new_group(backend="gloo")  # torch's own gloo group, beside commlib's default one
     for label, numel in SIZES.items():
@@ -230,7 +230,7 @@ class _InstantEngine:
     under it, a call's CPU is commlib's own layers and nothing else, with no peer and no
     engine thread to share the cores with, so the figure is the same from run to run."""
 
-    name, rank, size, device, resumable_wait, runtime = "gloo", 0, 1, torch.device("cpu"), True, None
+    name, rank, size, device, resumable_wait, events = "gloo", 0, 1, torch.device("cpu"), True, None
     _done = _DoneWork()
 
     def launch(self, call: Collective, timeout: timedelta) -> _DoneWork:

@@ -7,7 +7,7 @@
 A TCPStore server in this process stands for the job's store. Every rank's board entry is
 published in it (`board/{r}`, a `BoardEntry` as JSON), then `--readers` processes (the
 survivors of a failure; a real job has nearly all its ranks) each read the whole board
-`--reads` times, all starting together, as `Judge` does when a deadline expires and again
+`--reads` times, all starting together, as `FailureReports` does when a deadline expires and again
 while it waits for a dead peer's heartbeat to go stale. Meanwhile one more process publishes a
 heartbeat every 50 ms, as each live rank's board does, and times each publication: whether the
 storm of reads holds back the heartbeats by which a live rank is told from a stopped one

@@ -1,20 +1,18 @@
 """The narrow protocol a backend implements.
 
 A backend launches one already-validated, already-numbered `Collective` and hands back a
-`BackendWork`; it splits, aborts and finalizes itself, and it says what a raw failure of
-its engine means (`classify`). A stream-ordered engine (a GPU's) also names its device
-runtime and the lane each op runs on, and its works order the caller's stream, say when
-their op has ended and give the engine's verdict on it (`commlib.device`, `commlib.watchdog`),
-all without blocking the CPU and without taking the engine's locks (an abort holds them
-while the device drains). Everything else (validation, sequence numbers, deadlines, hooks,
-logs, flight recording, the progress board) belongs to `Communicator`; a backend that
-repeats any of it is a bug.
+`BackendWork`; it splits, aborts and finalizes itself, and it says what a raw failure of its
+engine means (`classify`). A stream-ordered engine (a GPU's) also names its `StreamEvents`
+(`commlib.device`), and says what it reports without blocking the CPU or taking its own locks
+(an abort holds them while the device drains): an op's end where it has one to read from
+another thread (`BackendWork.end`) and its own error (`engine_error`). Everything else
+(validation, sequence numbers, deadlines, hooks, logs, flight recording, the progress board)
+belongs to `Communicator`; a backend that repeats any of it is a bug.
 
 Dropping an engine's work whose op still runs blocks the dropping thread until the op ends
-(gloo's and torchcomms' works join the op's thread), and an op of an aborted engine may
-still write its buffers until it has ended; so what is given up on while its op runs (a
-work after a caller's shorter wait, the ops of a communicator that broke, with their
-tensors) is kept here until it has ended (`keep_until_done`): the one registry of this module.
+(gloo's and torchcomms' works join the op's thread), so a work given up on while its op runs
+(after a caller's shorter wait) is kept here until it has ended (`keep_until_done`): the one
+registry of this module.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from commlib.device import Event, Runtime
+from commlib.device import Event, StreamEvents
 from commlib.failures import Failure
 from commlib.ops import Collective, Reduction
 
@@ -45,14 +43,11 @@ class BackendWork(Protocol):
     # Stream-ordered engines only:
     @property
     def end(self) -> Event | None:
-        """Completes once the op has ended on the device; None: commlib marks the end."""
+        """Passed once the op has ended on the device, read from another thread without blocking
+        (an engine's verdict may also say how it failed: `failure()`); None: commlib marks it."""
 
     def order(self) -> None:
         """Make the caller's current stream wait for the op; the CPU does not wait."""
-
-    def failure(self) -> BaseException | None:
-        """Once `end` has completed: the engine's own error for the op (an abort, a remote
-        error, a timeout of its own), None when it completed."""
 
 
 class Backend(Protocol):
@@ -61,17 +56,13 @@ class Backend(Protocol):
     size: int
     device: torch.device
     resumable_wait: bool  # see BackendWork.wait: the Communicator may then wait in slices
-
-    @property
-    def runtime(self) -> Runtime | None:
-        """A stream-ordered engine's device runtime (`commlib.device`); None where the CPU waits for ops."""
+    events: StreamEvents | None  # a stream-ordered engine's; None where the CPU waits for ops
 
     def launch(self, call: Collective, timeout: timedelta) -> BackendWork:
         """Start `call` without blocking on its completion."""
 
-    def lane(self, call: Collective) -> int | None:
-        """Stream-ordered engines: the engine lane `call` runs on, where ops run one after the
-        other (None: the collectives'; a peer: its send/recv, where the engine has such lanes)."""
+    def engine_error(self) -> BaseException | None:
+        """Stream-ordered engines: the engine's own error, None while it has none; never blocks."""
 
     def split(self, ranks: list[int], name: str, timeout: timedelta) -> Backend | None:
         """Collective over every member: a backend for `ranks`, None where not a member."""
@@ -82,7 +73,7 @@ class Backend(Protocol):
     def classify(self, exc: BaseException) -> Failure: ...
 
     def abort(self) -> None:
-        """Tear down without waiting for peers; returns at once."""
+        """Tear down without waiting for peers."""
 
     def finalize(self) -> None:
         """Release resources after a clean run."""

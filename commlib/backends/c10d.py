@@ -14,13 +14,17 @@ timeout, reduction and root, and reused (`C10dBackend._options`). The three meth
 Reductions gloo lacks (AVG, PREMUL_SUM) are emulated here, because what a reduction means
 is part of the op, and every backend must give the same numbers.
 
-nccl is stream-ordered (`commlib.device`): the backend names a `CudaRuntime`; a synchronous
-op takes c10d's synchronous path (`asyncOp=False`: run on the caller's current stream, no
-side stream to order, no tensor stash, no work handed back); an asynchronous one's `order`
-is c10d's `Work.synchronize()`, the stream-only wait that never blocks the CPU nor takes the
-engine's lock (`wait()` does both for a barrier, and `wait(timeout)` busy-waits), and its end
-and failure are c10d's own verdict (`commlib.backends.nccl`, which also says how commlib
-builds the engine so that commlib, not c10d, decides what a timeout does to the process).
+nccl is stream-ordered (`commlib.device`): the backend names its `StreamEvents`; a synchronous
+op takes c10d's synchronous path (`asyncOp=False`: run on the caller's current stream, no side
+stream to order, no tensor stash, no work handed back); an asynchronous one's `order` is c10d's
+`Work.block_current_stream()`, the stream-only wait that neither blocks the CPU nor takes the
+engine's lock, and its end is c10d's own verdict. `engine_error` is the engine's error, which
+c10d's watchdog sets from its works' failures, synchronous ones included
+(`commlib.backends.nccl`, which also says how commlib builds the engine so that commlib, not
+c10d, decides what a timeout does to the process).
+
+Tags: gloo matches a send with the recv of its tag; nccl ignores the tag and keeps each peer's
+order (as c10d's NCCL does), so the tag is passed to both.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 from commlib import compat
 from commlib.backends import nccl
 from commlib.backends.gloo_p2p import OnePieceWait, PeerLanes
-from commlib.device import CudaRuntime
+from commlib.device import CudaStreamEvents, StreamEvents
 from commlib.failures import NETWORK_ERROR, STORE_ERROR, Failure, classify
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction, reduction_kind
 
@@ -101,13 +105,10 @@ class C10dWork:
     end: nccl.VerdictEnd | None = None  # a stream-ordered engine's asynchronous op: c10d's verdict
 
     def order(self) -> None:
-        # synchronize(): the current stream waits for the op's end event, and nothing else; a
-        # torchcomms-routed group's works have only wait(), stream-only there.
+        # The current stream waits for the op's end, and nothing else (c10d's
+        # block_current_stream); a torchcomms-routed group's works have only wait(), stream-only there.
         if self.work is not None:
-            (self.work.synchronize if self.timed_wait else self.work.wait)()
-
-    def failure(self) -> BaseException | None:
-        return None if self.end is None else self.end.failure()
+            (self.work.block_current_stream if self.timed_wait else self.work.wait)()
 
     def wait(self, timeout: timedelta) -> bool:
         one_piece = self.one_piece
@@ -164,12 +165,10 @@ class C10dBackend:
         # gloo's send/recv waits are made resumable by waiting for them in one piece on a
         # thread per peer (`gloo_p2p`): its own timed waits close the context's connections.
         self._peer_lanes = PeerLanes(self.name) if self.resumable_wait else None
-        self.runtime = CudaRuntime(device) if device.type == "cuda" and self.name != "gloo" else None
-        # c10d's NCCL engine runs send/recv with each peer on a stream of its own, unless it was
-        # initialised eagerly on its device (`nccl.build_engine` does; `device_id=` does for a
-        # caller's group): then on the collective stream (`lane`).
-        self._p2p_lanes = not owned and getattr(engine, "bound_device_id", None) is None
-        if self.runtime is not None and not owned and not self._routed:
+        self.events: StreamEvents | None = (
+            CudaStreamEvents(device) if device.type == "cuda" and self.name != "gloo" else None
+        )
+        if self.events is not None and not owned and not self._routed:
             nccl.warn_wrapped(self.name, device)
         # ProcessGroup objects (torchcomms' wrapper among them) answer to torch 2.13's new
         # method names, Backend objects to the old ones: look each up once.
@@ -198,13 +197,14 @@ class C10dBackend:
         finish = None if reduce_op is None or reduce_op is _SUM else self._emulate(call)
         work = C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
         if call.peer is not None and self._peer_lanes is not None:
-            work.one_piece = self._peer_lanes.wait_for(call.peer, work.work, timeout)
-        elif self.runtime is not None and work.work is not None and not self._routed:
+            work.one_piece = self._peer_lanes.wait_for((call.peer, call.tag), work.work, timeout)
+        elif self.events is not None and work.work is not None and not self._routed:
             work.end = nccl.VerdictEnd(work.work)
         return work
 
-    def lane(self, call: Collective) -> int | None:
-        return call.peer if self._p2p_lanes else None
+    def engine_error(self) -> BaseException | None:
+        """A stream-ordered engine's own error (`commlib.backends.nccl.engine_error`)."""
+        return nccl.engine_error(self.engine) if self.events is not None and not self._routed else None
 
     # One function per op, looked up by op (`_LAUNCH`, below the class): an if-chain over
     # OpName members would read up to a dozen of them per call, and reading an enum member
@@ -256,10 +256,10 @@ class C10dBackend:
         return self.engine.scatter([call.output], inputs, self._options(c10d_opts.ScatterOptions, call, timeout))
 
     def _launch_send(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.send([call.tensor], call.peer, 0)
+        return self.engine.send([call.tensor], call.peer, call.tag)
 
     def _launch_recv(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.recv([call.tensor], call.peer, 0)
+        return self.engine.recv([call.tensor], call.peer, call.tag)
 
     def _launch_barrier(self, call: Collective, timeout: timedelta) -> Any:
         return self.engine.barrier(self._options(c10d_opts.BarrierOptions, call, timeout))
@@ -273,7 +273,7 @@ class C10dBackend:
         is done only then.
         """
         # A stream-ordered engine's synchronous op takes c10d's synchronous path (module docstring).
-        synchronous = self.runtime is not None and not call.async_op
+        synchronous = self.events is not None and not call.async_op
         key = (kind, timeout, call.reduce_op, call.root, synchronous)
         opts = self._option_cache.get(key)
         if opts is None:

@@ -7,7 +7,8 @@ pair closure"), which breaks the communicator for a peer that was merely a littl
 its `is_completed()` turns True only inside `wait()` (torch 2.13: a recv whose data had
 arrived still said False 10 s later), so it cannot be polled either. So each one is waited
 for here in one piece, bounded by the op's own deadline, on a thread of its lane (one per
-peer, in issue order: a late peer must not hold up the end of a prompt peer's op), and the
+peer and tag, in issue order: a late peer must not hold up the end of a prompt peer's op, nor
+a message of one tag the end of another's, which gloo matches apart), and the
 caller waits on its end (`OnePieceWait.done`) in slices like any op's, reading its peers'
 abort announcements between them; a caller's shorter wait leaves the op running. A peer
 that dies still ends the wait within a fraction of a second (gloo: "Connection closed by
@@ -70,15 +71,16 @@ class _Lane:
 
 
 class PeerLanes:
-    """One engine's send/recv lanes, one per peer (module docstring)."""
+    """One engine's send/recv lanes, one per peer and tag (module docstring)."""
 
     def __init__(self, engine_name: str) -> None:
         self._engine_name = engine_name
-        self._lanes: dict[int, _Lane] = {}
+        self._lanes: dict[tuple[int, int], _Lane] = {}
 
-    def wait_for(self, peer: int, work: Any, timeout: timedelta) -> OnePieceWait:
-        """Wait for `work` (a send/recv with `peer`) in one piece, at most `timeout`, on that peer's lane."""
-        lane = self._lanes.get(peer)
+    def wait_for(self, peer_and_tag: tuple[int, int], work: Any, timeout: timedelta) -> OnePieceWait:
+        """Wait for `work` (a send/recv with a peer, under a tag) in one piece, at most `timeout`, on their lane."""
+        lane = self._lanes.get(peer_and_tag)
         if lane is None:
-            lane = self._lanes[peer] = _Lane(f"commlib-{self._engine_name}-p2p-{peer}")
+            peer, tag = peer_and_tag
+            lane = self._lanes[peer_and_tag] = _Lane(f"commlib-{self._engine_name}-p2p-{peer}-{tag}")
         return lane.add(work, timeout)

@@ -16,15 +16,17 @@ server; it allows one communicator per store), so two commlib communicators, or 
 never collide.
 
 On CUDA the communicator is stream-ordered (`commlib.device`): a work's `order` is
-`TorchWork.wait()`, which there only makes the current stream wait, and the deadline is
-commlib's watchdog's; torchcomms' own per-op timeout is set far beyond it
+`TorchWork.wait()`, which there only makes the current stream wait, and the deadline is commlib's
+(`commlib.deadlines`); torchcomms' own per-op timeout is set far beyond it
 (`commlib.device.engine_timeout_s`) and `abort_process_on_timeout_or_error` is False, so
-torchcomms never acts first. An op's end is its work's `is_completed()`, which reads an atomic
-status without the GIL (safe from the watchdog's thread; torchcomms updates it within its 1 s
-status poll): an op in ERROR or TIMEDOUT never reads as completed, so commlib's deadline fails
-it, although its `wait()` skips the stream wait for it. An abort torchcomms decides on anyway
-(its abort hook) is the work's `failure`. Every op of a communicator runs on its one internal
-stream (one lane). On CPU engines (gloo) a wait blocks the CPU under the deadline.
+torchcomms never acts first. An op's end is its work's status (`is_completed()`, an atomic read
+without the GIL, which torchcomms updates within its 1 s status poll): an op in ERROR or
+TIMEDOUT never reads as completed, so commlib's deadline fails it. An abort torchcomms decides on
+anyway (its abort hook) is the engine's error. Ops of a communicator run on its one internal
+stream. On CPU engines (gloo) a wait blocks the CPU under the deadline.
+
+torchcomms' send and recv take no tag: a tagged send/recv is matched in each peer's order, as
+c10d's NCCL matches it.
 
 Where torchcomms' engines differ, this backend makes them mean one thing: a
 `reduce_scatter_single` leaves its input as it was (gloo's overwrites it), and a split that
@@ -47,7 +49,7 @@ import torch.distributed as dist
 
 from commlib.backends.base import Failure
 from commlib.backends.c10d import classify_exception, wait_or_time_out
-from commlib.device import CudaRuntime, engine_timeout_s
+from commlib.device import CudaStreamEvents, StreamEvents, engine_timeout_s
 from commlib.errors import CommError
 from commlib.ops import Collective, OpName, PremulSum, ReduceOp, Reduction
 
@@ -126,13 +128,10 @@ class TorchcommsWork:
     def order(self) -> None:
         self.work.wait()  # on CUDA: the current stream waits for the op; the CPU does not
 
-    def failure(self) -> BaseException | None:
-        return RuntimeError(_ABORTED_BY_TORCHCOMMS) if self.backend.engine_aborted else None
-
 
 @dataclass(frozen=True, slots=True)
 class _Completed:
-    """A TorchWork's end for the watchdog: `is_completed()`, COMPLETED alone (module docstring)."""
+    """A TorchWork's end for the deadline thread: `is_completed()`, COMPLETED alone (module docstring)."""
 
     work: Any
 
@@ -150,7 +149,7 @@ class TorchcommsBackend:
         self.rank = comm.get_rank()
         self.size = comm.get_size()
         self.name = f"torchcomms:{comm.get_backend()}"
-        self.runtime = CudaRuntime(device) if device.type == "cuda" else None
+        self.events: StreamEvents | None = CudaStreamEvents(device) if device.type == "cuda" else None
         # gloo overwrites reduce_scatter_single's input with the full reduction.
         self._copy_reduce_scatter_input = comm.get_backend() == "gloo"
         # A TorchWork's is_completed() stays False after its op failed, so only a blocking
@@ -179,7 +178,7 @@ class TorchcommsBackend:
     ) -> TorchcommsBackend:
         tc = _torchcomms()
         engine = engine or ("nccl" if device.type == "cuda" else "gloo")
-        if device.type == "cuda":  # stream-ordered: commlib's watchdog holds the deadline (module docstring)
+        if device.type == "cuda":  # stream-ordered: commlib's deadline thread holds the deadline (module docstring)
             timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
         with _rank_and_size_in_environment(rank, size):
             comm = tc.new_comm(
@@ -226,7 +225,7 @@ class TorchcommsBackend:
         elif op is OpName.SCATTER:
             w = c.scatter(call.output, call.input_list or [], call.root, True, **kw)
         elif op is OpName.SEND:
-            w = c.send(call.tensor, call.peer, True, **kw)
+            w = c.send(call.tensor, call.peer, True, **kw)  # no tags: each peer's order (module docstring)
         elif op is OpName.RECV:
             w = c.recv(call.tensor, call.peer, True, **kw)
         elif op is OpName.BARRIER:
@@ -235,8 +234,9 @@ class TorchcommsBackend:
             raise NotImplementedError(op)
         return TorchcommsWork(w, deadline_mono, self)
 
-    def lane(self, call: Collective) -> int | None:
-        return None  # one internal stream per communicator (module docstring)
+    def engine_error(self) -> BaseException | None:
+        """An abort torchcomms decided on by itself (its abort hook), as an error."""
+        return RuntimeError(_ABORTED_BY_TORCHCOMMS) if self.engine_aborted else None
 
     def _op(self, op: Reduction | None) -> Any:
         ops = self._tc.ReduceOp

@@ -11,10 +11,8 @@ interval behind. When a deadline expires, the rank that timed out reads every pe
 The board holds collectives only: send/recv have their own per-peer numbering, which no
 peer outside the pair can compare with.
 
-On a stream-ordered communicator (a GPU engine, `commlib.device`) "started" is what the
-rank's host issued, "finished" what its device completed, and `device_started_seq` what its
-device started, all three set as the watchdog (`commlib.watchdog`) sees them: so a timeout
-can tell a rank that never issued an op from one whose GPU never got to it.
+On a stream-ordered communicator (a GPU engine, `commlib.device`) "started" and "finished"
+are what the rank's host issued and enqueued: its device runs the op later.
 
 The publisher writes through a store client of its own (`Store.clone()`): a TCPStore client
 serializes its operations, so sharing the communicator's would stop the heartbeat while the
@@ -76,24 +74,14 @@ class BoardEntry:
     # Why this rank broke the communicator itself (the error's type), published before it
     # raised: a rank that met a peer's failure and then exits is no culprit.
     broken: str | None = None
-    stream_ordered: bool = False  # a GPU engine: the device fields below are kept (module docstring)
-    device_started_seq: int = -1
-    device_started_op: str | None = None
-
-    def running_seq(self) -> int:
-        """The last collective this rank started running: on its device where it has one."""
-        return self.device_started_seq if self.stream_ordered else self.started_seq
 
     def inside(self) -> bool:
-        """Whether it is inside a collective now (started running, not finished)."""
-        return self.running_seq() > self.finished_seq
-
-    def running_op(self) -> str | None:
-        return self.device_started_op if self.stream_ordered else self.started_op
+        """Whether it is inside a collective now (started, not finished)."""
+        return self.started_seq > self.finished_seq
 
 
 class ProgressBoard:
-    def __init__(self, store: dist.Store, rank: int, size: int, pid: int, stream_ordered: bool = False) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, pid: int) -> None:
         self._store = store
         self._publish_store = own_client(store, rank)
         self.rank = rank
@@ -103,7 +91,6 @@ class ProgressBoard:
             host=HOST,
             dumps_stacks=bool(getattr(install_sigusr1, "installed", False)),
             started=process_start_time(pid) or 0,
-            stream_ordered=stream_ordered,
         )
         self._version = 0
         self._published_version = -1
@@ -130,11 +117,6 @@ class ProgressBoard:
     def finished(self, seq: int, op: str) -> None:
         e = self.entry
         e.finished_seq, e.finished_op = seq, op
-        self._version += 1
-
-    def device_started(self, seq: int, op: str) -> None:
-        e = self.entry
-        e.device_started_seq, e.device_started_op = seq, op
         self._version += 1
 
     def publish_if_due(self, now_ns: int) -> None:

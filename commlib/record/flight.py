@@ -71,7 +71,7 @@ import torch
 
 from commlib import settings
 from commlib.attempt import attempt_number
-from commlib.ops import PLAIN_NAMES, Collective
+from commlib.ops import PLAIN_NAMES, Collective, OpName
 from commlib.record import log as _log
 from commlib.record.files import SIGUSR1_REASON, safe_host, stacks_file_name
 
@@ -80,6 +80,7 @@ STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
 DUMPS_ENV = "COMMLIB_FLIGHT_DUMPS"
 INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
+_RECV = OpName.RECV  # read on every collective: a module global reads faster than the enum member
 MAX_SIZE = 100_000  # entries a communicator's ring may hold
 DEFAULT_DUMPS = 32
 MAX_DUMPS = 10_000
@@ -159,10 +160,12 @@ class FlightRecorder:
         dtype: str | None
         if t is not None:  # the common case: one tensor, no list to build and scan
             shapes, dtype = [t.shape], _dtype_name(t.dtype)
+            nbytes = t.nbytes if call.op is not _RECV else 0  # `Collective.nbytes`, without its call
         else:
             tensors = call.tensors()
             shapes = [x.shape for x in tensors]
             dtype = _dtype_name(tensors[0].dtype) if tensors else None
+            nbytes = call.nbytes()
         context = call.context
         step, phase = (context.get("step"), context.get("phase")) if context else (None, None)
         entry = FlightEntry(
@@ -171,7 +174,7 @@ class FlightRecorder:
             self.comm,
             shapes,
             dtype,
-            call.nbytes(),
+            nbytes,
             call.root,
             call.async_op,
             call.deadline_s,

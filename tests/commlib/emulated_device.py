@@ -1,42 +1,44 @@
 """A stream-ordered engine on CPU (TEST-ONLY): gloo ops run on emulated device streams, with what
 c10d's NCCL engine really does around them.
 
-CI has no GPU, yet commlib's GPU path (`commlib.device`, `commlib.device_ops`, `commlib.watchdog`)
-has to be tested with real processes over a real engine. This emulates the part of a GPU, and
-of ProcessGroupNCCL (torch 2.13's source), that the path relies on or must survive:
+CI has no GPU, yet commlib's GPU path (`commlib.device`, `commlib.deadlines`, the communicator's
+stream-ordered branch, `commlib.backends.nccl`) has to be tested with real processes over a
+real engine. This emulates the part of a GPU, and of ProcessGroupNCCL (torch 2.13's source, as
+../shared/reviews/gpu-path-2026-12-06.md reads it), that the path relies on or must survive:
 
 - `EmulatedStream`: a device stream, a thread that runs its tasks in order;
-- `EmulatedEvent`: recorded on a stream, reached once the stream has got there (an event never
-  recorded is reached, as in CUDA); `query()` never blocks. A query opens a context on the
-  querying thread's current device (as a CUDA runtime call does: `EmulatedGpu.contexts`), and
-  a query from a thread in the global capture mode while another thread captures a graph in
-  that mode invalidates the capture (`EmulatedGpu.capture_broken`);
-- `EmulatedGpu`: the process's device: per thread, the current stream (a shared default
-  stream at first) and current device (0 at first) and capture mode; `busy(s)` runs a kernel
-  of `s` seconds on the current stream, `synchronize()` is the host waiting for it,
-  `capture()` records a graph on the calling thread;
-- `EmulatedRuntime`: commlib's `Runtime` over them, one per communicator, as `CudaRuntime`;
-- `EmulatedBackend`: commlib's `Backend` over a gloo `C10dBackend`, behaving as c10d's NCCL
-  engine does:
-  * a synchronous collective runs on the caller's current stream and hands back no end
-    (c10d's synchronous path); an asynchronous one, and every send/recv, runs on an engine
-    stream of its lane after the caller's stream has reached the launch, and its end is the
-    engine's verdict (`EmulatedWork.end`); `order()` makes the current stream wait for it;
-  * lanes: one for collectives, one per peer for send/recv, or a single one where the engine
-    was initialised eagerly (`eager=True`: ProcessGroupNCCL::pointToPoint then uses the
-    collective stream);
-  * a barrier launched on it is c10d's: its work's `order()` blocks the CPU until the barrier
-    has run, with no deadline (WorkNCCL::wait on a barrier work);
-  * `is_completed()` takes the engine's lock, which `abort()` holds until the engine's streams
-    have drained (NCCLComm::abort holds its mutex for the whole of ncclCommAbort); an abort
-    ends an op stuck waiting for a peer with an error (gloo's abort cannot, so the emulation
-    ends it), and leaves the peers' ops hanging, as a kernel whose peer's communicator was
-    aborted does (gloo would complete them with the aborted rank's posted half: the abort is
-    announced in the engine's store, and no op of a peer completes after it);
-  * every op gets the engine's current timeout (the gloo engine's `options._timeout`, which
-    `ProcessGroup.set_timeout` and `_set_default_timeout` overwrite), counted from the enqueue,
-    whatever timeout the launch was given (c10d's `assignTimeoutToWork`);
-  * its works refuse `wait()`: commlib must never block on a stream-ordered engine's op.
+- `EmulatedEvent`: recorded on a stream, passed once the stream has got there (an event never
+  recorded is passed, as in CUDA); `query()` never blocks. A query from a thread in the global
+  capture mode while another thread captures a graph in that mode invalidates the capture
+  (`EmulatedGpu.capture_broken`), and opens a context on the thread's current device;
+- `EmulatedGpu`: the process's device: per thread, the current stream, device and capture mode;
+  `busy(s)` runs a kernel of `s` seconds on the current stream, `synchronize()` is the host
+  waiting for it, `capture()` records a graph on the calling thread;
+- `EmulatedStreamEvents`: commlib's `StreamEvents` over them, counting its device calls;
+- `EmulatedNccl`: ProcessGroupNCCL, over a gloo engine that moves the data:
+  * built by commlib's own `nccl.build_engine` (it takes `Options`, reads c10d's settings when
+    constructed, with the legacy aliases as `getCvarBool` reads them: the first name that is
+    set wins; `TORCH_DISTRIBUTED_DEBUG=DETAIL` or desync debug turn on mode 3, which terminates
+    the process at the first failed work; blocking wait starts no watchdog at all);
+  * `eager_connect_single_device`: ncclCommInitRank, a rendezvous of every rank in the store;
+    a blocking communicator waits for it without end, a nonblocking one polls and ends with an
+    error once aborted; every call initialises again (c10d checks for no existing communicator);
+  * a synchronous collective runs on the caller's current stream and hands back no work
+    (c10d's synchronous path); an asynchronous one runs on the engine's stream after the
+    caller's stream has reached the launch, and hands back a work whose
+    `get_future_result()` c10d's watchdog completes (SUCCESS, TIMEOUT, COMM_ERROR);
+  * c10d's watchdog (a thread, every 100 ms) watches every work, synchronous ones too: a work
+    whose op met an error (a peer gone) is COMM_ERROR at once, before its kernel ends (the
+    kernel hangs until the engine is aborted, as NCCL's does); one past the engine's own
+    timeout, counted from the enqueue, is TIMEOUT; either sets the engine's error
+    (`get_error()`); a work's future completes only when the watchdog sees it;
+  * `abort()` holds the engine's lock while the engine's streams drain (NCCLComm::abort), ends
+    the op stuck waiting for a peer, and leaves the peers' ops hanging as a kernel whose peer's
+    communicator was aborted does;
+  * with `NCCL_RUNTIME_CONNECT` other than "0", the first collective connects lazily inside its
+    launch: a rendezvous on the launching thread (nonblocking: polled, and abortable).
+- `EmulatedBackend`: commlib's `Backend` over it, as `commlib.backends.c10d.C10dBackend` is over
+  ProcessGroupNCCL (it registers the gloo engine with torch, which needs a C++ engine).
 
 `options()` gives the `EngineOptions` that build commlib process groups over it, `init()` the
 default group over it in a rank of `commlib.testing.run(..., backend=None)`, and `raised(fn)`
@@ -51,28 +53,31 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from commlib.backends import nccl
 from commlib.backends.c10d import C10dBackend
-from commlib.device import CAPTURED, engine_timeout_s
+from commlib.device import CAPTURED
 from commlib.failures import Failure
 from commlib.ops import Collective, OpName, Reduction
 from commlib.process_group import EngineOptions
 
 GLOBAL, THREAD_LOCAL = "global", "thread_local"  # CUDA's stream capture modes that matter here
+WATCHDOG_POLL_S = 0.1  # c10d's kWatchdogThreadSleepMillis
+SUCCESS, TIMEOUT, COMM_ERROR = 0, 1, 2  # c10d's WorkResult / ErrorType values
 
 
 class EmulatedEvent:
-    def __init__(self, device_index: int = 0) -> None:
-        self.device_index = device_index
+    def __init__(self) -> None:
         self._reached = threading.Event()
         self._reached.set()
 
-    def record(self, stream: "EmulatedStream") -> None:
+    def record(self, stream: EmulatedStream) -> None:
         reached = self._reached = threading.Event()
         stream.enqueue(reached.set)
 
@@ -124,10 +129,6 @@ class EmulatedGpu:
     @property
     def current(self) -> EmulatedStream:
         return getattr(self._thread, "stream", self.default)
-
-    @current.setter
-    def current(self, stream: EmulatedStream) -> None:
-        self._thread.stream = stream
 
     @property
     def current_device(self) -> int:
@@ -187,194 +188,307 @@ def gpu() -> EmulatedGpu:
 device = gpu  # the tests' name for it
 
 
-class EmulatedRuntime:
-    """commlib's `Runtime` (commlib/device.py) on the emulated device, for one communicator, as
-    `CudaRuntime`; it counts what it is asked to do (`calls`: the hot path's device calls)."""
+class EmulatedStreamEvents:
+    """commlib's `StreamEvents` (commlib/device.py) on the emulated device, for one communicator,
+    as `CudaStreamEvents`; it counts what it is asked to do (`calls`: the hot path's device calls)."""
 
-    def __init__(self, on: EmulatedGpu, index: int) -> None:
-        self.on = on
+    def __init__(self, index: int) -> None:
         self.index = index
         self.device = torch.device("cpu")
         self._pool: list[EmulatedEvent] = []
-        self.created = 0  # events made, not taken from the pool
         self.calls = {"mark": 0}
 
     def mark(self) -> Any:
-        if self.on.is_capturing():
+        if gpu().is_capturing():
             return CAPTURED
         self.calls["mark"] += 1
-        if self._pool:
-            event = self._pool.pop()
-        else:
-            self.created += 1
-            event = EmulatedEvent(self.index)
-        event.record(self.on.current)
+        event = self._pool.pop() if self._pool else EmulatedEvent()
+        event.record(gpu().current)
         return event
 
     def release(self, event: EmulatedEvent) -> None:
         self._pool.append(event)
 
     def watching(self) -> contextlib.AbstractContextManager[None]:
-        return self.on.on_device(self.index)
+        return gpu().on_device(self.index)
 
     def side_thread(self) -> None:
-        self.on.set_capture_mode(THREAD_LOCAL)
-
-    def capturing(self) -> bool:
-        return self.on.is_capturing()
+        gpu().set_capture_mode(THREAD_LOCAL)
 
 
-class _OpOnDevice:
-    """What a stream does with one op, and when it ended; not the work, which the caller may
-    drop while the op runs."""
+def _cvar_bool(*names: str) -> bool:
+    """c10d's getCvarBool: the first of `names` that is set decides."""
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            return value.lower() in ("1", "true", "yes", "y")
+    return False
 
-    def __init__(self, enqueued: float, timeout_s: float, verdict: bool) -> None:
+
+class _Future:
+    """c10d's `Work.get_future_result()`: completed by the engine's watchdog alone."""
+
+    def __init__(self) -> None:
+        self._value: int | None = None
+
+    def done(self) -> bool:
+        return self._value is not None
+
+    def value(self) -> int:
+        assert self._value is not None
+        return self._value
+
+
+@dataclass
+class _Config:
+    blocking: int = -(2**31)  # NCCL_CONFIG_UNDEF_INT: c10d then decides
+
+
+class _Options:
+    """ProcessGroupNCCL.Options, as `nccl.build_engine` fills it."""
+
+    def __init__(self) -> None:
+        self._timeout = timedelta(minutes=10)
+        self.is_high_priority_stream = False
+        self.config = _Config()
+
+
+class _EmulatedWork:
+    """One op on the emulated device, as c10d's watchdog sees it."""
+
+    def __init__(self, engine: EmulatedNccl, synchronous: bool) -> None:
         self.end = EmulatedEvent()
         self.error: BaseException | None = None
-        self._until = enqueued + timeout_s  # the engine's own timeout, counted from the enqueue
-        # Whether the engine hands back a verdict on it (an asynchronous op's work): without one
-        # (c10d's synchronous path), a failed kernel just hangs, as NCCL's does when a peer is gone.
-        self._verdict = verdict
+        self.enqueued = time.monotonic()
+        self.future = _Future()
+        self.synchronous = synchronous
+        self._engine = engine
 
-    def run(self, backend: "EmulatedBackend", call: Collective) -> None:
-        """On its stream: the gloo op, start to end (an error, the engine's timeout or an abort end it)."""
+    def run(self, call: Collective) -> None:
+        """On its stream: the gloo op, start to end (an error makes its kernel hang until an abort)."""
+        engine = self._engine
         try:
-            work = backend.inner.launch(call, timedelta(seconds=3600))
+            work = engine.gloo.launch(call, timedelta(seconds=3600))
             while not work.wait(timedelta(seconds=0.05)):  # gloo's waits resume (`commlib.backends.gloo_p2p`)
-                self._check(backend)
-            while backend.peer_aborted():  # the kernel hangs: its peer's half is gone
-                self._check(backend)
+                engine.raise_if_aborted()
+            while engine.peer_aborted():  # the kernel hangs: its peer's half is gone
+                engine.raise_if_aborted()
                 time.sleep(0.05)
         except Exception as exc:
             self.error = exc
-            while not self._verdict:
-                try:
-                    self._check(backend)
-                except RuntimeError:
-                    return
+            while not engine.aborted.is_set():  # NCCL's kernel hangs with its peer gone
                 time.sleep(0.05)
 
-    def _check(self, backend: "EmulatedBackend") -> None:
-        if backend.aborted.is_set():
-            raise RuntimeError("emulated NCCL communicator was aborted")
-        if time.monotonic() >= self._until:
-            raise RuntimeError("emulated device: the engine's own timeout passed, counted from the enqueue")
+    # What commlib asks of c10d's work: its stream-only wait and its verdict.
+    def block_current_stream(self) -> None:
+        gpu().current.wait_event(self.end)
 
+    def get_future_result(self) -> _Future:
+        return self.future
 
-class EmulatedWork:
-    def __init__(self, backend: "EmulatedBackend", op: _OpOnDevice | None, barrier: bool) -> None:
-        self._backend = backend
-        self._op = op
-        self._barrier = barrier
-        # The engine's verdict on an op of an engine stream; none for one on the caller's stream.
-        self.end = op.end if op is not None else None
-
-    def wait(self, timeout: timedelta) -> bool:
+    def wait(self, *args: Any) -> None:
         raise AssertionError("commlib called wait() on a stream-ordered engine's work: the CPU must never block")
 
-    def __del__(self) -> None:
-        # As torchcomms' works do: dropping one whose op still runs blocks until the op ends.
-        if self.end is not None:
-            self.end.synchronize()
-
     def is_completed(self) -> bool:
-        with self._backend.lock:  # WorkNCCL::isCompleted takes the communicator's lock
-            return self.end is None or self.end._reached.is_set()
-
-    def order(self) -> None:
-        if self.end is None:
-            return
-        gpu().current.wait_event(self.end)
-        if self._barrier:  # WorkNCCL::wait on a barrier work: the CPU synchronizes, no deadline
-            self.end.synchronize()
-
-    def failure(self) -> BaseException | None:
-        return None if self._op is None else self._op.error
+        with self._engine.lock:  # WorkNCCL::isCompleted takes the communicator's lock
+            return self.end._reached.is_set()
 
 
-class EmulatedBackend:
-    """A stream-ordered commlib backend over gloo, as c10d's NCCL engine behaves (module docstring)."""
+class EmulatedNccl:
+    """ProcessGroupNCCL's behaviour (module docstring) over a gloo engine."""
 
-    resumable_wait = False
+    Options = _Options
+    inits = 0  # ncclCommInitRank calls in this process (every engine's)
 
-    def __init__(self, inner: C10dBackend, store: dist.Store, index: int = 0, eager: bool = False) -> None:
-        self.inner = inner
-        self._store = store  # where an abort is announced to the peers' engines (module docstring)
-        self.engine = inner.engine  # what a commlib process group registers for its device
-        self.index, self.eager = index, eager
-        self.runtime = EmulatedRuntime(gpu(), index)
-        self.name = f"emulated-{inner.name}"
-        self.rank, self.size, self.device = inner.rank, inner.size, inner.device
-        self.streams: dict[int | None, EmulatedStream] = {}  # per lane
-        self.launched: list[str] = []  # the ops the engine was asked to run
-        self.lock = threading.Lock()  # the communicator's lock (NCCLComm::mutex_)
+    def __init__(self, store: dist.Store, rank: int, size: int, opts: _Options) -> None:
+        self.rank, self.size = rank, size
+        self._store = store
+        self._opts = opts
+        self.gloo: C10dBackend | None = None  # what moves the data, made by the first init
+        self.timeout_s = opts._timeout.total_seconds()
+        self.nonblocking = opts.config.blocking == 0
+        # What c10d reads while it constructs the engine.
+        self.blocking_wait = _cvar_bool("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+        desync = _cvar_bool("TORCH_NCCL_DESYNC_DEBUG", "NCCL_DESYNC_DEBUG")
+        detail = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        self.error_handling = 3 if desync or detail else int(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"))
+        self.lazy_connect = os.environ.get("NCCL_RUNTIME_CONNECT", "1") != "0"
+        self.lock = threading.Lock()  # NCCLComm::mutex_
         self.aborted = threading.Event()
+        self.stream = EmulatedStream(f"engine-{id(self)}")
+        self._works: list[_EmulatedWork] = []
+        self._error = SUCCESS
+        self._connected = False
+        self._inits = 0
+        if not self.blocking_wait:  # with blocking wait c10d starts no watchdog
+            threading.Thread(target=self._watchdog, name="emulated-c10d-watchdog", daemon=True).start()
 
-    @classmethod
-    def create(cls, *, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta,
-               index: int = 0, eager: bool = False) -> "EmulatedBackend":
-        # The engine's own timeout, as commlib gives a stream-ordered engine (`nccl.build_engine`).
-        engine_timeout = timedelta(seconds=engine_timeout_s(timeout.total_seconds()))
-        inner = C10dBackend.create("gloo", store=store, rank=rank, size=size, device=device, timeout=engine_timeout)
-        return cls(inner, dist.PrefixStore("emulated/", store), index, eager)
+    # -- ncclCommInitRank ------------------------------------------------------------------
+    def eager_connect_single_device(self, device: Any) -> None:
+        self._inits += 1
+        EmulatedNccl.inits += 1
+        self._rendezvous(f"init{self._inits}")
+        if self.gloo is None:
+            self.gloo = C10dBackend.create(
+                "gloo", store=dist.PrefixStore("gloo/", self._store), rank=self.rank, size=self.size,
+                device=torch.device("cpu"), timeout=self._opts._timeout,
+            )
+        self._connected = not self.lazy_connect  # NCCL_RUNTIME_CONNECT=0: every transport connected now
 
+    def connect_lazily(self) -> None:
+        """The first collective's lazy connection, where NCCL_RUNTIME_CONNECT leaves one."""
+        if self.lazy_connect and not self._connected:
+            self._rendezvous("runtime-connect")
+            self._connected = True
+
+    def _rendezvous(self, key: str) -> None:
+        self._store.add(key, 1)
+        while int(self._store.add(key, 0)) < self.size:
+            if self.nonblocking:  # polled in c10d; an abort from another thread ends it
+                self.raise_if_aborted()
+            time.sleep(0.01)
+
+    # -- ops -------------------------------------------------------------------------------
+    def launch(self, call: Collective, synchronous: bool) -> _EmulatedWork | None:
+        self.connect_lazily()  # on the launching thread, as NCCL's runtime connection is
+        work = _EmulatedWork(self, synchronous)
+        caller = gpu().current
+        if synchronous:  # c10d's synchronous path: on the caller's stream, no work handed back
+            caller.enqueue(lambda: work.run(call))
+            work.end.record(caller)
+        else:
+            ready = EmulatedEvent()
+            ready.record(caller)  # the engine stream waits for the caller's stream here
+            self.stream.wait_event(ready)
+            self.stream.enqueue(lambda: work.run(call))
+            work.end.record(self.stream)
+        with self.lock:
+            self._works.append(work)
+        if not synchronous and call.op is OpName.BARRIER:  # WorkNCCL::wait on a barrier: the CPU synchronizes
+            work.end.synchronize()
+        return None if synchronous else work
+
+    def _watchdog(self) -> None:
+        """c10d's Watchdog::runLoop: every work, its verdict, and the engine's error."""
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self.lock:
+                works = list(self._works)
+            for work in works:
+                verdict = None
+                if work.error is not None and not self.aborted.is_set():
+                    verdict = COMM_ERROR  # ncclCommGetAsyncError, before the kernel ends
+                elif work.end._reached.is_set():
+                    verdict = SUCCESS
+                elif time.monotonic() - work.enqueued >= self.timeout_s:
+                    verdict = TIMEOUT
+                if verdict is None:
+                    continue
+                if verdict != SUCCESS:
+                    self._error = verdict
+                    if self.error_handling == 3:  # rethrown on the watchdog thread: std::terminate
+                        os._exit(134)
+                work.future._value = verdict
+                with self.lock:
+                    self._works.remove(work)
+
+    def get_error(self) -> int:
+        return self._error
+
+    # -- abort -----------------------------------------------------------------------------
     def peer_aborted(self) -> bool:
         return self._store.check(["aborted"])
 
-    def lane(self, call: Collective) -> int | None:
-        return None if self.eager else call.peer
-
-    def launch(self, call: Collective, timeout: timedelta) -> EmulatedWork:
-        self.launched.append(call.op.value)
-        synchronous = not call.async_op and call.peer is None
-        op = _OpOnDevice(time.monotonic(), self.engine.options._timeout.total_seconds(), not synchronous)
-        caller = gpu().current
-        if synchronous:  # c10d's synchronous path: on the caller's stream
-            caller.enqueue(lambda: op.run(self, call))
-            op.end.record(caller)
-            if call.op is OpName.BARRIER:  # ProcessGroupNCCL::barrier: the CPU synchronizes, no deadline
-                op.end.synchronize()
-            return EmulatedWork(self, None, False)
-        ready = EmulatedEvent()
-        ready.record(caller)  # the engine stream waits for the caller's stream here
-        lane = self.lane(call)
-        stream = self.streams.get(lane)
-        if stream is None:
-            stream = self.streams[lane] = EmulatedStream(f"engine-{id(self)}-{lane}")
-        stream.wait_event(ready)
-        stream.enqueue(lambda: op.run(self, call))
-        op.end.record(stream)
-        return EmulatedWork(self, op, call.op is OpName.BARRIER)
-
-    def split(self, ranks: list[int], name: str, timeout: timedelta) -> "EmulatedBackend | None":
-        inner = self.inner.split(ranks, name, timeout)
-        store = dist.PrefixStore(f"split-{name}/", self._store)
-        return None if inner is None else EmulatedBackend(inner, store, self.index, self.eager)
-
-    def supports(self, device: torch.device, op: Reduction | None) -> str | None:
-        return self.inner.supports(device, op)
-
-    def classify(self, exc: BaseException) -> Failure:
-        return self.inner.classify(exc)
+    def raise_if_aborted(self) -> None:
+        if self.aborted.is_set():
+            raise RuntimeError("emulated NCCL communicator was aborted")
 
     def abort(self) -> None:
         """NCCLComm::abort: the lock held while the engine's streams drain."""
         with self.lock:
             self.aborted.set()
             self._store.set("aborted", str(self.rank))
-            self.inner.abort()
-            while not all(s.drained for s in [gpu().default, *self.streams.values()]):
+            if self.gloo is not None:
+                self.gloo.abort()
+            while not all(s.drained for s in (gpu().default, self.stream)):
                 time.sleep(0.005)
 
+
+class EmulatedBackend:
+    """A stream-ordered commlib backend over `EmulatedNccl`, as C10dBackend is over ProcessGroupNCCL."""
+
+    resumable_wait = False
+
+    def __init__(self, nccl_engine: EmulatedNccl, store: dist.Store, index: int, timeout: timedelta) -> None:
+        self.nccl = nccl_engine
+        self.engine = nccl_engine.gloo.engine  # what a commlib process group registers for its device
+        self._store = store
+        self._timeout = timeout
+        self.index = index
+        self.events = EmulatedStreamEvents(index)
+        self.name = "emulated-nccl"
+        self.rank, self.size, self.device = nccl_engine.rank, nccl_engine.size, torch.device("cpu")
+        self.launched: list[str] = []  # the ops the engine was asked to run
+        self._splits = 0
+
+    @classmethod
+    def create(cls, *, store: dist.Store, rank: int, size: int, device: torch.device, timeout: timedelta,
+               index: int = 0) -> EmulatedBackend:
+        engine = nccl.build_engine(store, rank, size, device, timeout, engine_class=EmulatedNccl)
+        return cls(engine, store, index, timeout)
+
+    def launch(self, call: Collective, timeout: timedelta) -> Any:
+        self.launched.append(call.op.value)
+        work = self.nccl.launch(call, synchronous=not call.async_op)
+        return _Handed(work)
+
+    def engine_error(self) -> BaseException | None:
+        return nccl.engine_error(self.nccl)
+
+    def split(self, ranks: list[int], name: str, timeout: timedelta) -> EmulatedBackend | None:
+        self._splits += 1
+        if self.rank not in ranks:
+            return None
+        store = dist.PrefixStore(f"split{self._splits}.{name}/", self._store)
+        return EmulatedBackend.create(store=store, rank=ranks.index(self.rank), size=len(ranks), device=self.device,
+                                      timeout=timeout, index=self.index)
+
+    def supports(self, device: torch.device, op: Reduction | None) -> str | None:
+        return self.nccl.gloo.supports(device, op)
+
+    def classify(self, exc: BaseException) -> Failure:
+        return self.nccl.gloo.classify(exc)
+
+    def abort(self) -> None:
+        self.nccl.abort()
+
     def finalize(self) -> None:
-        self.inner.finalize()
+        self.nccl.gloo.finalize()
 
 
-def options(index: int = 0, eager: bool = False, **kwargs: Any) -> EngineOptions:
+class _Handed:
+    """What C10dBackend hands back for an emulated work (its `C10dWork`)."""
+
+    def __init__(self, work: _EmulatedWork | None) -> None:
+        self.work = work
+        self.end = None if work is None else nccl.VerdictEnd(work)
+
+    def order(self) -> None:
+        if self.work is not None:
+            self.work.block_current_stream()
+
+    def wait(self, timeout: timedelta) -> bool:
+        raise AssertionError("commlib called wait() on a stream-ordered engine's work: the CPU must never block")
+
+    def is_completed(self) -> bool:
+        raise AssertionError("commlib asked is_completed() of a stream-ordered engine's work: it takes its lock")
+
+
+def options(index: int = 0, **kwargs: Any) -> EngineOptions:
     """EngineOptions for commlib process groups over the emulated engine."""
 
     def factory(**engine: Any) -> EmulatedBackend:
-        return EmulatedBackend.create(**engine, index=index, eager=eager)
+        return EmulatedBackend.create(**engine, index=index)
 
     return EngineOptions(backend_factory=factory, **kwargs)
 

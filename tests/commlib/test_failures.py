@@ -70,7 +70,7 @@ def test_killed_peer_gives_peer_failure_within_a_second(backend: str) -> None:
 def _check_through(comm: commlib.Communicator, transport: str) -> None:
     """"store": compare fingerprints through the store alone, as a communicator on a GPU
     does; "engine": first as digests on the engine, as a CPU one does (`commlib.consistency`)."""
-    comm._fingerprints_via_engine = transport == "engine"
+    comm._consistency.via_engine = transport == "engine"
 
 
 def _rank1_leaves(comm: commlib.Communicator, how: str, check: str | None) -> dict[str, object]:

@@ -153,7 +153,7 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
     from commlib.members import Members
     from commlib.record import log
     from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S
-    from commlib.verdicts import BOARD_REREAD_S, Judge
+    from commlib.failure_reports import BOARD_REREAD_S, FailureReports
 
     store = _CountingStore()
     stopped_ns = time.time_ns()  # both at once: a read between two clocks would name one (seen in run AB)
@@ -162,9 +162,9 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
                                                             heartbeat_ns=stopped_ns))))
     board = ProgressBoard(store, 0, 3, os.getpid())
     try:
-        judge = Judge(Members.of("world", 3), 0, store, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
+        reports = FailureReports(Members.of("world", 3), 0, store, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
         store.requests = 0
-        gone, how = judge._find_gone_peers(None)
+        gone, how = reports._find_gone_peers(None)
     finally:
         board.close()
     assert gone == [1, 2] and how == f"no heartbeat for over {STALE_AFTER_S:g} s", (gone, how)
@@ -190,7 +190,7 @@ def test_a_large_communicators_waits_read_the_abort_key_less_often() -> None:
     assert abort_poll_s(4000) == 4000 / ABORT_READS_PER_S == 0.2 and abort_poll_s(10**6) == 1.0
 
     class Instant:  # an engine of 4,000 ranks, of which this is rank 0: only what a creation touches
-        name, rank, size, device, resumable_wait, runtime = "gloo", 0, 4000, torch.device("cpu"), True, None
+        name, rank, size, device, resumable_wait, events = "gloo", 0, 4000, torch.device("cpu"), True, None
 
         def supports(self, device: torch.device, op: object) -> None:
             return None
@@ -200,8 +200,12 @@ def test_a_large_communicators_waits_read_the_abort_key_less_often() -> None:
 
     from commlib.consistency import SETTINGS_CAME
 
+    import torch.distributed as dist
+
     store = _CountingStore()
-    store.add(SETTINGS_CAME, 3999)  # every peer created it too, with the check off (`agree_on_settings`)
+    # Every peer created it too, with the check off (`agree_on_settings`), under the prefix of
+    # the first creation over this store (`Communicator`).
+    dist.PrefixStore("1/", store).add(SETTINGS_CAME, 3999)
     comm = Communicator(Instant(), store, "world", 60.0)  # type: ignore[arg-type]
     try:
         slices: list[float] = []

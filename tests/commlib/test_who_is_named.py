@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import commlib
-from commlib import lifecycle, testing
+from commlib import communicator, testing
 from commlib.observe.blame import Kind
 from commlib.observe.doctor import diagnose
 from commlib.observe.tail import verdict
@@ -60,13 +60,13 @@ def test_a_killed_rank_is_the_one_every_survivor_names() -> None:
 def _root_waits_in_gather(comm: commlib.Communicator, slow_timeout_line: bool = False) -> dict[str, object]:
     if slow_timeout_line and comm.rank == 1:
         # A loaded host: rank 1's timeout line is written a second after its deadline expired.
-        fields = lifecycle._error_fields
+        fields = communicator._error_fields
 
         def late(error: commlib.CommError) -> dict[str, object]:
             time.sleep(1.0)
             return fields(error)
 
-        lifecycle._error_fields = late  # this rank's process only
+        communicator._error_fields = late  # this rank's process only
     t = torch.full((2,), float(comm.rank))
     comm.all_reduce(t)
     if comm.rank == 2:
@@ -222,7 +222,7 @@ def test_a_send_to_a_peer_that_finished_no_collective_says_so() -> None:
     from commlib.members import Members
     from commlib.ops import Collective, OpName
     from commlib.record.board import BoardEntry
-    from commlib.verdicts import _explain_p2p_timeout
+    from commlib.failure_reports import _explain_p2p_timeout
 
     call = Collective(OpName.SEND, "world", 0, 2, False, 5.0, 1, tensor=torch.ones(1), peer=1)
     message, named, _ = _explain_p2p_timeout(call, Members.of("world", 2), 5.0, {1: BoardEntry(heartbeat_ns=0)})

@@ -28,7 +28,7 @@ PEER_LATE_S = 5.0  # longer than STALE_AFTER_S: a heartbeat that stops is called
 
 def _late_peer(comm: commlib.Communicator) -> dict[str, Any]:
     # The check through the store alone, as on a GPU (a CPU engine's compares digests on the engine first).
-    comm._fingerprints_via_engine = False
+    comm._consistency.via_engine = False
     comm.barrier()
     if comm.rank == 0:
         # Blocks in the consistency check's store.wait until rank 1 arrives.

@@ -1,34 +1,21 @@
 """Who failed, and how it is said: the typed error for each way a communicator's op can fail.
 
-`Judge` (one per `Communicator`) reads what the ranks published (the progress board, and
-the abort announcements in the communicator's store) and words the error: a deadline that
-expired is a `CollectiveTimeout` naming the ranks that never arrived, a peer's death or
-abort a `PeerFailure` naming it. It decides and words; it never records, breaks or raises:
-the communicator does that, on its one path, with the error the judge hands back.
+`FailureReports` (one per `Communicator`) reads what the ranks published (the progress board,
+and the abort announcements in the communicator's store) and words the error: a deadline that
+passed is a `CollectiveTimeout` naming the ranks that never arrived, a peer's death or abort a
+`PeerFailure` naming it. It words; it never records, breaks or raises: the communicator does.
 
-Announcements. A rank that breaks or aborts its communicator says so in the communicator's
-store (`ABORT_KEY`: its rank and why; the first one stays). A peer blocked in a collective
-of the same communicator reads that key between slices of its wait (or the watchdog does,
-on a stream-ordered engine) and fails with a `PeerFailure` naming the rank within a
-fraction of a second, instead of waiting out its deadline for a rank that will never come
-(an exception in that rank's step, a rank that timed out on another collective, a rank
-recovering in-job). A peer whose deadline expired in the same collective, which this rank
-had started by then, is no culprit: it arrived like this rank, so this rank fails with the
-same `CollectiveTimeout` naming the ranks that never did (deadlines expire a little apart).
+Announcements: a rank that breaks or aborts its communicator says so in the communicator's store
+(`ABORT_KEY`: its rank and why; the first one stays). A peer waiting in a collective of the same
+communicator reads it between slices of its wait and fails with a `PeerFailure` naming the rank,
+instead of waiting out its deadline for a rank that will never come. A peer whose deadline
+passed in the same collective, which this rank had started by then, is no culprit: this rank
+fails with the same `CollectiveTimeout` naming the ranks that never arrived. The announcement of
+a rank that only met a peer's failure names what it found, never itself.
 
-Who is gone, when a peer's connection breaks: the announcement of a peer that aborted on
-purpose names that peer; an announcement made because its maker met a peer's failure names
-what its maker found, never its maker; otherwise the board tells (a process on this host
-that has exited, a heartbeat that stopped), or the error says that nobody could tell.
-
-Ranks: what the board and the announcements hold are the communicator's own ranks; every
-error names global ranks, in its fields and its message, with the communicator's own beside
-them where they differ (`commlib.members`).
-
-Store clients: the judge reads and writes through the communicator's own store client on the
-thread that made it, and through a client of its own on any other thread (the watchdog's):
-a TCPStore client serializes its calls, and the watchdog must not queue behind a store wait
-of the caller's.
+Ranks: the board and the announcements hold the communicator's own ranks; every error names
+global ranks (`commlib.members`). Store clients: the communicator's own on the thread that made
+it, one of its own on any other thread (a TCPStore client serializes its calls).
 """
 
 from __future__ import annotations
@@ -50,15 +37,15 @@ from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, Progres
 from commlib.record.flight import FlightEntry
 
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
-GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`Judge._find_gone_peers`)
-# How often `Judge._find_gone_peers` reads the board again: a heartbeat changes no faster, and every
+GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`FailureReports._find_gone_peers`)
+# How often `FailureReports._find_gone_peers` reads the board again: a heartbeat changes no faster, and every
 # survivor of a peer's death looks at once. In between, it asks /proc every `GONE_POLL_S`.
 BOARD_REREAD_S = HEARTBEAT_S / 2
 GONE_POLL_S = 0.02
 
 
-class Judge:
-    """Says who failed, for one communicator (module docstring)."""
+class FailureReports:
+    """The typed errors of one communicator's failures (module docstring)."""
 
     def __init__(
         self, members: Members, rank: int, store: dist.Store, board: ProgressBoard, log: Any, backend: Backend
@@ -87,7 +74,7 @@ class Judge:
         return {"op": call.op.value, "seq": call.seq, "comm": self.comm, "rank": self.members.global_ranks[self.rank]}
 
     # -- announcements -------------------------------------------------------------------
-    def announce(self, reason: str, error: BaseException | None = None, call: Collective | None = None) -> None:
+    def announce_abort(self, reason: str, error: BaseException | None = None, call: Collective | None = None) -> None:
         """Say in the store that this rank broke or aborted the communicator, and why.
 
         A collective's timeout adds its op, seq and the ranks that had not started it. A
@@ -112,7 +99,7 @@ class Judge:
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
             report_side_failure(self._log, "abort announcement", exc)
 
-    def announced(self) -> dict[str, Any] | None:
+    def abort_announced(self) -> dict[str, Any] | None:
         """The announcement of the peer that aborted this communicator, if one did."""
         store = self.store()
         try:
@@ -132,7 +119,7 @@ class Judge:
         if kind is Failure.PEER:
             # A peer that aborted on purpose said why before it closed its connections: that,
             # not the broken connection, is what this rank's error has to say.
-            announced = self.announced()
+            announced = self.abort_announced()
             if announced is not None and not announced.get("after_peer_failure"):
                 return self.peer_left(call, entry, announced, exc)
             return self.peer_gone(call, entry, exc, announced)
@@ -152,13 +139,13 @@ class Judge:
         entry: FlightEntry,
         cause: BaseException | None,
         expired_first_on: int | None = None,
-        running_s: float | None = None,
+        stream_ordered: bool = False,
     ) -> CollectiveTimeout:
-        """`expired_first_on`: the peer whose deadline for this same collective expired before
-        this rank's, which ends this rank's wait early (`peer_left`). `running_s`: on a
-        stream-ordered engine, how long the op has run since it started on the device (its
-        deadline counts from there, not from the launch)."""
-        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9 if running_s is None else running_s
+        """`expired_first_on`: the peer whose deadline for this same collective passed before
+        this rank's, which ends this rank's wait early (`peer_left`). `stream_ordered`: the op
+        was enqueued on a device and its engine aborted: what it and the ops behind it wrote
+        is undefined."""
+        elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
             board = self.board.read(self.store())
             if call.peer is not None:
@@ -178,12 +165,10 @@ class Judge:
                 f"the progress board could not be read ({exc})"
             )
             missing, stale = None, None
-        if running_s is not None:
-            issued_s = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
+        if stream_ordered:
             message += (
-                f" (its deadline counts from its start on the device; it was issued {issued_s:.1f} s ago. "
-                f"Its outputs, and those of the ops queued behind it on this communicator, are undefined: "
-                f"roll the step back)"
+                " (its deadline counts from its issue. Its outputs, and those of the ops queued behind it "
+                "on this communicator, are undefined: roll the step back)"
             )
         if expired_first_on is not None:
             message += (
@@ -285,7 +270,7 @@ class Judge:
         return None if ranks is None else self.members.global_of(ranks)
 
     def _find_gone_peers(self, announcer: int | None) -> tuple[list[int], str]:
-        """The peers that are gone (`board.find_gone`) and how that was found; no ranks where
+        """The peers that are gone (`commlib.missing_ranks.find_gone`) and how that was found; no ranks where
         nobody could tell. The board is read again for a while: a killed process closes its
         sockets before /proc shows it gone (`GONE_GRACE_S`), and another host's heartbeat
         takes up to `STALE_AFTER_S` to go stale. The board is read at most every `BOARD_REREAD_S`,
