@@ -32,7 +32,6 @@ from typing import Any
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.events import Inflater, rank_segments, read_run
 from commlib.observe.fold import Context, Fold, Unplaceable
-from commlib.observe.halves import read_in_halves, worth_halves
 from commlib.observe.reading import read
 from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, Observer
 from commlib.record.files import kind
@@ -92,14 +91,11 @@ def load(
     logdir: str | os.PathLike[str],
     job: str | None = None,
     observers: Iterable[Observer] = (),
-    halves: bool | None = None,
 ) -> RunLogs:
     """Read every rank's logs, every flight-recorder dump and every stack dump of `logdir`, in
     one pass (`commlib.observe.reading.read`); with `job`, only that job's events. Raises LogDirError when
     the directory is missing or no file in it holds a readable event, MixedJobsError when it
-    holds more than one job's logs and `job` does not pick one. `halves`: the pass on two
-    processes, each reading half the collectives (`commlib.observe.halves`); None: where the
-    logs are large enough for it to pay, and no observer needs every call in order."""
+    holds more than one job's logs and `job` does not pick one."""
     if not os.fspath(logdir):  # an unset shell variable: never the current directory by accident
         raise LogDirError("expected a log directory; found an empty path")
     directory = Path(logdir)
@@ -118,10 +114,7 @@ def load(
             else "was the job run with log_dir= or COMMLIB_LOG_DIR set?"
         )
         raise LogDirError(f"expected rank*.jsonl logs in {directory}; found none ({hint})")
-    observers = list(observers)
-    if halves is None:
-        halves = not observers and worth_halves(segments)
-    fold, files = read_in_halves(directory, segments, job) if halves else read(directory, segments, job, observers)
+    fold, files = read(directory, segments, job, list(observers))
     if all(f.unreadable() is not None for f in files):
         listing = "; ".join(f"{Path(f.path).name}: {f.unreadable()}" for f in files[:LISTED])
         more = f"; and {len(files) - LISTED} more" if len(files) > LISTED else ""

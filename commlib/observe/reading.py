@@ -41,9 +41,8 @@ TIMEOUT_MARK = b'"collective.timeout"'
 P2P_STARTS = (b'{"op":"send"', b'{"op":"recv"')
 _CLOCK_AND_RANK = operator.itemgetter(0, 1)
 # A line as `RankReader.take` hands it over: a collective's start or end, decoded; or any
-# other line's (ts_ns, its bytes, whether it wants its window folded in order, whether it is
-# counted in its file's report: in a read on two processes, by the first half only).
-Item = CollectiveLine | tuple[int, bytes, bool, bool]
+# other line's (ts_ns, its bytes, whether it wants its window folded in order).
+Item = CollectiveLine | tuple[int, bytes, bool]
 # Lines a take hands over from one chunk: (its file's report, the lines, whether every one is a
 # `CollectiveLine`).
 Run = tuple[FileReport, list[Item], bool]
@@ -75,10 +74,9 @@ class RankReader:
 
     CHUNK = 1 << 13  # bytes of lines read and decoded at a time (about 25 lines)
 
-    def __init__(self, rank: int, paths: list[Path], parity: int | None = None) -> None:
+    def __init__(self, rank: int, paths: list[Path]) -> None:
         self.rank = rank
         self.paths = paths
-        self.parity = parity  # `Fold.parity`: the collectives of the other parity are not handed over
         self.index = 0
         self.keep_open = True
         self.reports = [FileReport(str(p), rank) for p in paths]
@@ -140,9 +138,7 @@ class RankReader:
 
     def _decode(self, lines: list[bytes]) -> list[Item]:
         """A chunk's lines as items (`take`), counted in their file's report; a last line cut short
-        (a kill mid-write, or still being written) ends the file's reading, unread. In one half
-        of a read on two processes (`parity`), the other half's collectives are left out, and
-        only the first half counts lines (`commlib.observe.halves`)."""
+        (a kill mid-write, or still being written) ends the file's reading, unread."""
         report = self.report
         if lines[-1][-1] != 10:  # b"\n": only ever the last line of a file
             self.cut = True
@@ -150,13 +146,9 @@ class RankReader:
             self._offset = -1  # nothing more of this file
         if not lines:
             return []
-        parity = self.parity
-        counted = parity != 1
         chunk = decode_collectives(lines)
         if chunk is not None:
-            report.events += len(chunk) if counted else 0
-            if parity is not None:
-                chunk = [line for line in chunk if line.seq & 1 == parity]
+            report.events += len(chunk)
             clocks = [line.ts_ns for line in chunk]
             if clocks == sorted(clocks):
                 self._clocks = clocks
@@ -165,9 +157,8 @@ class RankReader:
         for raw in lines:
             line = decode_collective(raw)
             if line is not None:
-                report.events += counted
-                if parity is None or line.seq & 1 == parity:
-                    items.append(line)
+                report.events += 1
+                items.append(line)
                 continue
             at = raw.find(b'"ts_ns":')
             end = raw.find(b",", at)
@@ -176,12 +167,12 @@ class RankReader:
             except ValueError:
                 ts = _clock(raw)
             if ts is None:
-                report.garbled += counted
+                report.garbled += 1
                 continue
-            report.events += counted
+            report.events += 1
             if raw.startswith(HEADER_START):  # only the writer writes them (`logfile.header_line`)
-                report.headers += counted
-            items.append((ts, raw, _wants_order(raw), counted))
+                report.headers += 1
+            items.append((ts, raw, _wants_order(raw)))
         return items
 
     def _read(self) -> list[bytes] | None:
@@ -252,12 +243,11 @@ def read(
     segments: dict[int, list[Path]],
     job: str | None,
     observers: list[Observer],
-    parity: int | None = None,
 ) -> tuple[Fold, list[FileReport]]:
-    """The pass over every rank's files (`segments`: `log.rank_segments(directory)`), folded
-    (with `parity`: one half of it, `Fold.parity`); the fold, and what was read of each file."""
-    fold = Fold(job, observers, parity)
-    readers = [RankReader(rank, paths, parity) for rank, paths in segments.items()]
+    """The pass over every rank's files (`segments`: `events.rank_segments(directory)`), folded;
+    the fold, and what was read of each file."""
+    fold = Fold(job, observers)
+    readers = [RankReader(rank, paths) for rank, paths in segments.items()]
     keep_open = enough_descriptors(len(readers))
     for reader in readers:
         reader.keep_open = keep_open
@@ -336,16 +326,15 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                     _fold_collectives(add_collective, items, context, report)
                     continue
                 for item in items:
-                    counted = True  # a `CollectiveLine`'s refusal is counted by the half that folds it
                     try:
                         if type(item) is CollectiveLine:
                             add_collective(item, context)
                             continue
-                        _, raw, _, counted = item  # type: ignore[misc]
+                        _, raw, _ = item  # type: ignore[misc]
                         try:
                             event = decode(raw)
                         except ValueError:
-                            event = _after_cut(raw, context, report if counted else None)
+                            event = _after_cut(raw, context, report)
                         if type(event) is dict:
                             add(event, context)
                             continue
@@ -353,9 +342,8 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                         raise
                     except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
                         pass  # fields of a type commlib never writes: the line is not read
-                    if counted:
-                        report.events -= 1  # a clock in its bytes, but not an event of a rank
-                        report.garbled += 1
+                    report.events -= 1  # a clock in its bytes, but not an event of a rank
+                    report.garbled += 1
         still = []
         for reader in live:
             if reader.head is not None:
@@ -387,10 +375,10 @@ def _fold_collectives(
             report.garbled += 1
 
 
-def _after_cut(raw: bytes, context: Context, report: FileReport | None) -> dict[str, Any] | None:
-    """The header a garbled line hides (`log.after_cut`), its process's line cut short before it
-    counted as garbled (in `report`, where the line is counted) and its rank as cut at that
-    point; None where the line hides none."""
+def _after_cut(raw: bytes, context: Context, report: FileReport) -> dict[str, Any] | None:
+    """The header a garbled line hides (`events.after_cut`), its process's line cut short before
+    it counted as garbled in `report` and its rank as cut at that point; None where the line hides
+    none."""
     header = after_cut(raw)
     try:
         event = decode(header) if header is not None else None
@@ -398,9 +386,8 @@ def _after_cut(raw: bytes, context: Context, report: FileReport | None) -> dict[
         return None
     if type(event) is not dict:
         return None
-    if report is not None:
-        report.garbled += 1
-        report.headers += 1
+    report.garbled += 1
+    report.headers += 1
     if context.rl is not None:
         context.rl.cut = True
     return event

@@ -13,7 +13,6 @@ needs more than the verdicts sees of the pass (`Observer`). The fold
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator
@@ -244,24 +243,21 @@ class RankLog:
 
 
 class SeqSet:
-    """Sequence numbers seen (from 1), in the memory of the few seen out of order. In one half of
-    a read on two processes (`parity`: `Fold.parity`), only that half's seqs ever come: they are
-    counted two at a time, so that every other one is not held as seen out of order."""
+    """Sequence numbers seen (from 1), in the memory of the few seen out of order."""
 
-    __slots__ = ("below", "above", "step")
+    __slots__ = ("below", "above")
 
-    def __init__(self, parity: int | None = None) -> None:
-        self.step = 1 if parity is None else 2
-        self.below = 1 if parity is None else 2 - parity  # every seq of this set under it was seen
+    def __init__(self) -> None:
+        self.below = 1  # every seq under it was seen
         self.above: set[int] = set()
 
     def add(self, seq: int) -> bool:
         """Add `seq`; whether it is new."""
         if seq == self.below:
-            self.below += self.step
+            self.below += 1
             while self.below in self.above:
                 self.above.remove(self.below)
-                self.below += self.step
+                self.below += 1
             return True
         if seq < self.below or seq in self.above:
             return False
@@ -273,17 +269,8 @@ class SeqSet:
 
     def __iter__(self) -> Iterator[int]:
         """The seqs seen, in order."""
-        first = 1 if self.step == 1 else 2 - (self.below & 1)
-        yield from range(first, self.below, self.step)
+        yield from range(1, self.below)
         yield from sorted(self.above)
-
-    @staticmethod
-    def union(*sets: SeqSet) -> SeqSet:
-        """Every seq any of `sets` has seen, as one set of every seq (the two halves' merged)."""
-        whole = SeqSet()
-        for seq in heapq.merge(*sets):
-            whole.add(seq)
-        return whole
 
 
 @dataclass
