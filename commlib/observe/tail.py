@@ -35,6 +35,9 @@ the attempt recovered depends on its whole history), the logs of more than one j
 asked for (--job), attempt numbers that go back within a rank's files, a rank's file that
 cannot be read, more files than the process may hold open; and windows that would hold more
 than half of the logs (a hang near their start): the full read streams them in less memory.
+`from_the_end` says so before reading what the full read would read again: the jobs of the
+`log.open` lines where the windows start are told before any window is read, and a wait that
+began before its window, from the window's lines, before they are folded.
 
 What the verdict leaves to the full report (`commlib.observe.doctor.diagnose`): the statistics
 (stragglers, latency, bandwidth) and the counts of collectives and of time; and what lies wholly
@@ -82,6 +85,8 @@ MOST = 0.5  # windows that would hold more than this share of the logs: the (str
 # A rank polling a call: the call's start is looked for this long before its wait says it began
 # (the wait says it on the monotonic clock, the start's line on the wall clock).
 WAIT_MARGIN_NS = 10_000_000
+_MIXED_JOBS = "the directory holds the logs of more than one job: read in full"
+_RECOVERED = "and whether it did depends on all of it: read in full"
 _WAITING = b'"collective.wait_timeout"'
 
 
@@ -163,6 +168,12 @@ class _Files:
     def close(self) -> None:
         while self.fds:
             os.close(self.fds.pop())
+
+
+# Each rank's files and its attempts' parts of them; a call a window shows its rank waiting in
+# (`_waiting`: rank, attempt, communicator, seq, peer, when the wait began).
+_Ranks = dict[int, tuple[_Files, list[_Segment]]]
+_Wait = tuple[int, int, str, int, int | None, float]
 
 
 def _attempt(line: bytes) -> int | None:
@@ -259,7 +270,7 @@ def _read_window(files: _Files, segment: _Segment, size: int) -> None:
     segment.lines = [line + b"\n" for line in lines]
 
 
-def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
+def _jobs(ranks: _Ranks) -> set[Any]:
     """The jobs the `log.open` lines read so far name (a header's, and any in a window)."""
     jobs = set()
     for _, segments in ranks.values():
@@ -276,7 +287,7 @@ def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
     return jobs
 
 
-def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> list[tuple[int, int, str, int, int | None, float]]:
+def _waiting(ranks: _Ranks) -> list[_Wait]:
     """(rank, attempt, communicator, seq, peer, when it began) of each call a window shows its rank
     waiting in (`collective.wait_timeout`: a caller's shorter wait, polling an op that goes on)."""
     out: dict[tuple[int, int, str, int, int | None], float] = {}  # the earliest of a call's waits
@@ -398,56 +409,107 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
     return need
 
 
+@dataclass(frozen=True)
+class InFull:
+    """The tail cannot decide: the full read must, for this reason (None: the directory holds no
+    rank log or no event, and the full read's refusal says so)."""
+
+    why: str | None
+
+
 def verdict(logdir: str | os.PathLike[str], job: str | None = None, window: int = INITIAL_BYTES) -> Diagnosis:
     """The doctor's verdict on `logdir`, read from the end of each rank's logs (module docstring):
     a `Diagnosis` without statistics, whose `read` (a `ReadInfo`) says how much was read and,
     where the tail could not decide, why the whole directory was."""
+    found = from_the_end(logdir, job, window)
+    if isinstance(found, Diagnosis):
+        return found
+    diagnosis = analyze(load(logdir, job=job))
+    diagnosis.read = read_in_full(logdir, diagnosis, found.why)
+    return diagnosis
+
+
+def from_the_end(
+    logdir: str | os.PathLike[str], job: str | None = None, window: int = INITIAL_BYTES
+) -> Diagnosis | InFull:
+    """The verdict read from the end (`verdict`), or, where the tail cannot decide, why the full
+    read must: decided before anything is read that the full read would read again."""
     directory = Path(logdir)
     if job is not None:
-        return _full(directory, job, "a job was asked for (--job): read in full")
+        return InFull("a job was asked for (--job): read in full")
     if not os.fspath(logdir) or not directory.is_dir() or not rank_segments(directory):
-        return _full(directory, None, None)  # the refusal of the full read, or its verdict
+        return InFull(None)  # the refusal of the full read, or its verdict
     paths = rank_segments(directory)
-    ranks: dict[int, tuple[_Files, list[_Segment]]] = {}
+    ranks: _Ranks = {}
     try:
         if not enough_descriptors(sum(len(p) for p in paths.values())):
-            return _full(directory, None, "more rank files than this process may hold open")
+            return InFull("more rank files than this process may hold open")
         for rank, files_of_rank in paths.items():
             try:
                 files = _Files(files_of_rank)
             except OSError as exc:
-                return _full(directory, None, f"rank {rank}'s files cannot all be read ({exc.strerror or exc})")
+                return InFull(f"rank {rank}'s files cannot all be read ({exc.strerror or exc})")
             segments = _segments(files)
             ranks[rank] = (files, segments if isinstance(segments, list) else [])
             if isinstance(segments, str):
-                return _full(directory, None, f"rank {rank}'s log: {segments}")
+                return InFull(f"rank {rank}'s log: {segments}")
+        if len(_jobs(ranks)) > 1:  # told by the `log.open` lines where the windows start
+            return InFull(_MIXED_JOBS)
         return _from_the_end(directory, paths, ranks, window)
     finally:
         for files, _ in ranks.values():
             files.close()
 
 
+def _planned(ranks: _Ranks, sizes: dict[tuple[int, int], int]) -> int:
+    """The bytes windows of `sizes` hold."""
+    planned = 0
+    for rank, (_, segments) in ranks.items():
+        planned += sum(min(sizes[(rank, s.attempt)], s.end - s.start) for s in segments)
+    return planned
+
+
+def _too_large(planned: int, total: int) -> InFull | None:
+    """Why windows of `planned` bytes are left to the full read; None where they are not."""
+    if planned <= total * MOST:  # streamed, the full read holds less and takes no longer
+        return None
+    return InFull(
+        f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
+        f"(small logs, or a problem far back): read in full"
+    )
+
+
+def _reaches(ranks: _Ranks, waits: list[_Wait], window: int) -> dict[_Wait, int]:
+    """The size each window must grow to (`_reach_back`) for the waits that began before it starts
+    (their call's start cannot be in it), read from the lines alone, before any fold."""
+    out = {}
+    for wait in waits:
+        rank, attempt, _, _, _, began = wait
+        files, segments = ranks[rank]
+        s = next(s for s in segments if s.attempt == attempt)
+        first = _clock(s.lines[0]) if s.lines else None
+        if first is not None and began + WAIT_MARGIN_NS < first:
+            out[wait] = _reach_back(files, s, began, window)
+    return out
+
+
 def _from_the_end(
-    directory: Path, paths: dict[int, list[Path]], ranks: dict[int, tuple[_Files, list[_Segment]]], window: int
-) -> Diagnosis:
+    directory: Path,
+    paths: dict[int, list[Path]],
+    ranks: _Ranks,
+    window: int,
+) -> Diagnosis | InFull:
     sizes = {(rank, s.attempt): window for rank, (_, segments) in ranks.items() for s in segments}
     skipped: list[tuple[str, str]] = []
-    dumps_read = flight_dumps(directory, skipped)
+    dumps_read: list[tuple[Path, dict[str, Any]]] | None = None  # read at the first fold
     grow = set(sizes)
     rounds = 0
     total = sum(files.size for files, _ in ranks.values())
     while grow:
         rounds += 1
-        planned = sum(
-            min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items() for s in segments
-        )
-        if planned > total * MOST:  # streamed, the full read holds less and takes no longer
-            return _full(
-                directory,
-                None,
-                f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
-                f"(small logs, or a problem far back): read in full",
-            )
+        too_large = _too_large(_planned(ranks, sizes), total)
+        if too_large is not None:
+            return too_large
         for rank, (files, segments) in ranks.items():
             for s in segments:
                 if (rank, s.attempt) in grow:
@@ -467,14 +529,24 @@ def _from_the_end(
                 sizes[key] *= GROWTH
             continue
         if len(_jobs(ranks)) > 1:
-            return _full(directory, None, "the directory holds the logs of more than one job: read in full")
+            return InFull(_MIXED_JOBS)
+        waits = _waiting(ranks)
+        reaches = _reaches(ranks, waits, window)
+        ahead = dict(sizes)  # where those waits alone take the windows, the fold aside
+        for (rank, a, *_), reach in reaches.items():
+            ahead[(rank, a)] = max(ahead[(rank, a)], reach) * GROWTH
+        too_large = _too_large(_planned(ranks, ahead), total)
+        if too_large is not None:
+            return too_large
+        if dumps_read is None:
+            dumps_read = flight_dumps(directory, skipped)
         stacks_skipped: list[tuple[str, str]] = []
         try:
             fold, coverage, dumps = _fold(directory, paths, ranks, dumps_read, stacks_skipped)
         except MixedJobsError:
-            return _full(directory, None, "the directory holds the logs of more than one job: read in full")
+            return InFull(_MIXED_JOBS)
         if not fold.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
-            return _full(directory, None, None)  # no event anywhere: the full read's refusal
+            return InFull(None)  # no event anywhere: the full read's refusal
         whole = {
             a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a) for a in fold.attempts
         }
@@ -490,7 +562,8 @@ def _from_the_end(
             for s in segments
             if not s.whole and rank not in (fold.attempts[s.attempt].ranks if s.attempt in fold.attempts else ())
         }
-        for rank, a, name, seq, peer, began in _waiting(ranks):  # a call a rank waits in has its start in it
+        for wait in waits:  # a call a rank waits in has its start in its window
+            rank, a, name, seq, peer, began = wait
             label = fold.label(a, rank, name)
             held = (
                 coverage.first_seq.get((a, rank, label), math.inf)
@@ -501,7 +574,8 @@ def _from_the_end(
                 grow.add((rank, a))
                 files, segments = ranks[rank]
                 s = next(s for s in segments if s.attempt == a)  # straight back to when it began
-                sizes[(rank, a)] = max(sizes[(rank, a)], _reach_back(files, s, began, window))
+                reach = reaches[wait] if wait in reaches else _reach_back(files, s, began, window)
+                sizes[(rank, a)] = max(sizes[(rank, a)], reach)
         # A failure or an abort of an attempt that its flight dumps date before a rank's window:
         # an in-job recovery, say, that every window began after (whether the attempt recovered
         # depends on it). That window reaches back to the attempt's first such dump.
@@ -525,11 +599,7 @@ def _from_the_end(
                 if s.attempt == a and not s.whole and r in att.ranks
             }
             if open_ranks and any(rl.recovered is not None for rl in att.ranks.values()):
-                return _full(
-                    directory,
-                    None,
-                    f"attempt {a} recovered in-job, and whether it did depends on all of it: read in full",
-                )
+                return InFull(f"attempt {a} recovered in-job, {_RECOVERED}")
             grow |= {(r, a) for r in _needs(att, findings[a], open_ranks, coverage)}
         for key in grow:
             sizes[key] *= GROWTH
@@ -555,7 +625,7 @@ def _from_the_end(
 def _fold(
     directory: Path,
     paths: dict[int, list[Path]],
-    ranks: dict[int, tuple[_Files, list[_Segment]]],
+    ranks: _Ranks,
     dumps_read: list[tuple[Path, dict[str, Any]]],
     skipped: list[tuple[str, str]],
 ) -> tuple[Fold, _Coverage, list[Any]]:
@@ -582,14 +652,12 @@ def _fold(
     return fold, coverage, dumps
 
 
-def _full(directory: Path, job: str | None, why: str | None) -> Diagnosis:
-    """The full read's diagnosis, saying why the tail did not decide."""
-    diagnosis = analyze(load(directory, job=job))
-    total = sum(os.path.getsize(p) for files in rank_segments(directory).values() for p in files if os.path.isfile(p))
-    diagnosis.read = ReadInfo(
-        total, total, sorted({r for a in diagnosis.attempts for r in a.ranks}), 0, why or "read in full"
-    )
-    return diagnosis
+def read_in_full(logdir: str | os.PathLike[str], diagnosis: Diagnosis, why: str | None) -> ReadInfo:
+    """How the full read's `diagnosis` read `logdir`, saying why the tail did not decide."""
+    files = [p for paths in rank_segments(logdir).values() for p in paths]
+    total = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
+    ranks = sorted({r for a in diagnosis.attempts for r in a.ranks})
+    return ReadInfo(total, total, ranks, 0, why or "read in full")
 
 
 def verdict_fields(finding: AttemptFinding) -> dict[str, Any]:
