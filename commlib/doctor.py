@@ -3,9 +3,9 @@
     python -m commlib.doctor LOGDIR [--json] [--trace out.json] [--job ID]   (or: commlib-doctor ...)
     python -m commlib.doctor LOGDIR --verdict [--json]   (the verdict alone, read from the end)
 
-Prints the verdict read from the end of each rank's log first (`commlib.observe.tail`: seconds
-at any size), then the full report, read from every line, with its statistics; where the tail
-cannot decide, the full report alone. With --json, `Diagnosis.to_dict()` of the full report
+Prints the verdict read from the end of each rank's log first (seconds at any size), then the
+full report, read from every line, with its statistics; where the verdict from the end cannot
+decide, the full report alone. With --json, `Diagnosis.to_dict()` of the full report
 (with --verdict, of the verdict). It can write a Chrome/Perfetto trace (in the full read's pass
 over the logs), and exits 0 when no attempt of the run had a problem, 1 when the final attempt
 has one, 3 when earlier attempts failed but the final one is clean (a recovered run), and 2
@@ -15,10 +15,10 @@ holds several jobs' logs and --job does not pick one, or the trace cannot be wri
 replaces only a regular file (or makes a new one): a FIFO, a device or a symlink to one
 (/dev/null, /dev/stdout) is refused, naming what it is; a symlink to a regular file is written
 through. Rank logs, flight dumps and stacks files that are not regular files are named as not
-read, never waited on. The analysis itself lives in `commlib.observe` (`model`: the logs read
-once; `blame`: the rules; `stats`: the tables; `doctor`: the three composed; `tail`: the
-verdict from the end; `trace`: the trace); this module only renders it. Neither imports torch:
-the logs copied from a cluster can be read on a machine without it.
+read, never waited on. The analysis itself lives in `commlib.observe` (`run_logs`: the logs
+read once; `blame`: the rules; `stats`: the tables; `diagnosis`: the three composed;
+`verdict_from_end`: the verdict from the end; `trace`: the trace); this module only renders
+it. Neither imports torch: the logs copied from a cluster can be read on a machine without it.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from commlib.members import rank_ranges, ranks_text
-from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.diagnosis import Diagnosis, analyze
 from commlib.observe.events import RANK_FILE
 from commlib.observe.findings import AttemptFinding
-from commlib.observe.model import LogDirError, load
 from commlib.observe.position import RankPosition
 from commlib.observe.replicas import group_dirs
 from commlib.observe.replicas import main as replicas_main
-from commlib.observe.tail import ReadInfo, from_the_end, verdict
+from commlib.observe.run_logs import LogDirError, load
 from commlib.observe.trace import TraceFile, TracePathError
+from commlib.observe.verdict_from_end import ReadInfo, from_the_end, verdict
 
 WIDTH = 110
 

@@ -23,7 +23,7 @@ directory given (the tests' logs: `pytest --basetemp DIR`, then every directory 
 log). Each exits 1 if any verdict differs.
 
 `windows`: the verdict from the end on each directory with each first window size
-(`commlib.observe.tail.verdict(DIR, window=W)`, each in a fresh process, imports not counted):
+(`commlib.observe.verdict_from_end.verdict(DIR, window=W)`, each in a fresh process, imports not counted):
 its CPU, the bytes it read and its rounds, with the verdict, which must be the same at every size.
 
 `verdicts`: every directory given is diagnosed by the doctor of `--ref` and by this one
@@ -340,7 +340,7 @@ def tails(args: argparse.Namespace) -> int:
 
 _WINDOW_CHILD = """
 import json, sys, time
-from commlib.observe.tail import verdict, verdict_fields
+from commlib.observe.verdict_from_end import verdict, verdict_fields
 start = time.process_time()
 d = verdict(sys.argv[1], window=int(sys.argv[2]))
 cpu = time.process_time() - start

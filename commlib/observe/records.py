@@ -6,9 +6,9 @@ send/recv not settled yet, failures and mismatches, and what settled calls left 
 accumulators), and its error-level events (`ErrorGroup`); a rank's view of one collective
 or send/recv (`Call`); what was read of each file (`FileReport`), each job (`JobInfo`),
 and each flight-recorder dump (`DumpInfo`); and what a tool that
-needs more than the verdicts sees of the pass (`Observer`). The fold
-(`commlib.observe.fold`) fills them in; the reading (`commlib.observe.reading`) feeds it;
-`commlib.observe.model` composes the two. Nothing here reads a file.
+needs more than the verdicts sees of the pass (`Observer`). The builder
+(`commlib.observe.builder`) fills them in; the reading (`commlib.observe.reading`) feeds it;
+`commlib.observe.run_logs` composes the two. Nothing here reads a file.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class CommLog:
     parent: tuple[CommLog, list[int]] | None = None  # the communicator it was split from, and ranks
     # Accumulated from settled calls: latency per (op, bytes), and the first seq whose ranks issued
     # different things, with their calls, and how many such seqs.
-    latency: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # folded into sketches by stats
+    latency: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # merged into sketches by stats
     sketches: dict[tuple[str, int], Quantiles] = field(default_factory=dict)
     differing: tuple[int, dict[int, Call]] | None = None
     differing_count: int = 0
@@ -332,7 +332,7 @@ class CommLog:
         return out
 
     def sketch(self, key: tuple[str, int], durations: list[float]) -> None:
-        """Fold a block of durations into the sketch of `key` (`latencies`), and clear it."""
+        """Merge a block of durations into the sketch of `key` (`latencies`), and clear it."""
         sketch = self.sketches.get(key)
         if sketch is None:
             sketch = self.sketches[key] = Quantiles()

@@ -81,7 +81,7 @@ HEADER_ONLY = ("host", "size", "job")
 # What of a communicator's own fields a collective's two lines leave to its other events
 # (`comm.init` first): the readers put them back. Its size stays in every line (it costs
 # bytes, not time: it is in the line's pre-encoded tail), so that the last lines of a log say
-# who the members are (`commlib.observe.tail` reads only those).
+# who the members are (`commlib.observe.verdict_from_end` reads only those).
 COMM_ONLY = ("backend",)
 
 # The default is shared, but never mutated: `context` sets a fresh dict, and readers only read.

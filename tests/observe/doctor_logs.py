@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe import reading
-from commlib.observe.doctor import Diagnosis, diagnose
+from commlib.observe.diagnosis import Diagnosis, diagnose
 from commlib.observe.events import read_events
-from commlib.observe.tail import verdict, verdict_fields
+from commlib.observe.verdict_from_end import verdict, verdict_fields
 
 
 def live_copy(src: Path, dest: Path) -> Path:
@@ -39,7 +39,7 @@ def live_copy(src: Path, dest: Path) -> Path:
 
 
 def same_verdict(logdir: Path, window: int = 600) -> Diagnosis:
-    """The verdict read from the end of each rank's log (`commlib.observe.tail`, with windows of
+    """The verdict read from the end of each rank's log (`commlib.observe.verdict_from_end`, with windows of
     `window` bytes, so that it must decide how far back to read), checked equal to the full read's."""
     full, tail = diagnose(logdir), verdict(logdir, window=window)
     assert tail.exit_code == full.exit_code, logdir

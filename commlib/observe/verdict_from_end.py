@@ -2,7 +2,7 @@
 waits for whom, in seconds whatever the size of the logs.
 
 `verdict(logdir)` reads each rank's files backwards from their end (across rotations), only as
-far back as the verdict needs, folds what it read into the log model (`commlib.observe.fold`,
+far back as the verdict needs, builds the log model of what it read (`commlib.observe.builder`,
 in the same wall-clock order as the full read) and applies the doctor's rules to it
 (`commlib.observe.blame`, `whole=False`). A collective that hung at the end of a ten-million
 line log is in its last lines, as c10d's flight recorder keeps only its last entries.
@@ -29,7 +29,7 @@ attempt number of the lines (it only grows within a rank's files), so that each 
 window ends where the next one begins; its process's `log.open` line, which its events leave
 their host, size and job to, is read wherever the window starts.
 
-Where the tail cannot decide, the whole directory is read (`commlib.observe.model.load`) and
+Where the tail cannot decide, the whole directory is read (`commlib.observe.run_logs.load`) and
 the verdict says why (`ReadInfo.full_read_because`): an in-job recovery in a window (whether
 the attempt recovered depends on its whole history), the logs of more than one job, a job
 asked for (--job), attempt numbers that go back within a rank's files, a rank's file that
@@ -37,9 +37,9 @@ cannot be read, more files than the process may hold open; and windows that woul
 than half of the logs (a hang near their start): the full read streams them in less memory.
 `from_the_end` says so before reading what the full read would read again: the jobs of the
 `log.open` lines where the windows start are told before any window is read, and a wait that
-began before its window, from the window's lines, before they are folded.
+began before its window, from the window's lines, before the model of them is built.
 
-What the verdict leaves to the full report (`commlib.observe.doctor.diagnose`): the statistics
+What the verdict leaves to the full report (`commlib.observe.diagnosis.diagnose`): the statistics
 (stragglers, latency, bandwidth) and the counts of collectives and of time; and what lies wholly
 before every window and left no trace in them: an error the application logged and went on
 from, a mismatch that completed, an in-job recovery that every window begins after and whose
@@ -63,14 +63,14 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.blame import attempt_finding
-from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.builder import ModelBuilder
+from commlib.observe.diagnosis import Diagnosis, analyze
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.events import after_cut, rank_segments
 from commlib.observe.findings import AttemptFinding, Kind
-from commlib.observe.fold import Fold
-from commlib.observe.model import load
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
 from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer
+from commlib.observe.run_logs import load
 from commlib.record.codec import decode
 from commlib.record.files import SIGUSR1_REASON, open_regular
 from commlib.record.logfile import HEADER_START
@@ -481,7 +481,7 @@ def _too_large(planned: int, total: int) -> InFull | None:
 
 def _reaches(ranks: _Ranks, waits: list[_Wait], window: int) -> dict[_Wait, int]:
     """The size each window must grow to (`_reach_back`) for the waits that began before it starts
-    (their call's start cannot be in it), read from the lines alone, before any fold."""
+    (their call's start cannot be in it), read from the lines alone, before any builder."""
     out = {}
     for wait in waits:
         rank, attempt, _, _, _, began = wait
@@ -501,7 +501,7 @@ def _from_the_end(
 ) -> Diagnosis | InFull:
     sizes = {(rank, s.attempt): window for rank, (_, segments) in ranks.items() for s in segments}
     skipped: list[tuple[str, str]] = []
-    dumps_read: list[tuple[Path, dict[str, Any]]] | None = None  # read at the first fold
+    dumps_read: list[tuple[Path, dict[str, Any]]] | None = None  # read at the first builder
     grow = set(sizes)
     rounds = 0
     total = sum(files.size for files, _ in ranks.values())
@@ -532,7 +532,7 @@ def _from_the_end(
             return InFull(_MIXED_JOBS)
         waits = _waiting(ranks)
         reaches = _reaches(ranks, waits, window)
-        ahead = dict(sizes)  # where those waits alone take the windows, the fold aside
+        ahead = dict(sizes)  # where those waits alone take the windows, the builder aside
         for (rank, a, *_), reach in reaches.items():
             ahead[(rank, a)] = max(ahead[(rank, a)], reach) * GROWTH
         too_large = _too_large(_planned(ranks, ahead), total)
@@ -542,29 +542,30 @@ def _from_the_end(
             dumps_read = flight_dumps(directory, skipped)
         stacks_skipped: list[tuple[str, str]] = []
         try:
-            fold, coverage, dumps = _fold(directory, paths, ranks, dumps_read, stacks_skipped)
+            builder, coverage, dumps = _build(directory, paths, ranks, dumps_read, stacks_skipped)
         except MixedJobsError:
             return InFull(_MIXED_JOBS)
-        if not fold.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
+        if not builder.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
             return InFull(None)  # no event anywhere: the full read's refusal
         whole = {
-            a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a) for a in fold.attempts
+            a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a)
+            for a in builder.attempts
         }
-        last = max(fold.attempts, default=None)
+        last = max(builder.attempts, default=None)
         findings = {
             a: attempt_finding(att, [d for d in dumps if d.attempt == a], final=a == last, whole=whole[a])
-            for a, att in sorted(fold.attempts.items())
+            for a, att in sorted(builder.attempts.items())
         }
         # A window that holds no event of its attempt yet: the rank is in it, further back.
         grow = {
             (rank, s.attempt)
             for rank, (_, segments) in ranks.items()
             for s in segments
-            if not s.whole and rank not in (fold.attempts[s.attempt].ranks if s.attempt in fold.attempts else ())
+            if not s.whole and rank not in (builder.attempts[s.attempt].ranks if s.attempt in builder.attempts else ())
         }
         for wait in waits:  # a call a rank waits in has its start in its window
             rank, a, name, seq, peer, began = wait
-            label = fold.label(a, rank, name)
+            label = builder.label(a, rank, name)
             held = (
                 coverage.first_seq.get((a, rank, label), math.inf)
                 if peer is None
@@ -591,7 +592,7 @@ def _from_the_end(
                     continue
                 grow.add((rank, seg.attempt))
                 sizes[(rank, seg.attempt)] = max(sizes[(rank, seg.attempt)], _reach_back(files, seg, since, window))
-        for a, att in fold.attempts.items():
+        for a, att in builder.attempts.items():
             open_ranks = {
                 r
                 for r, (_, segments) in ranks.items()
@@ -607,7 +608,7 @@ def _from_the_end(
     info = ReadInfo(
         read, total, sorted(r for r, (_, segments) in ranks.items() if all(s.whole for s in segments)), rounds
     )
-    atts = fold.attempts
+    atts = builder.attempts
     return Diagnosis(
         logdir=str(directory),
         world_size=max((a.world_size or 0 for a in atts.values()), default=0) or None,
@@ -616,22 +617,22 @@ def _from_the_end(
         stragglers=[],
         ops=[],
         dumps=dumps,
-        job=fold.job_seen(),
+        job=builder.job_seen(),
         unreadable=[{"path": path, "why": why} for path, why in skipped + stacks_skipped],
         read=info,
     )
 
 
-def _fold(
+def _build(
     directory: Path,
     paths: dict[int, list[Path]],
     ranks: _Ranks,
     dumps_read: list[tuple[Path, dict[str, Any]]],
     skipped: list[tuple[str, str]],
-) -> tuple[Fold, _Coverage, list[Any]]:
+) -> tuple[ModelBuilder, _Coverage, list[Any]]:
     """The model of the windows, in the full read's wall-clock order, with the dumps and stacks."""
     coverage = _Coverage({(s.attempt, rank): _edge(s) for rank, (_, segments) in ranks.items() for s in segments})
-    fold = Fold(None, [coverage])
+    builder = ModelBuilder(None, [coverage])
     readers = []
     for rank, (_, segments) in ranks.items():
         lines: list[bytes] = []
@@ -640,16 +641,16 @@ def _fold(
                 lines.append(s.header)  # what its process's events leave to it: host, size, job
             lines += s.lines
         readers.append(WindowReader(rank, paths[rank][-1], lines, segments[-1].cut if segments else False))
-    stream(fold, readers)
+    stream(builder, readers)
     for rank, (_, segments) in ranks.items():
         for before, s in itertools.pairwise(segments):
-            rl = fold.attempts[before.attempt].ranks.get(rank) if before.attempt in fold.attempts else None
+            rl = builder.attempts[before.attempt].ranks.get(rank) if before.attempt in builder.attempts else None
             if s.glued and not s.whole and rl is not None:
                 rl.cut = True  # the line its process was killed writing is the one the next appended to
-    dumps = [add_dump(fold, path, data) for path, data in dumps_read]
-    add_stacks(fold, directory, skipped)
-    fold.finish()
-    return fold, coverage, dumps
+    dumps = [add_dump(builder, path, data) for path, data in dumps_read]
+    add_stacks(builder, directory, skipped)
+    builder.finish()
+    return builder, coverage, dumps
 
 
 def read_in_full(logdir: str | os.PathLike[str], diagnosis: Diagnosis, why: str | None) -> ReadInfo:

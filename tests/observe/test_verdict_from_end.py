@@ -1,4 +1,4 @@
-"""The verdict read from the end of each rank's logs (`commlib.observe.tail`) is the full read's.
+"""The verdict read from the end of each rank's logs (`commlib.observe.verdict_from_end`) is the full read's.
 
 Small logs written by hand (`doctor_logs.Job`), read with windows of a few hundred bytes so that
 the tail has to decide how far back to go: hangs at the start, middle and end of a long log,
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from commlib.doctor import main
+from commlib.observe import verdict_from_end
 from commlib.observe.records import MixedJobsError
-from commlib.observe import tail
-from commlib.observe.tail import GROWTH, InFull, from_the_end, verdict
+from commlib.observe.verdict_from_end import GROWTH, InFull, from_the_end, verdict
 from doctor_logs import Job, same_verdict
 
 WINDOW = 600  # bytes: two or three lines of each rank's log at a time (`same_verdict`'s)
@@ -185,13 +185,13 @@ def test_where_the_tail_cannot_decide_it_reads_in_full_and_says_why(tmp_path: Pa
 
 
 def test_early_hang_folds_no_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A wait begun near the logs' start leaves the verdict to the full read before any fold."""
+    """A wait begun near the logs' start leaves the verdict to the full read before any builder."""
     _hang(tmp_path, 0.02)
 
     def never(*args: Any) -> Any:
-        raise AssertionError("windows folded before the full read")
+        raise AssertionError("a model of the windows built before the full read")
 
-    monkeypatch.setattr(tail, "_fold", never)
+    monkeypatch.setattr(verdict_from_end, "_build", never)
     found = from_the_end(tmp_path, window=WINDOW)
     far_back = "of the logs (small logs, or a problem far back)"
     assert isinstance(found, InFull) and far_back in (found.why or ""), found
@@ -207,7 +207,7 @@ def test_two_jobs_read_no_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     def never(*args: Any) -> Any:
         raise AssertionError("windows read before the full read")
 
-    monkeypatch.setattr(tail, "_read_window", never)
+    monkeypatch.setattr(verdict_from_end, "_read_window", never)
     two_jobs = "the directory holds the logs of more than one job: read in full"
     assert from_the_end(tmp_path, window=WINDOW) == InFull(two_jobs)
     with pytest.raises(MixedJobsError):

@@ -1,6 +1,6 @@
-"""The fold: a run's events, each rank's in its files' order, folded into the log model as they come.
+"""The log model built from a run's events as they come, each rank's in its files' order.
 
-`Fold.add` takes one event at a time (the reading, `commlib.observe.reading`, hands them
+`ModelBuilder.add` takes one event at a time (the reading, `commlib.observe.reading`, hands them
 over in wall-clock windows) and keeps nothing of the events themselves but what verdicts
 are made of. A collective whose every member finished it ("ok") is settled: its statistics
 (latency, who arrived last, whether the ranks issued the same thing) go into its
@@ -9,7 +9,7 @@ open or that failed somewhere, the failure events, per rank where it is (its las
 step and phase, last started and last finished call), and, at the moment each deadline
 expired, where every rank was then. Memory is bounded by ranks x open collectives, not by
 the size of the logs. Observers (`Observer`: the trace, the timeline) see each call once it
-is final, and each notice, as the fold goes.
+is final, and each notice, as the builder goes.
 
 Everything is kept per torchrun attempt (the `attempt` field of every event), because
 sequence numbers start over in each attempt. Within an attempt a collective is identified
@@ -23,7 +23,7 @@ ranks: communicator ranks are mapped through the `comm_rank` of each rank's even
 `comm.split` that made the communicator).
 
 Jobs: each process's `log.open` line names its job (`log.job_id`); a second job, where no
-job was asked for, stops the fold (`MixedJobsError`).
+job was asked for, stops the builder (`MixedJobsError`).
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ class Context:
         self.headers: dict[Any, dict[str, Any]] = {}
 
 
-class Fold:
-    """Folds events, each rank's in its file's order, into attempts, ranks, communicators and calls.
+class ModelBuilder:
+    """Adds events, each rank's in its file's order, to attempts, ranks, communicators and calls.
 
     One of its two entries runs once per line of the logs: `add_collective` for the two
     events every collective writes, decoded typed (`CollectiveLine`, read by attribute);
