@@ -271,8 +271,8 @@ STATE = _State()
 
 def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
-    # Imported here, not with the module: the doctor reads logs through this module and never
-    # writes one, and structlog (with the asyncio it imports) was a third of its imports.
+    # Imported here, not with the module: the doctor imports this module for the lines' format and
+    # never writes one, and structlog (with the asyncio it imports) was a third of its imports.
     import structlog
 
     sink = _Sink(LineWriter(target), _LineRenderer(static), level)
