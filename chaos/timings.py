@@ -26,7 +26,7 @@ from chaos.fault import FaultType
 from chaos.harness import JobOutcome, journal
 from chaos.ledger import Ledger
 from chaos.report import FaultResult
-from commlib.observe.model import LogDirError, RunLogs, load
+from commlib.observe.run_logs import LogDirError, RunLogs, load
 
 # torchrun's agent logs (glog style, local time) the moment it acts on a failed worker.
 _AGENT_LINE = re.compile(
@@ -224,9 +224,9 @@ def diagnose(run_dir: str | os.PathLike[str], logs: RunLogs | None = None) -> tu
     """The doctor's findings per attempt, as dicts (from `logs` when they were read already); or
     an empty list and why there are none."""
     try:
-        from commlib.observe.doctor import analyze as doctor_analyze
+        from commlib.observe.diagnosis import analyze as doctor_analyze
     except ImportError as exc:
-        return [], f"the doctor (commlib.observe.doctor) is not available: {exc}"
+        return [], f"the doctor (commlib.observe.diagnosis) is not available: {exc}"
     try:
         found = doctor_analyze(logs if logs is not None else load(Path(run_dir) / "logs")).to_dict()
     except Exception as exc:  # a report without a diagnosis beats no report

@@ -3,20 +3,22 @@
     python -m commlib.doctor LOGDIR [--json] [--trace out.json] [--job ID]   (or: commlib-doctor ...)
     python -m commlib.doctor LOGDIR --verdict [--json]   (the verdict alone, read from the end)
 
-Prints a diagnosis a person can act on (or, with --json, `Diagnosis.to_dict()`), optionally
-writes a Chrome/Perfetto trace (in the same pass over the logs), and exits 0 when no attempt
-of the run had a problem, 1 when the final attempt has one, 3 when earlier attempts failed
-but the final one is clean (a recovered run), and 2 when there is nothing it can judge: the
-directory is missing or holds no readable event, it holds several jobs' logs and --job does
-not pick one, or the trace cannot be written where --trace says (checked before any log is
-read, and again before it is moved there). A trace replaces only a regular file (or makes a
-new one): a FIFO, a device or a symlink to one (/dev/null, /dev/stdout) is refused, naming
-what it is; a symlink to a regular file is written through. Rank logs, flight dumps and
-stacks files that are not regular files are named as not read, never waited on. The analysis
-itself lives in `commlib.observe` (`model`: the logs read once;
-`blame`: the rules; `stats`: the tables; `doctor`: the three composed; `trace`: the trace);
-this module only renders it. Neither imports torch: the logs copied from a cluster can be
-read on a machine without it.
+Prints the verdict read from the end of each rank's log first (seconds at any size), then the
+full report, read from every line, with its statistics; where the verdict from the end cannot
+decide, the full report alone. With --json, `Diagnosis.to_dict()` of the full report
+(with --verdict, of the verdict). It can write a Chrome/Perfetto trace (in the full read's pass
+over the logs), and exits 0 when no attempt of the run had a problem, 1 when the final attempt
+has one, 3 when earlier attempts failed but the final one is clean (a recovered run), and 2
+when there is nothing it can judge: the directory is missing or holds no readable event, it
+holds several jobs' logs and --job does not pick one, or the trace cannot be written where
+--trace says (checked before any log is read, and again before it is moved there). A trace
+replaces only a regular file (or makes a new one): a FIFO, a device or a symlink to one
+(/dev/null, /dev/stdout) is refused, naming what it is; a symlink to a regular file is written
+through. Rank logs, flight dumps and stacks files that are not regular files are named as not
+read, never waited on. The analysis itself lives in `commlib.observe` (`run_logs`: the logs
+read once; `blame`: the rules; `stats`: the tables; `diagnosis`: the three composed;
+`verdict_from_end`: the verdict from the end; `trace`: the trace); this module only renders
+it. Neither imports torch: the logs copied from a cluster can be read on a machine without it.
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from commlib.members import rank_ranges, ranks_text
-from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.diagnosis import Diagnosis, analyze
 from commlib.observe.events import RANK_FILE
 from commlib.observe.findings import AttemptFinding
-from commlib.observe.model import LogDirError, load
 from commlib.observe.position import RankPosition
 from commlib.observe.replicas import group_dirs
 from commlib.observe.replicas import main as replicas_main
-from commlib.observe.tail import ReadInfo, verdict
+from commlib.observe.run_logs import LogDirError, load
 from commlib.observe.trace import TraceFile, TracePathError
+from commlib.observe.verdict_from_end import ReadInfo, from_the_end, verdict
 
 WIDTH = 110
 
@@ -200,8 +202,19 @@ def _read_text(read: ReadInfo) -> str:
     whole = f"; ranks read whole: {rank_ranges(read.ranks_whole)}" if read.ranks_whole else ""
     return (
         f"Verdict read from the end of each rank's log: {read.bytes_read / 1e6:.1f} MB of "
-        f"{read.bytes_total / 1e6:.1f} MB{whole}. No statistics (run without --verdict for them)."
+        f"{read.bytes_total / 1e6:.1f} MB{whole}. No statistics (the full report has them)."
     )
+
+
+def _show(text: str) -> bool:
+    """Print `text`; False where the reader has left (`| head`): the exit code is kept, and
+    interpreter exit flushes nowhere."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--verdict",
         action="store_true",
         help="only the verdict (who is stuck where, who is dead, who waits for whom), read from the "
-        "end of each rank's logs: seconds at any size; no statistics",
+        "end of each rank's logs: seconds at any size; no statistics, no full report after it",
     )
     args = parser.parse_args(argv)
     if args.verdict and args.trace is not None:
@@ -234,6 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verdict:
             diagnosis = verdict(args.logdir, job=args.job)
         else:
+            first = from_the_end(args.logdir, job=args.job) if not args.json else None
+            if isinstance(first, Diagnosis) and not _show(render(first) + "\n"):
+                if trace is not None:
+                    trace.discard()
+                return first.exit_code
             run = load(args.logdir, job=args.job, observers=[trace.writer] if trace else [])
             diagnosis = analyze(run)
             if trace is not None:
@@ -245,11 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"commlib-doctor: {exc}", file=sys.stderr)
         return 2
-    try:
-        print(json.dumps(diagnosis.to_dict(), indent=1, default=str) if args.json else render(diagnosis), flush=True)
-    except BrokenPipeError:
-        # The reader left (`| head`): keep the exit code, and let interpreter exit flush nowhere.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    as_json = json.dumps(diagnosis.to_dict(), indent=1, default=str) if args.json else None
+    _show(as_json or render(diagnosis))
     return diagnosis.exit_code
 
 

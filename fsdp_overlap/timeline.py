@@ -31,7 +31,7 @@ time and has neither problem.
 
 Only completed collectives count; events without a ``step`` are ignored. Times are each
 host's monotonic clock, so intervals are compared within a process only. The logs are read
-through commlib's log model (`commlib.observe.model`), which matches each start with its end.
+through commlib's log model (`commlib.observe.run_logs`), which matches each start with its end.
 
     python -m fsdp_overlap.timeline LOGDIR [--json]
 """
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.dumps import dump_calls, flight_dumps
-from commlib.observe.model import Call, LogDirError, RunLogs, build, load
+from commlib.observe.run_logs import Call, LogDirError, RunLogs, build, load
 
 ALL_GATHER_OPS = frozenset({"all_gather", "all_gather_single"})
 REDUCE_SCATTER_OPS = frozenset({"reduce_scatter", "reduce_scatter_single"})

@@ -6,8 +6,6 @@
     .venv/bin/python scripts/bench_doctor.py windows DIR [DIR ...] [--sizes 4096 6144 8192 12288]
     .venv/bin/python scripts/bench_doctor.py verdicts --ref 00cc0ef DIR [DIR ...]
     .venv/bin/python scripts/bench_doctor.py full DIR [DIR ...] [--refs af3dcc2 ...] [--rounds 1]
-    .venv/bin/python scripts/bench_doctor.py halves DIR [DIR ...]
-    .venv/bin/python scripts/bench_doctor.py decode DIR [--files 40] [--repeat 5]
     .venv/bin/python scripts/bench_doctor.py bytes --ref 00cc0ef [--collectives 2000]
 
 `scale`: logs of a 1,000-rank job are generated (`generate`, below) at each line count, then
@@ -25,7 +23,7 @@ directory given (the tests' logs: `pytest --basetemp DIR`, then every directory 
 log). Each exits 1 if any verdict differs.
 
 `windows`: the verdict from the end on each directory with each first window size
-(`commlib.observe.tail.verdict(DIR, window=W)`, each in a fresh process, imports not counted):
+(`commlib.observe.verdict_from_end.verdict(DIR, window=W)`, each in a fresh process, imports not counted):
 its CPU, the bytes it read and its rounds, with the verdict, which must be the same at every size.
 
 `verdicts`: every directory given is diagnosed by the doctor of `--ref` and by this one
@@ -37,16 +35,6 @@ printed, and the exit status is 1 if there is any.
 directory, `--rounds` rounds of each in turn, each in a fresh process: the best wall time of
 each, its CPU time and peak memory (of the process and what it forked), its ratio to the first
 revision's, and whether this tree's diagnosis is the last revision's (as `scale` compares them).
-
-`halves`: each directory read on two processes (`commlib.observe.halves`) and in one pass, in
-this process: the two diagnoses must be equal but for float rounding (durations summed in
-another order), or both refused alike; exits 1 if any differs.
-
-`decode`: what one half of the full read on two processes spends decoding every line (the
-collectives' lines of the first `--files` rank files of DIR, in chunks of about 8 kB as the
-pass reads them), against decoding only its own half's lines and against the byte checks that
-telling the other half's lines apart without decoding them would need; and a struct of only
-the fields the fold reads (15 of 27), the rest skipped. Microseconds a line of the input.
 
 `bytes`: a 2-rank gloo job (real processes, `commlib.testing.run`) issues `--collectives`
 all_reduces under `commlib.context(step=..., phase=...)`, once with the commlib of `--ref`
@@ -352,7 +340,7 @@ def tails(args: argparse.Namespace) -> int:
 
 _WINDOW_CHILD = """
 import json, sys, time
-from commlib.observe.tail import verdict, verdict_fields
+from commlib.observe.verdict_from_end import verdict, verdict_fields
 start = time.process_time()
 d = verdict(sys.argv[1], window=int(sys.argv[2]))
 cpu = time.process_time() - start
@@ -559,82 +547,6 @@ def full(args: argparse.Namespace) -> int:
     return 1 if differing else 0
 
 
-def halves(args: argparse.Namespace) -> int:
-    """Each directory read on two processes (`commlib.observe.halves`) and in one pass, in this
-    process: the same diagnosis, but for float rounding, or the same refusal."""
-    from commlib.observe.doctor import analyze
-    from commlib.observe.model import load
-    from commlib.observe.records import LogDirError
-
-    differing = 0
-    for logdir in args.dirs:
-        try:
-            one: Any = analyze(load(logdir, halves=False)).to_dict()
-        except LogDirError as exc:
-            one = f"refused: {exc}"
-        try:
-            two: Any = analyze(load(logdir, halves=True)).to_dict()
-        except LogDirError as exc:
-            two = f"refused: {exc}"
-        found = _differences(one, two, rel=1e-12, added=()) if isinstance(one, dict) and isinstance(two, dict) else (
-            [] if one == two else [f"{str(one)[:200]} vs {str(two)[:200]}"])
-        differing += bool(found)
-        print(f"{'DIFFERENT' if found else 'same'}: {logdir}", flush=True)
-        for line in found[:10]:
-            print(f"    {line}")
-    return _tally(len(args.dirs), differing, "on two processes as in one pass")
-
-
-def decode_costs(args: argparse.Namespace) -> None:
-    """What a half would save by not decoding the other half's lines, and what telling them apart
-    from their bytes costs: per line, best of `--repeat`, on chunks of about `RankReader.CHUNK`
-    bytes of the collectives' lines of the first `--files` rank files of the directory."""
-    import timeit
-
-    import msgspec
-
-    from commlib.observe.typed import decode_collective, decode_collectives
-
-    lines: list[bytes] = []
-    for path in sorted(args.dir.glob("rank*.jsonl"))[: args.files]:
-        with open(path, "rb") as f:
-            lines += [raw for raw in f if decode_collective(raw) is not None]
-    per_chunk = max(1, round(8192 / (sum(map(len, lines)) / len(lines))))
-    chunks = [lines[i : i + per_chunk] for i in range(0, len(lines), per_chunk)]
-
-    # What the fold reads of a line (`Fold.add_collective`, `disagree`); the writer's other fields skipped.
-    read_by_fold = "op seq shapes dtype bytes root duration_s event step phase ts_ns comm rank pid attempt".split()
-    fields = msgspec.defstruct("Fields", [(name, Any, None) for name in read_by_fold], gc=False)
-    lean = msgspec.json.Decoder(list[fields]).decode  # type: ignore[valid-type]
-
-    def checks(chunk: list[bytes]) -> list[bytes] | None:
-        """The odd half's lines, told from their bytes: one `{` a line (no object inside one, no
-        header hidden after a cut), each line's one `"seq":` and the last digit after it, and
-        every line a start or an end (counted over the chunk)."""
-        joined = b"".join(chunk)
-        pieces = joined.split(b'"seq":')
-        n = len(chunk)
-        if len(pieces) != n + 1 or joined.count(b"{") != n:
-            return None
-        if joined.count(b'"event":"collective.start"') + joined.count(b'"event":"collective.end"') != n:
-            return None
-        return [raw for raw, piece in zip(chunk, pieces[1:], strict=True) if piece[piece.find(b",") - 1] & 1]
-
-    halves = [[raw for raw in chunk if decode_collective(raw).seq & 1] for chunk in chunks]  # type: ignore[union-attr]
-    cases = {
-        "typed decode, every line (what each half does)": lambda: [decode_collectives(c) for c in chunks],
-        "typed decode, one half's lines only": lambda: [decode_collectives(c) for c in halves if c],
-        "the byte checks a prefilter needs (no decode)": lambda: [checks(c) for c in chunks],
-        f"decode of {len(fields.__struct_fields__)} fields, the rest skipped": lambda: [
-            lean(b"[" + b",".join(c) + b"]") for c in chunks
-        ],
-    }
-    print(f"{len(lines):,} lines of {args.dir}, chunks of {per_chunk} lines; us a line, best of {args.repeat}:")
-    for name, case in cases.items():
-        best = min(timeit.repeat(case, number=1, repeat=args.repeat))
-        print(f"  {best / len(lines) * 1e6:6.3f}  {name}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -663,12 +575,6 @@ def main() -> int:
     f.add_argument("dirs", type=Path, nargs="+")
     f.add_argument("--refs", nargs="+", default=["af3dcc2"])
     f.add_argument("--rounds", type=int, default=1)
-    hv = sub.add_parser("halves", help="each directory read on two processes and in one pass: the same diagnosis?")
-    hv.add_argument("dirs", type=Path, nargs="+")
-    dc = sub.add_parser("decode", help="a half's decode of every line against telling the other half's from bytes")
-    dc.add_argument("dir", type=Path)
-    dc.add_argument("--files", type=int, default=40)
-    dc.add_argument("--repeat", type=int, default=5)
     g = sub.add_parser("generate", help="only write generated logs into DIR")
     g.add_argument("dir", type=Path)
     g.add_argument("--ranks", type=int, default=1000)
@@ -687,12 +593,8 @@ def main() -> int:
         return verdicts(args)
     elif args.cmd == "full":
         return full(args)
-    elif args.cmd == "halves":
-        return halves(args)
     elif args.cmd == "bytes":
         bytes_per_collective(args)
-    elif args.cmd == "decode":
-        decode_costs(args)
     else:
         print(generate(args.dir, args.ranks, args.lines, hang_at=args.hang_at))
     return 0

@@ -52,8 +52,8 @@ def attempt_finding(att: AttemptLog, dumps: list[DumpInfo], final: bool, whole: 
     `final`: it is the run's last, so an attempt that simply ends is ok rather than cut short).
 
     `whole`: the model holds the whole attempt. Where it holds only the end of each rank's log
-    (`commlib.observe.tail`), what needs all of it is left out: the straggler rule, and the
-    counts of collectives and of the time the logs span (None)."""
+    (`commlib.observe.verdict_from_end`), what needs all of it is left out: the straggler rule,
+    and the counts of collectives and of the time the logs span (None)."""
     problems: list[Problem] = []
     for comm in att.comms.values():
         mismatches = first_mismatch(comm)

@@ -1,10 +1,10 @@
 """What the processes left beside their logs, read into the log model: flight-recorder dumps and stacks.
 
 `flight_dumps(directory)` finds the `flight_rank*.json` dumps (`commlib.record.flight`)
-and `dump_calls` reads one's entries as calls. `add_dump(fold, path, data)` attributes a
+and `dump_calls` reads one's entries as calls. `add_dump(builder, path, data)` attributes a
 dump to the process that wrote it (by its host and pid, which the dump names with its attempt and
 communicator rank) and adds to the model the entries its log lacks (a log cut short by a kill); a call its
-log has gets the dump's call stack. `add_stacks(fold, directory)` gives each rank the main
+log has gets the dump's call stack. `add_stacks(builder, directory)` gives each rank the main
 thread's innermost frames of its faulthandler stacks (`stacks_{host}_{pid}.txt`,
 `commlib.observe.stacks`), which its position shows when no flight-recorder stack says
 where it was.
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from commlib.observe.fold import Fold, find_call
+from commlib.observe.builder import ModelBuilder, find_call
 from commlib.observe.records import Call, CommLog, DumpInfo, peer_of
 from commlib.observe.stacks import read_main_stacks
 from commlib.record.files import open_regular, safe_host
@@ -87,7 +87,7 @@ def dump_calls(data: dict[str, Any]) -> list[Call]:
     return calls
 
 
-def _dump_owner(fold: Fold, data: dict[str, Any]) -> tuple[int, int] | None:
+def _dump_owner(builder: ModelBuilder, data: dict[str, Any]) -> tuple[int, int] | None:
     """(attempt, global rank) of the process that wrote a dump, which names its host, pid, attempt
     and communicator rank: pids repeat across hosts, and a host may reuse one (a restarted
     container), so the process is its (host, pid), then the one of the dump's attempt, then the
@@ -97,25 +97,25 @@ def _dump_owner(fold: Fold, data: dict[str, Any]) -> tuple[int, int] | None:
     if not isinstance(pid, int):
         return None
     if host is None:  # a dump that does not say its host: any host's process with that pid
-        candidates = {c for (h, p), cs in fold.pids.items() if p == pid for c in cs}
+        candidates = {c for (h, p), cs in builder.pids.items() if p == pid for c in cs}
     else:
-        candidates = set(fold.pids.get((host, pid), ()))
+        candidates = set(builder.pids.get((host, pid), ()))
     if len(candidates) > 1 and isinstance(data.get("attempt"), int):
         candidates = {(a, r) for a, r in candidates if a == data["attempt"]}
     if len(candidates) > 1:
         candidates = {
             (a, r)
             for a, r in candidates
-            if (c := fold.attempts[a].comms.get(fold.label(a, r, comm_name))) is not None
+            if (c := builder.attempts[a].comms.get(builder.label(a, r, comm_name))) is not None
             and c.members.get(comm_rank) == r
         }
     return next(iter(candidates)) if len(candidates) == 1 else None
 
 
-def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
+def add_dump(builder: ModelBuilder, path: Path, data: dict[str, Any]) -> DumpInfo:
     """Record a dump, and add its entries that the logs lack (a log that was cut short)."""
     comm_name = str(data.get("comm"))
-    where = _dump_owner(fold, data)
+    where = _dump_owner(builder, data)
     dumped = dump_calls(data)
     info = DumpInfo(
         path=str(path),
@@ -137,8 +137,8 @@ def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
         return info
     attempt, rank = where
     info.rank = rank
-    att = fold.attempts[attempt]
-    comm = att.comms.get(fold.label(attempt, rank, comm_name))
+    att = builder.attempts[attempt]
+    comm = att.comms.get(builder.label(attempt, rank, comm_name))
     if comm is None:
         return info
     for u in info.unfinished:  # the entries name the peer by its rank in the communicator
@@ -154,7 +154,7 @@ def add_dump(fold: Fold, path: Path, data: dict[str, Any]) -> DumpInfo:
                     call = known
         if call is None and not _logged(comm, rank, d):
             d.rank, d.comm = rank, comm.label
-            fold.place(att, comm, d, comm_rank)
+            builder.place(att, comm, d, comm_rank)
             rl.last_started, rl.last_finished = _later(rl.last_started, rl.last_finished, d, None)
             for t, snapshot in att.snapshots.items():  # where the rank was then, had its log had it
                 place = snapshot.get(rank)
@@ -189,11 +189,11 @@ def _logged(comm: CommLog, rank: int, call: Call) -> bool:
     return call.seq <= comm.logged.get(rank if call.peer is None else (rank, call.peer), 0)
 
 
-def add_stacks(fold: Fold, directory: Path, skipped: list[tuple[str, str]] | None = None) -> None:
+def add_stacks(builder: ModelBuilder, directory: Path, skipped: list[tuple[str, str]] | None = None) -> None:
     """Each rank's main-thread stack from the last faulthandler dump of its process, where there
     is one; (path, why) of each stacks file that could not be read goes into `skipped`."""
     stacks = read_main_stacks(directory, skipped)
-    for att in fold.attempts.values():
+    for att in builder.attempts.values():
         for rl in att.ranks.values():
             # A file named by pid alone (written before files named their host) is any host's.
             pid = rl.pid

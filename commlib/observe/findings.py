@@ -1,7 +1,7 @@
 """What the doctor's rules find, as plain data: per attempt an `AttemptFinding`, made of `Problem`s of one `Kind`.
 
 The rules that make them live in `commlib.observe.blame` (and `commlib.observe.mismatch`
-for ranks that issued different collectives); `commlib.observe.doctor` gathers them into a
+for ranks that issued different collectives); `commlib.observe.diagnosis` gathers them into a
 `Diagnosis` and `commlib.doctor` renders it.
 """
 

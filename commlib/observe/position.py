@@ -1,7 +1,7 @@
 """Where a rank was: at the end of its log in an attempt, or when a deadline expired.
 
 `position(att, rank, at_ns)` reads it from the log model (`commlib.observe.records`): the
-fold keeps, per rank, its last event, step and phase and its last started and finished
+builder keeps, per rank, its last event, step and phase and its last started and finished
 calls, and, at the moment each deadline expired, the same of every rank then. `where` and
 `where_text` say it of several ranks, as the doctor's findings carry and print it.
 """

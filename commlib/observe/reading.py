@@ -1,8 +1,8 @@
 """The reading of a run's log directory: each rank's files across rotations, streamed side by side.
 
-`stream(fold, readers)` hands every line of every rank (`RankReader`: one rank's files,
-rotated ones first, read as one stream of lines with their clock) to the fold
-(`commlib.observe.fold`), a window of wall-clock time (`ts_ns`) at a time, each event
+`stream(builder, readers)` hands every line of every rank (`RankReader`: one rank's files,
+rotated ones first, read as one stream of lines with their clock) to the builder
+(`commlib.observe.builder`), a window of wall-clock time (`ts_ns`) at a time, each event
 parsed only when its turn comes; nothing keeps the events themselves. Every rank's file
 stays open through the pass where the process may hold that many descriptors
 (`enough_descriptors`, raising the soft limit as far as the hard one allows); else each is
@@ -25,8 +25,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from commlib.observe.builder import Context, ModelBuilder, Unplaceable
 from commlib.observe.events import after_cut, rank_segments
-from commlib.observe.fold import Context, Fold, Unplaceable
 from commlib.observe.records import FileReport, JobInfo, MixedJobsError, Observer
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives
 from commlib.record.codec import decode
@@ -34,16 +34,15 @@ from commlib.record.files import open_regular
 from commlib.record.logfile import HEADER_EVENT, HEADER_START
 
 FD_MARGIN = 64  # descriptors left to the rest of the process when every rank's file is open at once
-BATCH = 40_000  # lines the pass reads and folds in at a time (`stream`)
-# In a window's lines, what has it folded in wall-clock order (`stream`): a deadline that
+BATCH = 40_000  # lines the pass reads and adds at a time (`stream`)
+# In a window's lines, what has it added in wall-clock order (`stream`): a deadline that
 # expired, a send's or a recv's start or end (as `EventWriter` writes them: the op first).
 TIMEOUT_MARK = b'"collective.timeout"'
 P2P_STARTS = (b'{"op":"send"', b'{"op":"recv"')
 _CLOCK_AND_RANK = operator.itemgetter(0, 1)
 # A line as `RankReader.take` hands it over: a collective's start or end, decoded; or any
-# other line's (ts_ns, its bytes, whether it wants its window folded in order, whether it is
-# counted in its file's report: in a read on two processes, by the first half only).
-Item = CollectiveLine | tuple[int, bytes, bool, bool]
+# other line's (ts_ns, its bytes, whether it wants its window added in order).
+Item = CollectiveLine | tuple[int, bytes, bool]
 # Lines a take hands over from one chunk: (its file's report, the lines, whether every one is a
 # `CollectiveLine`).
 Run = tuple[FileReport, list[Item], bool]
@@ -71,20 +70,19 @@ class RankReader:
     call of the typed decoder over the chunk as one JSON array; a chunk holding any other line,
     line by line, each other line kept as its bytes with its clock read out of them (parsed
     only when its turn comes, as a dict; a line whose clock cannot be read that way is parsed
-    at once, to tell). A small chunk keeps a line's event in the cache until it is folded in."""
+    at once, to tell). A small chunk keeps a line's event in the cache until it is added."""
 
     CHUNK = 1 << 13  # bytes of lines read and decoded at a time (about 25 lines)
 
-    def __init__(self, rank: int, paths: list[Path], parity: int | None = None) -> None:
+    def __init__(self, rank: int, paths: list[Path]) -> None:
         self.rank = rank
         self.paths = paths
-        self.parity = parity  # `Fold.parity`: the collectives of the other parity are not handed over
         self.index = 0
         self.keep_open = True
         self.reports = [FileReport(str(p), rank) for p in paths]
         self.report = self.reports[-1]
         self.head: int | None = None  # the clock of the next line not taken yet; None: the files are read
-        self.ordered = False  # a line taken wants its window folded in wall-clock order (`stream`)
+        self.ordered = False  # a line taken wants its window added in wall-clock order (`stream`)
         self.cut = False  # the files end in a line cut short (a kill mid-write), or being written
         self._index = -1
         self._file: Any = None
@@ -140,9 +138,7 @@ class RankReader:
 
     def _decode(self, lines: list[bytes]) -> list[Item]:
         """A chunk's lines as items (`take`), counted in their file's report; a last line cut short
-        (a kill mid-write, or still being written) ends the file's reading, unread. In one half
-        of a read on two processes (`parity`), the other half's collectives are left out, and
-        only the first half counts lines (`commlib.observe.halves`)."""
+        (a kill mid-write, or still being written) ends the file's reading, unread."""
         report = self.report
         if lines[-1][-1] != 10:  # b"\n": only ever the last line of a file
             self.cut = True
@@ -150,13 +146,9 @@ class RankReader:
             self._offset = -1  # nothing more of this file
         if not lines:
             return []
-        parity = self.parity
-        counted = parity != 1
         chunk = decode_collectives(lines)
         if chunk is not None:
-            report.events += len(chunk) if counted else 0
-            if parity is not None:
-                chunk = [line for line in chunk if line.seq & 1 == parity]
+            report.events += len(chunk)
             clocks = [line.ts_ns for line in chunk]
             if clocks == sorted(clocks):
                 self._clocks = clocks
@@ -165,9 +157,8 @@ class RankReader:
         for raw in lines:
             line = decode_collective(raw)
             if line is not None:
-                report.events += counted
-                if parity is None or line.seq & 1 == parity:
-                    items.append(line)
+                report.events += 1
+                items.append(line)
                 continue
             at = raw.find(b'"ts_ns":')
             end = raw.find(b",", at)
@@ -176,12 +167,12 @@ class RankReader:
             except ValueError:
                 ts = _clock(raw)
             if ts is None:
-                report.garbled += counted
+                report.garbled += 1
                 continue
-            report.events += counted
+            report.events += 1
             if raw.startswith(HEADER_START):  # only the writer writes them (`logfile.header_line`)
-                report.headers += counted
-            items.append((ts, raw, _wants_order(raw), counted))
+                report.headers += 1
+            items.append((ts, raw, _wants_order(raw)))
         return items
 
     def _read(self) -> list[bytes] | None:
@@ -229,8 +220,9 @@ class RankReader:
 
 
 class WindowReader(RankReader):
-    """One rank's lines already read into memory (the end of its files: `commlib.observe.tail`),
-    taken as a `RankReader` takes those of its files; `cut`: they end in a line cut short."""
+    """One rank's lines already read into memory (the end of its files:
+    `commlib.observe.verdict_from_end`), taken as a `RankReader` takes those of its files; `cut`:
+    they end in a line cut short."""
 
     def __init__(self, rank: int, path: Path, lines: list[bytes], cut: bool) -> None:
         super().__init__(rank, [path])
@@ -252,34 +244,33 @@ def read(
     segments: dict[int, list[Path]],
     job: str | None,
     observers: list[Observer],
-    parity: int | None = None,
-) -> tuple[Fold, list[FileReport]]:
-    """The pass over every rank's files (`segments`: `log.rank_segments(directory)`), folded
-    (with `parity`: one half of it, `Fold.parity`); the fold, and what was read of each file."""
-    fold = Fold(job, observers, parity)
-    readers = [RankReader(rank, paths, parity) for rank, paths in segments.items()]
+) -> tuple[ModelBuilder, list[FileReport]]:
+    """The pass over every rank's files (`segments`: `events.rank_segments(directory)`): the log
+    model's builder, and what was read of each file."""
+    builder = ModelBuilder(job, observers)
+    readers = [RankReader(rank, paths) for rank, paths in segments.items()]
     keep_open = enough_descriptors(len(readers))
     for reader in readers:
         reader.keep_open = keep_open
     try:
-        stream(fold, readers)
+        stream(builder, readers)
     except MixedJobsError:
-        raise mixed_jobs(directory, fold.jobs) from None
+        raise mixed_jobs(directory, builder.jobs) from None
     finally:
         for reader in readers:
             reader.close()
-    return fold, [report for reader in readers for report in reader.reports]
+    return builder, [report for reader in readers for report in reader.reports]
 
 
-def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
+def stream(builder: ModelBuilder, readers: Sequence[RankReader]) -> None:
     """Every rank's lines, window by window of wall-clock time: every line before the
     window's end from every rank, then the next window. The window is sized to hold about
-    `BATCH` lines. Within a window, ranks are folded in one after the other (each rank's
+    `BATCH` lines. Within a window, ranks are added one after the other (each rank's
     lines in its files' order): no verdict depends on how ranks interleave within a few
     milliseconds, except two. Where every rank was when a deadline expired; and whom a
     send/recv was with, when its communicator ranks are told apart from the other side's
     events (which, in wall-clock order, all come before the op ends). So a window that
-    holds a `collective.timeout` or a send/recv (`TIMEOUT_MARK`, `P2P_STARTS`) is folded in
+    holds a `collective.timeout` or a send/recv (`TIMEOUT_MARK`, `P2P_STARTS`) is added in
     wall-clock order instead (rank order between equal clocks). Ordering every line so (a heap of
     the ranks' next lines, or a sort of each window) took a quarter of the pass. The garbage
     collector is paused meanwhile: the pass makes millions of short-lived objects and no cycles,
@@ -287,22 +278,22 @@ def stream(fold: Fold, readers: Sequence[RankReader]) -> None:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        _stream(fold, readers)
+        _stream(builder, readers)
     finally:
         if collecting:
             gc.enable()
 
 
-def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
+def _stream(builder: ModelBuilder, readers: Sequence[RankReader]) -> None:
     contexts = [Context(r.rank) for r in readers]
     for i, reader in enumerate(readers):
         reader.index = i
         reader.take(-1)  # reads its first line into `head`
     live = [r for r in readers if r.head is not None]
     window = 1_000_000  # ns; adapted to the logs' pace
-    add, add_collective = fold.add, fold.add_collective
+    add, add_collective = builder.add, builder.add_collective
     if live:
-        for observer in fold.observers:
+        for observer in builder.observers:
             observer.begin(min(r.head for r in live if r.head is not None))
     while live:
         until = min(r.head for r in live if r.head is not None) + window
@@ -336,16 +327,15 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                     _fold_collectives(add_collective, items, context, report)
                     continue
                 for item in items:
-                    counted = True  # a `CollectiveLine`'s refusal is counted by the half that folds it
                     try:
                         if type(item) is CollectiveLine:
                             add_collective(item, context)
                             continue
-                        _, raw, _, counted = item  # type: ignore[misc]
+                        _, raw, _ = item  # type: ignore[misc]
                         try:
                             event = decode(raw)
                         except ValueError:
-                            event = _after_cut(raw, context, report if counted else None)
+                            event = _after_cut(raw, context, report)
                         if type(event) is dict:
                             add(event, context)
                             continue
@@ -353,9 +343,8 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
                         raise
                     except (Unplaceable, TypeError, ValueError, AttributeError, KeyError):
                         pass  # fields of a type commlib never writes: the line is not read
-                    if counted:
-                        report.events -= 1  # a clock in its bytes, but not an event of a rank
-                        report.garbled += 1
+                    report.events -= 1  # a clock in its bytes, but not an event of a rank
+                    report.garbled += 1
         still = []
         for reader in live:
             if reader.head is not None:
@@ -364,7 +353,7 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
             context = contexts[reader.index]
             if context.att is not None:
                 context.rl.cut = reader.cut  # type: ignore[union-attr]
-                fold.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
+                builder.rank_done(context.att.attempt, context.rl.rank)  # type: ignore[union-attr]
         live = still
         window = max(1, min(window * 4, int(window * BATCH / max(1, lines))))
 
@@ -372,7 +361,7 @@ def _stream(fold: Fold, readers: Sequence[RankReader]) -> None:
 def _fold_collectives(
     add_collective: Callable[[CollectiveLine, Context], None], lines: list[Item], context: Context, report: FileReport
 ) -> None:
-    """A run of `CollectiveLine`s folded in, each one a line not read where the fold refuses it
+    """A run of `CollectiveLine`s added, each one a line not read where the builder refuses it
     (`stream`'s loop without its questions of each line: most runs are these)."""
     remaining = iter(lines)
     while True:
@@ -387,10 +376,10 @@ def _fold_collectives(
             report.garbled += 1
 
 
-def _after_cut(raw: bytes, context: Context, report: FileReport | None) -> dict[str, Any] | None:
-    """The header a garbled line hides (`log.after_cut`), its process's line cut short before it
-    counted as garbled (in `report`, where the line is counted) and its rank as cut at that
-    point; None where the line hides none."""
+def _after_cut(raw: bytes, context: Context, report: FileReport) -> dict[str, Any] | None:
+    """The header a garbled line hides (`events.after_cut`), its process's line cut short before
+    it counted as garbled in `report` and its rank as cut at that point; None where the line hides
+    none."""
     header = after_cut(raw)
     try:
         event = decode(header) if header is not None else None
@@ -398,16 +387,15 @@ def _after_cut(raw: bytes, context: Context, report: FileReport | None) -> dict[
         return None
     if type(event) is not dict:
         return None
-    if report is not None:
-        report.garbled += 1
-        report.headers += 1
+    report.garbled += 1
+    report.headers += 1
     if context.rl is not None:
         context.rl.cut = True
     return event
 
 
 def _wants_order(raw: bytes) -> bool:
-    """Whether a line wants its window folded in wall-clock order (`stream`; a `CollectiveLine`
+    """Whether a line wants its window added in wall-clock order (`stream`; a `CollectiveLine`
     never does: no send/recv, no timeout)."""
     return TIMEOUT_MARK in raw or raw.startswith(P2P_STARTS)
 

@@ -6,14 +6,13 @@ send/recv not settled yet, failures and mismatches, and what settled calls left 
 accumulators), and its error-level events (`ErrorGroup`); a rank's view of one collective
 or send/recv (`Call`); what was read of each file (`FileReport`), each job (`JobInfo`),
 and each flight-recorder dump (`DumpInfo`); and what a tool that
-needs more than the verdicts sees of the pass (`Observer`). The fold
-(`commlib.observe.fold`) fills them in; the reading (`commlib.observe.reading`) feeds it;
-`commlib.observe.model` composes the two. Nothing here reads a file.
+needs more than the verdicts sees of the pass (`Observer`). The builder
+(`commlib.observe.builder`) fills them in; the reading (`commlib.observe.reading`) feeds it;
+`commlib.observe.run_logs` composes the two. Nothing here reads a file.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator
@@ -244,24 +243,21 @@ class RankLog:
 
 
 class SeqSet:
-    """Sequence numbers seen (from 1), in the memory of the few seen out of order. In one half of
-    a read on two processes (`parity`: `Fold.parity`), only that half's seqs ever come: they are
-    counted two at a time, so that every other one is not held as seen out of order."""
+    """Sequence numbers seen (from 1), in the memory of the few seen out of order."""
 
-    __slots__ = ("below", "above", "step")
+    __slots__ = ("below", "above")
 
-    def __init__(self, parity: int | None = None) -> None:
-        self.step = 1 if parity is None else 2
-        self.below = 1 if parity is None else 2 - parity  # every seq of this set under it was seen
+    def __init__(self) -> None:
+        self.below = 1  # every seq under it was seen
         self.above: set[int] = set()
 
     def add(self, seq: int) -> bool:
         """Add `seq`; whether it is new."""
         if seq == self.below:
-            self.below += self.step
+            self.below += 1
             while self.below in self.above:
                 self.above.remove(self.below)
-                self.below += self.step
+                self.below += 1
             return True
         if seq < self.below or seq in self.above:
             return False
@@ -273,17 +269,8 @@ class SeqSet:
 
     def __iter__(self) -> Iterator[int]:
         """The seqs seen, in order."""
-        first = 1 if self.step == 1 else 2 - (self.below & 1)
-        yield from range(first, self.below, self.step)
+        yield from range(1, self.below)
         yield from sorted(self.above)
-
-    @staticmethod
-    def union(*sets: SeqSet) -> SeqSet:
-        """Every seq any of `sets` has seen, as one set of every seq (the two halves' merged)."""
-        whole = SeqSet()
-        for seq in heapq.merge(*sets):
-            whole.add(seq)
-        return whole
 
 
 @dataclass
@@ -302,7 +289,7 @@ class CommLog:
     parent: tuple[CommLog, list[int]] | None = None  # the communicator it was split from, and ranks
     # Accumulated from settled calls: latency per (op, bytes), and the first seq whose ranks issued
     # different things, with their calls, and how many such seqs.
-    latency: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # folded into sketches by stats
+    latency: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # merged into sketches by stats
     sketches: dict[tuple[str, int], Quantiles] = field(default_factory=dict)
     differing: tuple[int, dict[int, Call]] | None = None
     differing_count: int = 0
@@ -345,7 +332,7 @@ class CommLog:
         return out
 
     def sketch(self, key: tuple[str, int], durations: list[float]) -> None:
-        """Fold a block of durations into the sketch of `key` (`latencies`), and clear it."""
+        """Merge a block of durations into the sketch of `key` (`latencies`), and clear it."""
         sketch = self.sketches.get(key)
         if sketch is None:
             sketch = self.sketches[key] = Quantiles()

@@ -38,7 +38,7 @@ class Quantiles:
         self.extend((value,))
 
     def extend(self, values: Sequence[float]) -> None:
-        """`add` each of `values`, in their order (a block at a time: the fold's latencies)."""
+        """`add` each of `values`, in their order (a block at a time: the builder's latencies)."""
         total = self.total
         for value in values:
             total += value  # one at a time, in order: a float sum depends on its order

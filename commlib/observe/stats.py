@@ -1,6 +1,6 @@
 """The doctor's statistics: latency and bandwidth per op and size, and how long ranks waited for each other.
 
-`op_stats(run)` and `stragglers(run)` are tables over the log model (`commlib.observe.model`),
+`op_stats(run)` and `stragglers(run)` are tables over the log model (`commlib.observe.run_logs`),
 from what it accumulated as it read (`Quantiles` sketches: exact up to a few thousand values,
 within 0.5 % beyond); `straggler_stats(attempts)` is what the straggler rule
 (`commlib.observe.blame`) judges by.
@@ -12,8 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from commlib.observe.model import RunLogs
 from commlib.observe.records import AttemptLog
+from commlib.observe.run_logs import RunLogs
 from commlib.observe.sketch import Quantiles
 
 # op -> (S is n * bytes rather than bytes, bus bandwidth factor for n ranks), after

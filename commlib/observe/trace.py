@@ -19,7 +19,7 @@ Layout (JSON object format, open it in https://ui.perfetto.dev or chrome://traci
 Timestamps are microseconds since the run's first event (wall clock, `ts_ns`); the origin
 is in `otherData.origin_ts_ns`.
 
-Streaming: `TraceWriter` is an observer of the model's one pass (`commlib.observe.model`):
+Streaming: `TraceWriter` is an observer of the model's one pass (`commlib.observe.run_logs`):
 each event goes to the file once it is final, and the names of processes and tracks at
 the end, so the trace of any log size takes the memory of the model alone. `TraceFile`
 checks where the trace goes before anything is read, writes it beside its destination and
@@ -37,8 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from commlib.observe.model import RunLogs, load
 from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
+from commlib.observe.run_logs import RunLogs, load
 from commlib.record.codec import encode
 from commlib.record.files import kind
 
@@ -310,17 +310,6 @@ class TraceFile:
             with contextlib.suppress(OSError):  # not empty: something else was put there meanwhile
                 directory.rmdir()
         self._made = []
-
-
-def write_trace(logdir: str | os.PathLike[str], path: str | os.PathLike[str], job: str | None = None) -> Path:
-    """Read `logdir` (only `job`'s logs, when given) and write its trace to `path`."""
-    trace = TraceFile(path)
-    try:
-        run = load(logdir, job=job, observers=[trace.writer])
-    except BaseException:
-        trace.discard()
-        raise
-    return trace.commit(run)
 
 
 def build_trace(logdir: str | os.PathLike[str], job: str | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 full read spent most of its time making a dict of each (a dozen keys, each a new object) to
 read five of them. `decode_collective(raw)` decodes such a line with msgspec into a
 `CollectiveLine`, a struct of the fields commlib's writer puts in them (`EventWriter`, fed by
-`Communicator`): about half the CPU of a dict. The fold (`commlib.observe.fold`) reads its
+`Communicator`): about half the CPU of a dict. The builder (`commlib.observe.builder`) reads its
 fields by attribute; everything else that holds an event (a call's start and end, a rank's
 last event) reads it as it reads a dict (`get`, `[]`, `in`).
 
@@ -36,7 +36,7 @@ if msgspec is not None:
     class CollectiveLine(msgspec.Struct, forbid_unknown_fields=True, gc=False, kw_only=True):
         """One `collective.start` or `collective.end` line of a collective (not a send/recv).
 
-        The fields the fold reads on every line are required and typed (a line without them,
+        The fields the builder reads on every line are required and typed (a line without them,
         or with another type, is not one of these); the others are as JSON gives them, UNSET
         where the line has no such key (`get` tells a key absent from one that is null). The
         fields are in the order the writer writes them (`Communicator`'s fields, the caller's

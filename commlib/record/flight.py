@@ -13,7 +13,7 @@ The dump runs on another thread than the one appending, so it works on a copy of
 Dumps have a budget: a process keeps its newest `COMMLIB_FLIGHT_DUMPS` dump files (default
 32; writing one more removes its oldest), and beside them the dump of its first failure or
 abort, whatever came after (the first error is the one an operator looks for, and the
-doctor's verdict from the end reaches back to it: `commlib.observe.tail`); it answers
+doctor's verdict from the end reaches back to it: `commlib.observe.verdict_from_end`); it answers
 SIGUSR1 at most once per `COMMLIB_FLIGHT_DUMP_INTERVAL_S` seconds (default 1): signals that
 come faster are answered by one dump taken when the interval is over, so the newest state is
 always dumped and a storm of signals writes a few files, not one per signal.
@@ -286,10 +286,6 @@ def _copy(items: Any) -> list[Any]:
 # process's lifecycle), the dump files it wrote, and what install_sigusr1 set up.
 _RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 _DUMPS = _DumpFiles()
-
-
-def dump_all(directory: Path | None, reason: str) -> list[Path | None]:
-    return [r.dump(directory, reason) for r in _copy(_RECORDERS)]
 
 
 def install_sigusr1(directory_fn: Callable[[], Path | None]) -> bool:

@@ -81,7 +81,7 @@ HEADER_ONLY = ("host", "size", "job")
 # What of a communicator's own fields a collective's two lines leave to its other events
 # (`comm.init` first): the readers put them back. Its size stays in every line (it costs
 # bytes, not time: it is in the line's pre-encoded tail), so that the last lines of a log say
-# who the members are (`commlib.observe.tail` reads only those).
+# who the members are (`commlib.observe.verdict_from_end` reads only those).
 COMM_ONLY = ("backend",)
 
 # The default is shared, but never mutated: `context` sets a fresh dict, and readers only read.
@@ -271,8 +271,8 @@ STATE = _State()
 
 def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
     """commlib's logger: its own processor, filter and writer, none of structlog's global config."""
-    # Imported here, not with the module: the doctor reads logs through this module and never
-    # writes one, and structlog (with the asyncio it imports) was a third of its imports.
+    # Imported here, not with the module: the doctor imports this module for the lines' format and
+    # never writes one, and structlog (with the asyncio it imports) was a third of its imports.
     import structlog
 
     sink = _Sink(LineWriter(target), _LineRenderer(static), level)

@@ -12,7 +12,7 @@ from chaos.__main__ import main as cli
 from chaos.harness import Job, journal_name, run_job
 from chaos.plan import Ledger, Plan, parse_shorthand
 from commlib.observe.events import read_events
-from commlib.observe.model import load
+from commlib.observe.run_logs import load
 
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import commlib
 from commlib import communicator, testing
 from commlib.observe.blame import Kind
-from commlib.observe.doctor import diagnose
-from commlib.observe.tail import verdict
+from commlib.observe.diagnosis import diagnose
+from commlib.observe.verdict_from_end import verdict
 
 
 def _rank_killed_mid_collective(comm: commlib.Communicator, victim: int) -> dict[str, object]:

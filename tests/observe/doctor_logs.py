@@ -1,7 +1,7 @@
 """Shared by the observe tests (imported from their directory): a run's logs as they were while
 it still hung, logs written by hand (`Job`), the verdict read from the end checked against the
-full read, and the full read against itself with every line read as a dict and on two
-processes (`same_verdict`, `read_as_dicts`, `assert_same`), and waiting for what another thread or process does."""
+full read, and the full read against itself with every line read as a dict (`same_verdict`,
+`read_as_dicts`), and waiting for what another thread or process does."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe import reading
-from commlib.observe.doctor import Diagnosis, analyze, diagnose
+from commlib.observe.diagnosis import Diagnosis, diagnose
 from commlib.observe.events import read_events
-from commlib.observe.model import load
-from commlib.observe.tail import verdict, verdict_fields
+from commlib.observe.verdict_from_end import verdict, verdict_fields
 
 
 def live_copy(src: Path, dest: Path) -> Path:
@@ -40,32 +39,14 @@ def live_copy(src: Path, dest: Path) -> Path:
 
 
 def same_verdict(logdir: Path, window: int = 600) -> Diagnosis:
-    """The verdict read from the end of each rank's log (`commlib.observe.tail`, with windows of
+    """The verdict read from the end of each rank's log (`commlib.observe.verdict_from_end`, with windows of
     `window` bytes, so that it must decide how far back to read), checked equal to the full read's."""
     full, tail = diagnose(logdir), verdict(logdir, window=window)
     assert tail.exit_code == full.exit_code, logdir
     assert [verdict_fields(a) for a in tail.attempts] == [verdict_fields(a) for a in full.attempts], logdir
     with read_as_dicts():
         assert diagnose(logdir).to_dict() == full.to_dict(), logdir
-    assert_same(analyze(load(logdir, halves=True)).to_dict(), full.to_dict(), str(logdir))
     return tail
-
-
-def assert_same(found: Any, expected: Any, where: str, rel: float = 1e-12) -> None:
-    """`found` equal to `expected` but for floats within `rel` (the read on two processes adds
-    durations in another order: `commlib.observe.halves`)."""
-    if isinstance(expected, float) and isinstance(found, float):
-        assert abs(found - expected) <= rel * max(abs(found), abs(expected)), (where, found, expected)
-    elif isinstance(expected, dict) and isinstance(found, dict):
-        assert list(found) == list(expected), (where, list(found), list(expected))
-        for key, value in expected.items():
-            assert_same(found[key], value, f"{where}.{key}", rel)
-    elif isinstance(expected, list) and isinstance(found, list):
-        assert len(found) == len(expected), (where, found, expected)
-        for i, (f, e) in enumerate(zip(found, expected)):
-            assert_same(f, e, f"{where}[{i}]", rel)
-    else:
-        assert found == expected, (where, found, expected)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from commlib.missing_ranks import ask_for_stacks
 from commlib.observe import events
 from commlib.record import board as board_mod
 from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard
+from commlib.record.flight import STACKS_SIGNAL
 from commlib.testing import run
 
 PEER_LATE_S = 5.0  # longer than STALE_AFTER_S: a heartbeat that stops is called stale by then
@@ -180,7 +181,7 @@ def test_stacks_are_asked_only_of_the_process_that_published_the_entry() -> None
         assert child.poll() is None
         entry.started = started
         assert ask_for_stacks({1: entry}, [1]) == [1]
-        assert child.wait(timeout=10) == -board_mod.STACKS_SIGNAL
+        assert child.wait(timeout=10) == -STACKS_SIGNAL
     finally:
         child.kill()
         child.wait()

@@ -28,7 +28,7 @@ import commlib
 from commlib.doctor import main, render
 from commlib.observe import events
 from commlib.observe.blame import FROZEN_GRACE_S, Kind
-from commlib.observe.doctor import diagnose
+from commlib.observe.diagnosis import diagnose
 from commlib.observe.trace import build_trace
 from commlib.record import log
 from commlib.testing import outcome, run

@@ -27,9 +27,9 @@ from commlib.attempt import attempt_number
 from commlib.doctor import main, render
 from commlib.observe import events
 from commlib.observe.blame import Kind
-from commlib.observe.doctor import diagnose
-from commlib.observe.model import load
+from commlib.observe.diagnosis import diagnose
 from commlib.observe.records import MixedJobsError
+from commlib.observe.run_logs import load
 from commlib.observe.trace import build_trace
 from commlib.record import log
 from doctor_logs import same_verdict

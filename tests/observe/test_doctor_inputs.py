@@ -16,9 +16,9 @@ import pytest
 import commlib
 from commlib.doctor import main
 from commlib.observe import events
-from commlib.observe.doctor import diagnose
-from commlib.observe.model import load
+from commlib.observe.diagnosis import diagnose
 from commlib.observe.position import position
+from commlib.observe.run_logs import load
 from commlib.record import log
 from doctor_logs import Job, same_verdict
 

@@ -31,7 +31,7 @@ import torch
 import commlib
 from commlib.doctor import render
 from commlib.observe.blame import Kind
-from commlib.observe.doctor import diagnose
+from commlib.observe.diagnosis import diagnose
 from commlib.observe.trace import build_trace
 from commlib.record import log
 from commlib.testing import outcome, run

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import commlib
 from commlib.observe.blame import Kind
-from commlib.observe.doctor import diagnose
+from commlib.observe.diagnosis import diagnose
 from commlib.process_group import commlib_groups
 from commlib.testing import run
 

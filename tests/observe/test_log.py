@@ -115,7 +115,7 @@ def test_a_collectives_direct_event_path_writes_the_line_structlog_writes(tmp_pa
     for event in (via_structlog, direct):
         assert event.pop("ts_ns") > 0 and event.pop("mono_ns") > 0
     # The direct path leaves out the field the communicator's other events carry (its backend);
-    # its size stays, so that a log's last lines say who the members are (commlib.observe.tail).
+    # its size stays, so that a log's last lines say who the members are (commlib.observe.verdict_from_end).
     assert via_structlog.pop("backend") == "gloo" and direct["comm_size"] == 2
     assert direct == via_structlog
     # Shorter lines: the process's fixed fields only in its log.open line, no level for info.

@@ -1,6 +1,6 @@
 """The doctor's quantile sketch (`commlib.observe.sketch.Quantiles`): exact while small, within
 half a bucket once large, and the same whether values come one at a time, a block at a time
-(`extend`, how the fold feeds it) or from two sketches merged (a read on two processes)."""
+(`extend`, how the builder feeds it) or from two sketches merged (a read on two processes)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_extend_is_add_one_at_a_time(n: int) -> None:
     one, block = Quantiles(), Quantiles()
     for v in values:
         one.add(v)
-    for start in range(0, n, 256):  # the fold's blocks (`fold.LATENCY_BLOCK`)
+    for start in range(0, n, 256):  # the builder's blocks (`builder.LATENCY_BLOCK`)
         block.extend(values[start : start + 256])
     assert _state(block) == _state(one)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from commlib.observe.fold import Context, Unplaceable
+from commlib.observe.builder import Context, Unplaceable
 from commlib.observe.reading import _fold_collectives
 from commlib.observe.records import FileReport
 from commlib.observe.typed import CollectiveLine, decode_collective, decode_collectives

@@ -1,6 +1,6 @@
 """The doctor's analyzer: what went wrong in a run, read from every rank's log and flight dumps.
 
-`diagnose(logdir)` reads the directory into the log model (`commlib.observe.model.load`)
+`diagnose(logdir)` reads the directory into the log model (`commlib.observe.run_logs.load`)
 and `analyze(run)` turns a model into a `Diagnosis`: per torchrun attempt, the findings of
 the doctor's rules (`commlib.observe.blame`: who is blamed and why), over the whole run
 the straggler and latency/bandwidth tables (`commlib.observe.stats`), and the log files
@@ -17,8 +17,8 @@ from typing import Any
 
 from commlib.observe.blame import attempt_finding
 from commlib.observe.findings import AttemptFinding
-from commlib.observe.model import RunLogs, load
 from commlib.observe.records import DumpInfo
+from commlib.observe.run_logs import RunLogs, load
 from commlib.observe.stats import OpStat, StragglerStat, op_stats, stragglers
 
 
@@ -37,7 +37,8 @@ class Diagnosis:
     # {"path", "why"}: rank files nothing was read from, and flight dumps and stacks files not read
     unreadable: list[dict[str, str]] = field(default_factory=list)
     skipped_lines: dict[str, int] = field(default_factory=dict)  # path -> lines not read as events, where any
-    read: Any = None  # how a verdict read the logs (`commlib.observe.tail.ReadInfo`); None: all of them
+    # How a verdict read the logs (`commlib.observe.verdict_from_end.ReadInfo`); None: all of them.
+    read: Any = None
 
     @property
     def final(self) -> AttemptFinding | None:

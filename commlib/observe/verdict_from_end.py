@@ -2,7 +2,7 @@
 waits for whom, in seconds whatever the size of the logs.
 
 `verdict(logdir)` reads each rank's files backwards from their end (across rotations), only as
-far back as the verdict needs, folds what it read into the log model (`commlib.observe.fold`,
+far back as the verdict needs, builds the log model of what it read (`commlib.observe.builder`,
 in the same wall-clock order as the full read) and applies the doctor's rules to it
 (`commlib.observe.blame`, `whole=False`). A collective that hung at the end of a ten-million
 line log is in its last lines, as c10d's flight recorder keeps only its last entries.
@@ -29,14 +29,17 @@ attempt number of the lines (it only grows within a rank's files), so that each 
 window ends where the next one begins; its process's `log.open` line, which its events leave
 their host, size and job to, is read wherever the window starts.
 
-Where the tail cannot decide, the whole directory is read (`commlib.observe.model.load`) and
+Where the tail cannot decide, the whole directory is read (`commlib.observe.run_logs.load`) and
 the verdict says why (`ReadInfo.full_read_because`): an in-job recovery in a window (whether
 the attempt recovered depends on its whole history), the logs of more than one job, a job
 asked for (--job), attempt numbers that go back within a rank's files, a rank's file that
 cannot be read, more files than the process may hold open; and windows that would hold more
 than half of the logs (a hang near their start): the full read streams them in less memory.
+`from_the_end` says so before reading what the full read would read again: the jobs of the
+`log.open` lines where the windows start are told before any window is read, and a wait that
+began before its window, from the window's lines, before the model of them is built.
 
-What the verdict leaves to the full report (`commlib.observe.doctor.diagnose`): the statistics
+What the verdict leaves to the full report (`commlib.observe.diagnosis.diagnose`): the statistics
 (stragglers, latency, bandwidth) and the counts of collectives and of time; and what lies wholly
 before every window and left no trace in them: an error the application logged and went on
 from, a mismatch that completed, an in-job recovery that every window begins after and whose
@@ -60,14 +63,14 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.blame import attempt_finding
-from commlib.observe.doctor import Diagnosis, analyze
+from commlib.observe.builder import ModelBuilder
+from commlib.observe.diagnosis import Diagnosis, analyze
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.events import after_cut, rank_segments
 from commlib.observe.findings import AttemptFinding, Kind
-from commlib.observe.fold import Fold
-from commlib.observe.model import load
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
 from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer
+from commlib.observe.run_logs import load
 from commlib.record.codec import decode
 from commlib.record.files import SIGUSR1_REASON, open_regular
 from commlib.record.logfile import HEADER_START
@@ -82,6 +85,8 @@ MOST = 0.5  # windows that would hold more than this share of the logs: the (str
 # A rank polling a call: the call's start is looked for this long before its wait says it began
 # (the wait says it on the monotonic clock, the start's line on the wall clock).
 WAIT_MARGIN_NS = 10_000_000
+_MIXED_JOBS = "the directory holds the logs of more than one job: read in full"
+_RECOVERED = "and whether it did depends on all of it: read in full"
 _WAITING = b'"collective.wait_timeout"'
 
 
@@ -163,6 +168,12 @@ class _Files:
     def close(self) -> None:
         while self.fds:
             os.close(self.fds.pop())
+
+
+# Each rank's files and its attempts' parts of them; a call a window shows its rank waiting in
+# (`_waiting`: rank, attempt, communicator, seq, peer, when the wait began).
+_Ranks = dict[int, tuple[_Files, list[_Segment]]]
+_Wait = tuple[int, int, str, int, int | None, float]
 
 
 def _attempt(line: bytes) -> int | None:
@@ -259,7 +270,7 @@ def _read_window(files: _Files, segment: _Segment, size: int) -> None:
     segment.lines = [line + b"\n" for line in lines]
 
 
-def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
+def _jobs(ranks: _Ranks) -> set[Any]:
     """The jobs the `log.open` lines read so far name (a header's, and any in a window)."""
     jobs = set()
     for _, segments in ranks.values():
@@ -276,7 +287,7 @@ def _jobs(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> set[Any]:
     return jobs
 
 
-def _waiting(ranks: dict[int, tuple[_Files, list[_Segment]]]) -> list[tuple[int, int, str, int, int | None, float]]:
+def _waiting(ranks: _Ranks) -> list[_Wait]:
     """(rank, attempt, communicator, seq, peer, when it began) of each call a window shows its rank
     waiting in (`collective.wait_timeout`: a caller's shorter wait, polling an op that goes on)."""
     out: dict[tuple[int, int, str, int, int | None], float] = {}  # the earliest of a call's waits
@@ -398,56 +409,107 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
     return need
 
 
+@dataclass(frozen=True)
+class InFull:
+    """The tail cannot decide: the full read must, for this reason (None: the directory holds no
+    rank log or no event, and the full read's refusal says so)."""
+
+    why: str | None
+
+
 def verdict(logdir: str | os.PathLike[str], job: str | None = None, window: int = INITIAL_BYTES) -> Diagnosis:
     """The doctor's verdict on `logdir`, read from the end of each rank's logs (module docstring):
     a `Diagnosis` without statistics, whose `read` (a `ReadInfo`) says how much was read and,
     where the tail could not decide, why the whole directory was."""
+    found = from_the_end(logdir, job, window)
+    if isinstance(found, Diagnosis):
+        return found
+    diagnosis = analyze(load(logdir, job=job))
+    diagnosis.read = read_in_full(logdir, diagnosis, found.why)
+    return diagnosis
+
+
+def from_the_end(
+    logdir: str | os.PathLike[str], job: str | None = None, window: int = INITIAL_BYTES
+) -> Diagnosis | InFull:
+    """The verdict read from the end (`verdict`), or, where the tail cannot decide, why the full
+    read must: decided before anything is read that the full read would read again."""
     directory = Path(logdir)
     if job is not None:
-        return _full(directory, job, "a job was asked for (--job): read in full")
+        return InFull("a job was asked for (--job): read in full")
     if not os.fspath(logdir) or not directory.is_dir() or not rank_segments(directory):
-        return _full(directory, None, None)  # the refusal of the full read, or its verdict
+        return InFull(None)  # the refusal of the full read, or its verdict
     paths = rank_segments(directory)
-    ranks: dict[int, tuple[_Files, list[_Segment]]] = {}
+    ranks: _Ranks = {}
     try:
         if not enough_descriptors(sum(len(p) for p in paths.values())):
-            return _full(directory, None, "more rank files than this process may hold open")
+            return InFull("more rank files than this process may hold open")
         for rank, files_of_rank in paths.items():
             try:
                 files = _Files(files_of_rank)
             except OSError as exc:
-                return _full(directory, None, f"rank {rank}'s files cannot all be read ({exc.strerror or exc})")
+                return InFull(f"rank {rank}'s files cannot all be read ({exc.strerror or exc})")
             segments = _segments(files)
             ranks[rank] = (files, segments if isinstance(segments, list) else [])
             if isinstance(segments, str):
-                return _full(directory, None, f"rank {rank}'s log: {segments}")
+                return InFull(f"rank {rank}'s log: {segments}")
+        if len(_jobs(ranks)) > 1:  # told by the `log.open` lines where the windows start
+            return InFull(_MIXED_JOBS)
         return _from_the_end(directory, paths, ranks, window)
     finally:
         for files, _ in ranks.values():
             files.close()
 
 
+def _planned(ranks: _Ranks, sizes: dict[tuple[int, int], int]) -> int:
+    """The bytes windows of `sizes` hold."""
+    planned = 0
+    for rank, (_, segments) in ranks.items():
+        planned += sum(min(sizes[(rank, s.attempt)], s.end - s.start) for s in segments)
+    return planned
+
+
+def _too_large(planned: int, total: int) -> InFull | None:
+    """Why windows of `planned` bytes are left to the full read; None where they are not."""
+    if planned <= total * MOST:  # streamed, the full read holds less and takes no longer
+        return None
+    return InFull(
+        f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
+        f"(small logs, or a problem far back): read in full"
+    )
+
+
+def _reaches(ranks: _Ranks, waits: list[_Wait], window: int) -> dict[_Wait, int]:
+    """The size each window must grow to (`_reach_back`) for the waits that began before it starts
+    (their call's start cannot be in it), read from the lines alone, before any builder."""
+    out = {}
+    for wait in waits:
+        rank, attempt, _, _, _, began = wait
+        files, segments = ranks[rank]
+        s = next(s for s in segments if s.attempt == attempt)
+        first = _clock(s.lines[0]) if s.lines else None
+        if first is not None and began + WAIT_MARGIN_NS < first:
+            out[wait] = _reach_back(files, s, began, window)
+    return out
+
+
 def _from_the_end(
-    directory: Path, paths: dict[int, list[Path]], ranks: dict[int, tuple[_Files, list[_Segment]]], window: int
-) -> Diagnosis:
+    directory: Path,
+    paths: dict[int, list[Path]],
+    ranks: _Ranks,
+    window: int,
+) -> Diagnosis | InFull:
     sizes = {(rank, s.attempt): window for rank, (_, segments) in ranks.items() for s in segments}
     skipped: list[tuple[str, str]] = []
-    dumps_read = flight_dumps(directory, skipped)
+    dumps_read: list[tuple[Path, dict[str, Any]]] | None = None  # read at the first builder
     grow = set(sizes)
     rounds = 0
     total = sum(files.size for files, _ in ranks.values())
     while grow:
         rounds += 1
-        planned = sum(
-            min(sizes[(rank, s.attempt)], s.end - s.start) for rank, (_, segments) in ranks.items() for s in segments
-        )
-        if planned > total * MOST:  # streamed, the full read holds less and takes no longer
-            return _full(
-                directory,
-                None,
-                f"the windows would hold {min(1, planned / max(1, total)):.0%} of the logs "
-                f"(small logs, or a problem far back): read in full",
-            )
+        too_large = _too_large(_planned(ranks, sizes), total)
+        if too_large is not None:
+            return too_large
         for rank, (files, segments) in ranks.items():
             for s in segments:
                 if (rank, s.attempt) in grow:
@@ -467,31 +529,43 @@ def _from_the_end(
                 sizes[key] *= GROWTH
             continue
         if len(_jobs(ranks)) > 1:
-            return _full(directory, None, "the directory holds the logs of more than one job: read in full")
+            return InFull(_MIXED_JOBS)
+        waits = _waiting(ranks)
+        reaches = _reaches(ranks, waits, window)
+        ahead = dict(sizes)  # where those waits alone take the windows, the builder aside
+        for (rank, a, *_), reach in reaches.items():
+            ahead[(rank, a)] = max(ahead[(rank, a)], reach) * GROWTH
+        too_large = _too_large(_planned(ranks, ahead), total)
+        if too_large is not None:
+            return too_large
+        if dumps_read is None:
+            dumps_read = flight_dumps(directory, skipped)
         stacks_skipped: list[tuple[str, str]] = []
         try:
-            fold, coverage, dumps = _fold(directory, paths, ranks, dumps_read, stacks_skipped)
+            builder, coverage, dumps = _build(directory, paths, ranks, dumps_read, stacks_skipped)
         except MixedJobsError:
-            return _full(directory, None, "the directory holds the logs of more than one job: read in full")
-        if not fold.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
-            return _full(directory, None, None)  # no event anywhere: the full read's refusal
+            return InFull(_MIXED_JOBS)
+        if not builder.attempts and all(s.whole for _, segments in ranks.values() for s in segments):
+            return InFull(None)  # no event anywhere: the full read's refusal
         whole = {
-            a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a) for a in fold.attempts
+            a: all(s.whole for _, segments in ranks.values() for s in segments if s.attempt == a)
+            for a in builder.attempts
         }
-        last = max(fold.attempts, default=None)
+        last = max(builder.attempts, default=None)
         findings = {
             a: attempt_finding(att, [d for d in dumps if d.attempt == a], final=a == last, whole=whole[a])
-            for a, att in sorted(fold.attempts.items())
+            for a, att in sorted(builder.attempts.items())
         }
         # A window that holds no event of its attempt yet: the rank is in it, further back.
         grow = {
             (rank, s.attempt)
             for rank, (_, segments) in ranks.items()
             for s in segments
-            if not s.whole and rank not in (fold.attempts[s.attempt].ranks if s.attempt in fold.attempts else ())
+            if not s.whole and rank not in (builder.attempts[s.attempt].ranks if s.attempt in builder.attempts else ())
         }
-        for rank, a, name, seq, peer, began in _waiting(ranks):  # a call a rank waits in has its start in it
-            label = fold.label(a, rank, name)
+        for wait in waits:  # a call a rank waits in has its start in its window
+            rank, a, name, seq, peer, began = wait
+            label = builder.label(a, rank, name)
             held = (
                 coverage.first_seq.get((a, rank, label), math.inf)
                 if peer is None
@@ -501,7 +575,8 @@ def _from_the_end(
                 grow.add((rank, a))
                 files, segments = ranks[rank]
                 s = next(s for s in segments if s.attempt == a)  # straight back to when it began
-                sizes[(rank, a)] = max(sizes[(rank, a)], _reach_back(files, s, began, window))
+                reach = reaches[wait] if wait in reaches else _reach_back(files, s, began, window)
+                sizes[(rank, a)] = max(sizes[(rank, a)], reach)
         # A failure or an abort of an attempt that its flight dumps date before a rank's window:
         # an in-job recovery, say, that every window began after (whether the attempt recovered
         # depends on it). That window reaches back to the attempt's first such dump.
@@ -517,7 +592,7 @@ def _from_the_end(
                     continue
                 grow.add((rank, seg.attempt))
                 sizes[(rank, seg.attempt)] = max(sizes[(rank, seg.attempt)], _reach_back(files, seg, since, window))
-        for a, att in fold.attempts.items():
+        for a, att in builder.attempts.items():
             open_ranks = {
                 r
                 for r, (_, segments) in ranks.items()
@@ -525,11 +600,7 @@ def _from_the_end(
                 if s.attempt == a and not s.whole and r in att.ranks
             }
             if open_ranks and any(rl.recovered is not None for rl in att.ranks.values()):
-                return _full(
-                    directory,
-                    None,
-                    f"attempt {a} recovered in-job, and whether it did depends on all of it: read in full",
-                )
+                return InFull(f"attempt {a} recovered in-job, {_RECOVERED}")
             grow |= {(r, a) for r in _needs(att, findings[a], open_ranks, coverage)}
         for key in grow:
             sizes[key] *= GROWTH
@@ -537,7 +608,7 @@ def _from_the_end(
     info = ReadInfo(
         read, total, sorted(r for r, (_, segments) in ranks.items() if all(s.whole for s in segments)), rounds
     )
-    atts = fold.attempts
+    atts = builder.attempts
     return Diagnosis(
         logdir=str(directory),
         world_size=max((a.world_size or 0 for a in atts.values()), default=0) or None,
@@ -546,22 +617,22 @@ def _from_the_end(
         stragglers=[],
         ops=[],
         dumps=dumps,
-        job=fold.job_seen(),
+        job=builder.job_seen(),
         unreadable=[{"path": path, "why": why} for path, why in skipped + stacks_skipped],
         read=info,
     )
 
 
-def _fold(
+def _build(
     directory: Path,
     paths: dict[int, list[Path]],
-    ranks: dict[int, tuple[_Files, list[_Segment]]],
+    ranks: _Ranks,
     dumps_read: list[tuple[Path, dict[str, Any]]],
     skipped: list[tuple[str, str]],
-) -> tuple[Fold, _Coverage, list[Any]]:
+) -> tuple[ModelBuilder, _Coverage, list[Any]]:
     """The model of the windows, in the full read's wall-clock order, with the dumps and stacks."""
     coverage = _Coverage({(s.attempt, rank): _edge(s) for rank, (_, segments) in ranks.items() for s in segments})
-    fold = Fold(None, [coverage])
+    builder = ModelBuilder(None, [coverage])
     readers = []
     for rank, (_, segments) in ranks.items():
         lines: list[bytes] = []
@@ -570,26 +641,24 @@ def _fold(
                 lines.append(s.header)  # what its process's events leave to it: host, size, job
             lines += s.lines
         readers.append(WindowReader(rank, paths[rank][-1], lines, segments[-1].cut if segments else False))
-    stream(fold, readers)
+    stream(builder, readers)
     for rank, (_, segments) in ranks.items():
         for before, s in itertools.pairwise(segments):
-            rl = fold.attempts[before.attempt].ranks.get(rank) if before.attempt in fold.attempts else None
+            rl = builder.attempts[before.attempt].ranks.get(rank) if before.attempt in builder.attempts else None
             if s.glued and not s.whole and rl is not None:
                 rl.cut = True  # the line its process was killed writing is the one the next appended to
-    dumps = [add_dump(fold, path, data) for path, data in dumps_read]
-    add_stacks(fold, directory, skipped)
-    fold.finish()
-    return fold, coverage, dumps
+    dumps = [add_dump(builder, path, data) for path, data in dumps_read]
+    add_stacks(builder, directory, skipped)
+    builder.finish()
+    return builder, coverage, dumps
 
 
-def _full(directory: Path, job: str | None, why: str | None) -> Diagnosis:
-    """The full read's diagnosis, saying why the tail did not decide."""
-    diagnosis = analyze(load(directory, job=job))
-    total = sum(os.path.getsize(p) for files in rank_segments(directory).values() for p in files if os.path.isfile(p))
-    diagnosis.read = ReadInfo(
-        total, total, sorted({r for a in diagnosis.attempts for r in a.ranks}), 0, why or "read in full"
-    )
-    return diagnosis
+def read_in_full(logdir: str | os.PathLike[str], diagnosis: Diagnosis, why: str | None) -> ReadInfo:
+    """How the full read's `diagnosis` read `logdir`, saying why the tail did not decide."""
+    files = [p for paths in rank_segments(logdir).values() for p in paths]
+    total = sum(os.path.getsize(p) for p in files if os.path.isfile(p))
+    ranks = sorted({r for a in diagnosis.attempts for r in a.ranks})
+    return ReadInfo(total, total, ranks, 0, why or "read in full")
 
 
 def verdict_fields(finding: AttemptFinding) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The verdict read from the end of each rank's logs (`commlib.observe.tail`) is the full read's.
+"""The verdict read from the end of each rank's logs (`commlib.observe.verdict_from_end`) is the full read's.
 
 Small logs written by hand (`doctor_logs.Job`), read with windows of a few hundred bytes so that
 the tail has to decide how far back to go: hangs at the start, middle and end of a long log,
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from commlib.doctor import main
+from commlib.observe import verdict_from_end
 from commlib.observe.records import MixedJobsError
-from commlib.observe.tail import GROWTH, verdict
+from commlib.observe.verdict_from_end import GROWTH, InFull, from_the_end, verdict
 from doctor_logs import Job, same_verdict
 
 WINDOW = 600  # bytes: two or three lines of each rank's log at a time (`same_verdict`'s)
@@ -183,6 +184,36 @@ def test_where_the_tail_cannot_decide_it_reads_in_full_and_says_why(tmp_path: Pa
     assert "asked for" in verdict(mixed, job="job-2", window=WINDOW).read.full_read_because
 
 
+def test_early_hang_folds_no_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait begun near the logs' start leaves the verdict to the full read before any builder."""
+    _hang(tmp_path, 0.02)
+
+    def never(*args: Any) -> Any:
+        raise AssertionError("a model of the windows built before the full read")
+
+    monkeypatch.setattr(verdict_from_end, "_build", never)
+    found = from_the_end(tmp_path, window=WINDOW)
+    far_back = "of the logs (small logs, or a problem far back)"
+    assert isinstance(found, InFull) and far_back in (found.why or ""), found
+
+
+def test_two_jobs_read_no_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs in the `log.open` lines where windows start: the full read, before any window."""
+    _steps(_job(tmp_path), range(20))
+    for r in range(RANKS // 2, RANKS):  # the upper half of the ranks' files are another job's
+        path = tmp_path / f"rank{r}.jsonl"
+        path.write_text(path.read_text().replace('"job":"job-1"', '"job":"job-2"'))
+
+    def never(*args: Any) -> Any:
+        raise AssertionError("windows read before the full read")
+
+    monkeypatch.setattr(verdict_from_end, "_read_window", never)
+    two_jobs = "the directory holds the logs of more than one job: read in full"
+    assert from_the_end(tmp_path, window=WINDOW) == InFull(two_jobs)
+    with pytest.raises(MixedJobsError):
+        verdict(tmp_path, window=WINDOW)
+
+
 def test_the_verdict_on_the_command_line_says_rank_sets_as_ranges(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     _hang(tmp_path, 0.98, polls=False)
@@ -194,3 +225,18 @@ def test_the_verdict_on_the_command_line_says_rank_sets_as_ranges(tmp_path: Path
     found: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert found["read"]["bytes_read"] < found["read"]["bytes_total"] and found["attempts"][0]["collectives"] is None
     assert main([str(tmp_path), "--verdict", "--trace", os.devnull]) == 2
+
+
+def test_verdict_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`commlib-doctor DIR`: the verdict from the end, then the full report (alone where the tail
+    cannot decide)."""
+    _hang(tmp_path / "late", 0.98, polls=False)
+    assert main([str(tmp_path / "late")]) == 1
+    first, report = capsys.readouterr().out.split("\n\ncommlib doctor: ")
+    assert "read from the end" in first and "Collectives by op and size" not in first, first
+    assert "Collectives by op and size" in report and "read from the end" not in report, report
+    assert "culprit rank 5" in first and "culprit rank 5" in report
+    _hang(tmp_path / "early", 0.02)
+    assert main([str(tmp_path / "early")]) == 1
+    out = capsys.readouterr().out
+    assert out.count("commlib doctor: ") == 1 and "Collectives by op and size" in out, out

@@ -10,8 +10,8 @@ to a process group or a store, and nothing imports torch (`python -m commlib.doc
 where only the logs are).
 
 The model is made of plain types (`commlib.observe.records`); the reading
-(`commlib.observe.reading`: files, rotations, descriptors, the streaming pass) feeds the fold
-(`commlib.observe.fold`: events into attempts, ranks, communicators and calls, keeping
+(`commlib.observe.reading`: files, rotations, descriptors, the streaming pass) feeds the builder
+(`commlib.observe.builder`: events into attempts, ranks, communicators and calls, keeping
 only what verdicts are made of); `commlib.observe.dumps` adds what the processes left
 beside their logs; `commlib.observe.position` says where a rank was at the end of its log,
 or when a deadline expired. This module composes them.
@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from commlib.observe.builder import Context, ModelBuilder, Unplaceable
 from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.events import Inflater, rank_segments, read_run
-from commlib.observe.fold import Context, Fold, Unplaceable
-from commlib.observe.halves import read_in_halves, worth_halves
 from commlib.observe.reading import read
 from commlib.observe.records import AttemptLog, Call, DumpInfo, FileReport, LogDirError, Observer
 from commlib.record.files import kind
@@ -92,14 +91,11 @@ def load(
     logdir: str | os.PathLike[str],
     job: str | None = None,
     observers: Iterable[Observer] = (),
-    halves: bool | None = None,
 ) -> RunLogs:
     """Read every rank's logs, every flight-recorder dump and every stack dump of `logdir`, in
     one pass (`commlib.observe.reading.read`); with `job`, only that job's events. Raises LogDirError when
     the directory is missing or no file in it holds a readable event, MixedJobsError when it
-    holds more than one job's logs and `job` does not pick one. `halves`: the pass on two
-    processes, each reading half the collectives (`commlib.observe.halves`); None: where the
-    logs are large enough for it to pay, and no observer needs every call in order."""
+    holds more than one job's logs and `job` does not pick one."""
     if not os.fspath(logdir):  # an unset shell variable: never the current directory by accident
         raise LogDirError("expected a log directory; found an empty path")
     directory = Path(logdir)
@@ -118,34 +114,31 @@ def load(
             else "was the job run with log_dir= or COMMLIB_LOG_DIR set?"
         )
         raise LogDirError(f"expected rank*.jsonl logs in {directory}; found none ({hint})")
-    observers = list(observers)
-    if halves is None:
-        halves = not observers and worth_halves(segments)
-    fold, files = read_in_halves(directory, segments, job) if halves else read(directory, segments, job, observers)
+    builder, files = read(directory, segments, job, list(observers))
     if all(f.unreadable() is not None for f in files):
         listing = "; ".join(f"{Path(f.path).name}: {f.unreadable()}" for f in files[:LISTED])
         more = f"; and {len(files) - LISTED} more" if len(files) > LISTED else ""
         raise LogDirError(f"expected at least one readable event in {directory}; found none: {listing}{more}")
-    if job is not None and not fold.attempts:
+    if job is not None and not builder.attempts:
         raise LogDirError(
             f"expected events of job {job!r} in {directory}; found only "
-            + "; ".join(info.describe() for info in fold.jobs.values())
+            + "; ".join(info.describe() for info in builder.jobs.values())
         )
     skipped: list[tuple[str, str]] = []
-    dumps = [add_dump(fold, path, data) for path, data in flight_dumps(directory, skipped)]
-    add_stacks(fold, directory, skipped)
-    fold.finish()
+    dumps = [add_dump(builder, path, data) for path, data in flight_dumps(directory, skipped)]
+    add_stacks(builder, directory, skipped)
+    builder.finish()
     return RunLogs(
-        str(directory), dict(sorted(fold.attempts.items())), dumps, files, fold.job_seen(), skipped, None, job
+        str(directory), dict(sorted(builder.attempts.items())), dumps, files, builder.job_seen(), skipped, None, job
     )
 
 
 def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterable[Observer] = ()) -> RunLogs:
     """The model of events already read (each carrying its `rank`; no dumps, no stacks), in their order."""
     source = [e for e in events if isinstance(e.get("rank"), int)]
-    fold = Fold(None, list(observers))
+    builder = ModelBuilder(None, list(observers))
     clocks = [e["ts_ns"] for e in source if isinstance(e.get("ts_ns"), int)]
-    for observer in fold.observers if clocks else ():
+    for observer in builder.observers if clocks else ():
         observer.begin(min(clocks))
     streams: dict[int, tuple[Context, Inflater]] = {}  # per rank, as its file would be read
     for event in source:
@@ -155,6 +148,6 @@ def build(events: Iterable[dict[str, Any]], logdir: str = "", observers: Iterabl
                 stream = streams[event["rank"]] = (Context(event["rank"]), Inflater())
             context, inflate = stream
             with contextlib.suppress(Unplaceable):  # an event of no rank or attempt the model can keep
-                fold.add(inflate(dict(event)) or event, context)  # a log.open line: the fold keeps its header
-    fold.finish()
-    return RunLogs(logdir, dict(sorted(fold.attempts.items())), [], [], fold.job_seen(), None, source)
+                builder.add(inflate(dict(event)) or event, context)  # a log.open line: the builder keeps its header
+    builder.finish()
+    return RunLogs(logdir, dict(sorted(builder.attempts.items())), [], [], builder.job_seen(), None, source)

@@ -1,6 +1,6 @@
-"""The fold: a run's events, each rank's in its files' order, folded into the log model as they come.
+"""The log model built from a run's events as they come, each rank's in its files' order.
 
-`Fold.add` takes one event at a time (the reading, `commlib.observe.reading`, hands them
+`ModelBuilder.add` takes one event at a time (the reading, `commlib.observe.reading`, hands them
 over in wall-clock windows) and keeps nothing of the events themselves but what verdicts
 are made of. A collective whose every member finished it ("ok") is settled: its statistics
 (latency, who arrived last, whether the ranks issued the same thing) go into its
@@ -9,7 +9,7 @@ open or that failed somewhere, the failure events, per rank where it is (its las
 step and phase, last started and last finished call), and, at the moment each deadline
 expired, where every rank was then. Memory is bounded by ranks x open collectives, not by
 the size of the logs. Observers (`Observer`: the trace, the timeline) see each call once it
-is final, and each notice, as the fold goes.
+is final, and each notice, as the builder goes.
 
 Everything is kept per torchrun attempt (the `attempt` field of every event), because
 sequence numbers start over in each attempt. Within an attempt a collective is identified
@@ -23,7 +23,7 @@ ranks: communicator ranks are mapped through the `comm_rank` of each rank's even
 `comm.split` that made the communicator).
 
 Jobs: each process's `log.open` line names its job (`log.job_id`); a second job, where no
-job was asked for, stops the fold (`MixedJobsError`).
+job was asked for, stops the builder (`MixedJobsError`).
 """
 
 from __future__ import annotations
@@ -89,22 +89,16 @@ class Context:
         self.headers: dict[Any, dict[str, Any]] = {}
 
 
-class Fold:
-    """Folds events, each rank's in its file's order, into attempts, ranks, communicators and calls.
+class ModelBuilder:
+    """Adds events, each rank's in its file's order, to attempts, ranks, communicators and calls.
 
     One of its two entries runs once per line of the logs: `add_collective` for the two
     events every collective writes, decoded typed (`CollectiveLine`, read by attribute);
     `add` for every other event, and for those two where they are dicts, each going to `_other`.
     """
 
-    def __init__(self, job: str | None, observers: list[Observer], parity: int | None = None) -> None:
+    def __init__(self, job: str | None, observers: list[Observer]) -> None:
         self.attempts: dict[int, AttemptLog] = {}
-        # One half of a read on two processes (`commlib.observe.halves`): the collectives,
-        # send/recv and their failures whose seq has this parity (the rest are the other
-        # half's), and every other event. None: all of them.
-        self.parity = parity
-        # In a half: at each snapshot, the clocks of each rank's last event and last stepped one.
-        self.snapshot_clocks: dict[tuple[int, int], dict[int, tuple[int, int | None]]] = {}
         self.observers = observers
         self.job_filter = job
         self.jobs: dict[str | None, JobInfo] = {}
@@ -251,13 +245,7 @@ class Fold:
             comm.member_cache = None
         if comm_size is not None and comm.size != comm_size:
             comm.size, comm.member_cache = comm_size, None
-        if self.parity is not None and name in BY_SEQ and _half(e.get("seq")) != self.parity:
-            # The other half's (`commlib.observe.halves`): only what every rank's place needs of it.
-            if name in FAILURE_EVENTS or (name == MISMATCH_EVENT and isinstance(e.get("seq"), int)):
-                self._failed(rl, ts)
-            if name == "collective.timeout":
-                self._snapshot(att, comm, e, ts)
-        elif name == "collective.start":
+        if name == "collective.start":
             self._start(att, comm, rl, e, ts)
         elif name == "collective.end":
             self._close(
@@ -286,7 +274,7 @@ class Fold:
         label = self.label(att.attempt, rank, name)
         comm = att.comms.get(label)
         if comm is None:
-            comm = att.comms[label] = CommLog(label, seqs=SeqSet(self.parity))
+            comm = att.comms[label] = CommLog(label, seqs=SeqSet())
         self._comms_of[(att.attempt, rank)].add(label)
         return comm
 
@@ -325,8 +313,6 @@ class Fold:
         if first is None or ts < first:
             self._first_timeout[group] = ts
             att.snapshots[ts] = {r: rl.place() for r, rl in att.ranks.items()}
-            if self.parity is not None:  # what the halves' places are merged by
-                self.snapshot_clocks[(att.attempt, ts)] = {r: _clocks(rl) for r, rl in att.ranks.items()}
 
     # -- calls --------------------------------------------------------------------------
     def _start(self, att: AttemptLog, comm: CommLog, rl: RankLog, e: dict[str, Any], ts: int) -> None:
@@ -525,20 +511,6 @@ class Fold:
     def label(self, attempt: int, rank: int, name: str) -> str:
         n = self._incarnation[(attempt, rank, name)]
         return name if n <= 1 else f"{name}#{n}"
-
-
-# The events a seq gives to one half of a read on two processes (`Fold.parity`).
-BY_SEQ = ("collective.start", "collective.end", *FAILURE_EVENTS, MISMATCH_EVENT)
-
-
-def _half(seq: Any) -> int:
-    """The half a seq is read by (`Fold.parity`); one without an integer seq, the first."""
-    return seq & 1 if type(seq) is int else 0
-
-
-def _clocks(rl: RankLog) -> tuple[int, int | None]:
-    """The clocks of a rank's last event and of its last one with a step or phase (None: none yet)."""
-    return rl.last_ns, rl.stepped.get("ts_ns")
 
 
 def _rank_lists(e: dict[str, Any]) -> dict[str, list[int]]:
