@@ -188,6 +188,7 @@ class Communicator:
         self._in_flight = InFlight(self, self.events) if self.events is not None else None
         self._undelivered: tuple[Collective, CommError] | None = None  # a failure found off the caller's thread
         self._failure_thread: threading.Thread | None = None  # words and records such a failure
+        self._failure_reported = threading.Event()  # set once it has (`_refuse_if_dead` waits for it)
         self._news_reader: threading.Thread | None = None  # reads peers' abort announcements (`waiting_on_peers`)
         self._end_lock = threading.Lock()  # one end at a time: its marking dead, its engine's abort
         self._engine_abort: threading.Thread | None = None  # started once (`_abort_engine`)
@@ -886,10 +887,8 @@ class Communicator:
         thread.start()
 
     def _record_failure_found(self, op: PendingOp, cause: BaseException | dict[str, Any] | None) -> None:
-        """On a thread of its own: the engine first (its device stops waiting for a peer that
-        will not come), then the failure, worded and recorded as any op's, for the caller."""
-        self._abort_engine()
-        self._await_engine_abort()
+        """On a thread of its own: the failure, worded and recorded as any op's and handed to the
+        caller; then the engine's abort, which may wait for the device to drain, awaited here."""
         call, entry = op.call, op.entry
         try:
             if cause is None:
@@ -898,17 +897,26 @@ class Communicator:
                 error = self._reports.peer_left(call, entry, cause)
             else:
                 error = self._reports.engine_failure(call, entry, cause)
-            self._record_failure(call, entry, error)
-            self._undelivered = (call, error)
-            _UNDELIVERED.add(self)
+            try:
+                self._record_failure(call, entry, error)
+            finally:
+                self._undelivered = (call, error)
+                _UNDELIVERED.add(self)
         except Exception as exc:  # nothing here may keep the caller from learning the communicator broke
             report_side_failure(self._log, "failure report", exc)
+        finally:
+            self._failure_reported.set()
+            self._abort_engine()
+            self._await_engine_abort()
 
     def _abort_unwatchable(self, exc: BaseException) -> None:
-        report_side_failure(self._log, "deadline thread", exc)
-        self._abort_engine()
-        self._await_engine_abort()
-        self.board.close_broken(type(exc).__name__)
+        try:
+            report_side_failure(self._log, "deadline thread", exc)
+            self.board.close_broken(type(exc).__name__)
+        finally:
+            self._failure_reported.set()
+            self._abort_engine()
+            self._await_engine_abort()
 
     # -- failures (module docstring) -----------------------------------------------------
     def _engine_failed(self, call: Collective, entry: FlightEntry, exc: BaseException) -> CommError:
@@ -1038,9 +1046,10 @@ class Communicator:
         the caller's thread first (once, after the failure hooks), else `CommAborted`."""
         if self._dead is None:
             return
-        thread = self._failure_thread
-        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
-            thread.join(2 * ENGINE_ABORT_BOUND_S)  # the abort, then the failure's report
+        if self._failure_thread not in (None, threading.current_thread()):
+            # A failure found off this thread: its report comes first on its thread (bounded by
+            # LINE_BEFORE_NEWS_S and the store's answers), the engine's abort after it.
+            self._failure_reported.wait(ENGINE_ABORT_BOUND_S)
         self._deliver_undelivered()
         raise CommAborted(
             f"{what} on {self.name!r} {self.members.name(self.rank)}: expected a live communicator; found it "
