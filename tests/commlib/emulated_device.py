@@ -28,8 +28,9 @@ real engine. This emulates the part of a GPU, and of ProcessGroupNCCL (torch 2.1
     caller's stream has reached the launch, and hands back a work whose
     `get_future_result()` c10d's watchdog completes (SUCCESS, TIMEOUT, COMM_ERROR);
   * c10d's watchdog (a thread, every 100 ms) watches every work, synchronous ones too: a work
-    whose op met an error (a peer gone) is COMM_ERROR at once, before its kernel ends (the
-    kernel hangs until the engine is aborted, as NCCL's does); one past the engine's own
+    whose op met an error (a peer died) is COMM_ERROR at once, before its kernel ends (the
+    kernel hangs until the engine is aborted, as NCCL's does; a peer that aborted its own
+    communicator leaves it hanging with no error at all); one past the engine's own
     timeout, counted from the enqueue, is TIMEOUT; either sets the engine's error
     (`get_error()`); a work's future completes only when the watchdog sees it;
   * `abort()` holds the engine's lock while the engine's streams drain (NCCLComm::abort), ends
@@ -275,8 +276,11 @@ class _EmulatedWork:
                 engine.raise_if_aborted()
                 time.sleep(0.05)
         except Exception as exc:
-            self.error = exc
-            while not engine.aborted.is_set():  # NCCL's kernel hangs with its peer gone
+            # NCCL's kernel hangs with its peer gone; c10d hears of an error only where the peer
+            # died (ncclRemoteError), not where it aborted its own communicator.
+            if not engine.peer_aborted():
+                self.error = exc
+            while not engine.aborted.is_set():
                 time.sleep(0.05)
 
     # What commlib asks of c10d's work: its stream-only wait and its verdict.
