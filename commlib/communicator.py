@@ -64,7 +64,7 @@ ABORT_POLL_S = 0.1  # the first slice of a wait between two reads of the peers' 
 # the job's store in the first second of their wait (`abort_poll_s`).
 ABORT_READS_PER_S = 20_000
 # The longest a failure's or an abort's log line may hold back the news to the peers
-# (`_line_then_news`): a log on a filesystem that stops answering must not keep them waiting
+# (`_log_then_announce`): a log on a filesystem that stops answering must not keep them waiting
 # out their own deadlines, nor keep this rank's engine from being aborted.
 LINE_BEFORE_NEWS_S = 5.0
 # How long a caller waits for a stream-ordered engine's abort (it can wait for a wedged device),
@@ -435,7 +435,7 @@ class Communicator:
         def news() -> None:
             self._reports.announce_abort(reason)
 
-        self._line_then_news(lambda: self._log.warning("comm.abort", reason=dead), news if first else None)
+        self._log_then_announce(lambda: self._log.warning("comm.abort", reason=dead), news if first else None)
         self._dump("abort")
         self.board.close()
         self._abort_engine()
@@ -956,7 +956,7 @@ class Communicator:
                 **fields,
             )
 
-        self._line_then_news(line, lambda: self._reports.announce_abort(dead, error, call))
+        self._log_then_announce(line, lambda: self._reports.announce_abort(dead, error, call))
         try:
             self._dump(event.replace(".", "_"))
         except Exception as exc:  # the error still has to reach the caller
@@ -964,7 +964,7 @@ class Communicator:
         finally:
             self.board.close_broken(type(error).__name__)
 
-    def _line_then_news(self, line: Callable[[], None], news: Callable[[], None] | None) -> None:
+    def _log_then_announce(self, line: Callable[[], None], news: Callable[[], None] | None) -> None:
         """Write the log line of a failure or an abort, then tell the peers (`news`).
 
         The line goes first: a peer can only react to the news (its own op ending in a
