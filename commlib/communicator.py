@@ -663,6 +663,8 @@ class Communicator:
             if wait_from_ns is not None:
                 fields["wait_s"] = (end_ns - wait_from_ns) / 1e9
                 fields["done_before_wait"] = done_before_wait
+            if call.tag:
+                fields["tag"] = call.tag
             self._events.info("collective.end", fields)
         if _PROCESS_HOOKS.post or self.hooks.post:
             run_hooks(self.hooks, "post", call, (end_ns - entry.start_mono_ns) / 1e9)
@@ -949,6 +951,7 @@ class Communicator:
                 op=call.op.value,
                 seq=call.seq,
                 peer=call.peer,
+                **({"tag": call.tag} if call.tag else {}),
                 duration_s=entry.duration_s,
                 status=state,
                 error=str(error),
