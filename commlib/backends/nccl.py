@@ -189,20 +189,18 @@ def warn_wrapped(name: str, device: torch.device) -> None:
 
 # c10d's WorkResult (Work.get_future_result()) and ErrorType (ProcessGroupNCCL.get_error()) values.
 _SUCCESS = 0
-_TIMEOUT = 1
-_WHAT = {
-    _TIMEOUT: "c10d's own timeout passed for it",
-    2: "an NCCL error (ncclRemoteError: a peer gone, or its network failed)",
-    3: "a remote error (ncclRemoteError: a peer gone, or its network failed)",
+# Worded so that `commlib.failures` reads each as what it is (a timeout, a peer failure).
+_MEANING = {
+    1: "TIMEOUT (c10d's own timeout passed: timed out)",
+    2: "COMM_ERROR (an NCCL error: ncclRemoteError, a peer gone or its network failed)",
+    3: "REMOTE_ERROR (ncclRemoteError: a peer gone or its network failed)",
 }
 
 
-def _error_of(value: int, what: str) -> BaseException | None:
+def _error_of(value: int, whose: str) -> BaseException | None:
     if value == _SUCCESS:
         return None
-    reason = _WHAT.get(value, f"the engine's failure {value}")
-    # Worded so that `commlib.failures` reads it as what it is (a timeout, a peer failure).
-    return RuntimeError(f"c10d reports {what}: {reason}" + (" (timed out)" if value == _TIMEOUT else ""))
+    return RuntimeError(f"c10d's {whose} is {_MEANING.get(value, f'the engine failure {value}')}")
 
 
 class VerdictEnd:
@@ -218,9 +216,9 @@ class VerdictEnd:
 
     def failure(self) -> BaseException | None:
         """Once ended: c10d's error for the op, None when it succeeded."""
-        return _error_of(int(self._verdict.value()), "the op ended with")
+        return _error_of(int(self._verdict.value()), "verdict on the op")
 
 
 def engine_error(engine: Any) -> BaseException | None:
     """The engine's own error (`ProcessGroupNCCL.get_error()`), None while it has none."""
-    return _error_of(int(engine.get_error()), "an error on the engine,")
+    return _error_of(int(engine.get_error()), "error on the engine")
