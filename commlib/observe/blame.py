@@ -33,7 +33,17 @@ from commlib.observe.findings import AttemptFinding, Kind, Problem
 from commlib.observe.hangs import MATCHING_P2P, collective_hang, p2p_hangs
 from commlib.observe.mismatch import first_mismatch
 from commlib.observe.position import position, where, where_text
-from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, ErrorGroup, p2p_name, peer_of
+from commlib.observe.records import (
+    AttemptLog,
+    Call,
+    CommLog,
+    DumpInfo,
+    ErrorGroup,
+    p2p_name,
+    peer_of,
+    tag_of,
+    tag_text,
+)
 from commlib.observe.stats import straggler_stats
 
 COMMLIB_ERRORS = ("CommError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatch", "CommAborted")
@@ -166,11 +176,11 @@ def _failures(att: AttemptLog, comm: CommLog, mismatches: dict[int, Problem], du
     else the oldest unfinished collective and, per pair of ranks, the oldest unfinished send/recv."""
     problems: list[Problem] = []
     by_key: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-    by_pair: dict[tuple[tuple[int, int, int], str], list[dict[str, Any]]] = defaultdict(list)
+    by_pair: dict[tuple[tuple[int, int, int, int], str], list[dict[str, Any]]] = defaultdict(list)
     for f in comm.failures:
         peer = peer_of(f)
         if peer is not None and isinstance(f.get("seq"), int):
-            by_pair[(comm.pair_key(f["rank"], peer, f["seq"]), f["event"])].append(f)
+            by_pair[(comm.pair_key(f["rank"], peer, tag_of(f), f["seq"]), f["event"])].append(f)
         else:
             by_key[(f.get("seq", -1), f["event"])].append(f)
     for (seq, event), events in sorted(by_key.items(), key=lambda kv: min(e["ts_ns"] for e in kv[1])):
@@ -428,22 +438,27 @@ def _error(
 
 
 def _p2p_failure(
-    att: AttemptLog, comm: CommLog, key: tuple[int, int, int], event: str, events: list[dict[str, Any]]
+    att: AttemptLog,
+    comm: CommLog,
+    key: tuple[int, int, int, int],
+    event: str,
+    events: list[dict[str, Any]],
 ) -> Problem:
     """A send/recv that timed out, lost its peer or failed: about the pair, never the whole communicator."""
-    lo, hi, seq = key
+    lo, hi, tag, seq = key
     first = min(events, key=lambda e: e["ts_ns"])
     rank, op = first["rank"], str(first.get("op"))
     peer = hi if rank == lo else lo
-    what = p2p_name(op, seq, peer)
+    what = p2p_name(op, seq, peer, tag)
     calls = comm.pairs().get(key, {})
-    details: dict[str, Any] = {"p2p": True, "pair": [lo, hi], "peer": peer}
+    details: dict[str, Any] = {"p2p": True, "pair": [lo, hi], "peer": peer, "tag": tag}
     if event == "peer.failure":
         problem = _peer_failure(att, comm, seq, events, others=[peer], what=what)
     elif event != "collective.timeout":
         problem = _error(comm, seq, events, None, what=what)
     else:
-        problem = _p2p_timeout(att, comm, seq, events, rank, op, peer, calls.get(rank), calls.get(peer))
+        mine, theirs = calls.get(rank), calls.get(peer)
+        problem = _p2p_timeout(att, comm, seq, tag, events, rank, op, peer, mine, theirs)
     problem.details.update(details)
     return problem
 
@@ -452,6 +467,7 @@ def _p2p_timeout(
     att: AttemptLog,
     comm: CommLog,
     seq: int,
+    tag: int,
     events: list[dict[str, Any]],
     rank: int,
     op: str,
@@ -464,7 +480,7 @@ def _p2p_timeout(
     want = MATCHING_P2P.get(op, "?")
     deadline = events[0].get("deadline")
     head = (
-        f"{p2p_name(op, seq, peer)} on {comm.label!r} timed out"
+        f"{p2p_name(op, seq, peer, tag)} on {comm.label!r} timed out"
         + (f" after {deadline:g} s" if isinstance(deadline, (int, float)) else "")
         + f" on {ranks_text(reporters)}"
     )
@@ -472,15 +488,19 @@ def _p2p_timeout(
     frozen: list[int] = []
     if theirs is None or (theirs.start_ns is not None and theirs.start_ns > t and peer not in reporters):
         culprits = [peer]
-        body = f"rank {peer} never posted the matching {p2p_name(want, seq, rank)}"
+        body = f"rank {peer} never posted the matching {p2p_name(want, seq, rank, tag)}"
         if theirs is not None and theirs.start_ns is not None:
             late = [peer]
-            body += f" before the deadline (it posted {theirs.op} #{seq} {(theirs.start_ns - t) / 1e9:.2f} s after it)"
+            body += (
+                f" before the deadline (it posted {theirs.op} #{seq}{tag_text(tag)} "
+                f"{(theirs.start_ns - t) / 1e9:.2f} s after it)"
+            )
     elif theirs.op == op:
         culprits = sorted({rank, peer})
         body = (
-            f"rank {peer} posted {p2p_name(theirs.op, seq, rank)} instead of the matching {want}: "
-            f"both sides issued {op} as their point-to-point op #{seq} with each other"
+            f"rank {peer} posted {p2p_name(theirs.op, seq, rank, tag)} instead of the matching "
+            f"{want}: both sides issued {op} as their point-to-point op #{seq}{tag_text(tag)} "
+            "with each other"
         )
     else:
         frozen = _frozen(att, {r: c for r, c in ((rank, mine), (peer, theirs)) if c is not None}, t)
@@ -516,7 +536,8 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
             for r in p.ranks:
                 if r in p.details.get("aborted", ()):
                     continue  # it said why it left
-                evidence[r].append(f"{ranks_text(p.reporters)} saw a peer failure in {p.op} #{p.seq} on {p.comm!r}")
+                saw = f"{ranks_text(p.reporters)} saw a peer failure"
+                evidence[r].append(f"{saw} in {_named(p)} on {p.comm!r}")
         elif p.kind is Kind.TIMEOUT and p.ts_ns is not None:
             quiet = sorted(set(p.details["stale"]) | set(p.details["frozen"]))
             for r in _gone_before(att, quiet, p.ts_ns):
@@ -525,7 +546,7 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
                 if r not in att.ranks or not att.ranks[r].failed_before(p.ts_ns):
                     evidence[r].append(
                         f"it had gone quiet (no heartbeat, or no outcome by its deadline) when "
-                        f"{p.op} #{p.seq} on {p.comm!r} timed out"
+                        f"{_named(p)} on {p.comm!r} timed out"
                     )
         elif p.kind is Kind.ERROR and p.details.get("quiet"):
             for r in p.details["quiet"]:
@@ -556,6 +577,11 @@ def _dead_ranks(att: AttemptLog, problems: list[Problem]) -> list[Problem]:
             )
         )
     return dead
+
+
+def _named(p: Problem) -> str:
+    """The op a problem is about, as its evidence names it: "recv #2", "recv #2 (tag 3)"."""
+    return f"{p.op} #{p.seq}{tag_text(p.details.get('tag', 0))}"
 
 
 def _straggler(att: AttemptLog) -> Problem | None:

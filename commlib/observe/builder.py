@@ -14,11 +14,12 @@ is final, and each notice, as the builder goes.
 Everything is kept per torchrun attempt (the `attempt` field of every event), because
 sequence numbers start over in each attempt. Within an attempt a collective is identified
 by (communicator, seq); a communicator created twice under one name in one process gets a
-label `name#2` for its second incarnation. Send/recv are numbered apart, per peer pair
-(their events carry `peer`, the other side's communicator rank, and `seq`, the pair's
-count of point-to-point ops), so they never enter the collective matching: a point-to-point
-op is identified by (communicator, the pair of ranks, its pair seq), and the k-th op of a
-pair on one side matches the k-th on the other (a send with a recv). Ranks are global
+label `name#2` for its second incarnation. Send/recv are numbered apart, per peer pair and tag
+(their events carry `peer`, the other side's communicator rank, `tag` where it is not 0, and
+`seq`, the pair's count of point-to-point ops of that tag), so they never enter the collective
+matching: a point-to-point op is identified by (communicator, the pair of ranks, its tag, its
+pair seq), and the k-th op of a pair and tag on one side matches the k-th on the other (a send
+with the recv of its tag, whatever the order the tags were posted in). Ranks are global
 ranks: communicator ranks are mapped through the `comm_rank` of each rank's events (or the
 `comm.split` that made the communicator).
 
@@ -49,6 +50,7 @@ from commlib.observe.records import (
     SeqSet,
     disagree,
     peer_of,
+    tag_of,
 )
 from commlib.observe.typed import UNSET, CollectiveLine, Event
 from commlib.record.log import HEADER_ONLY
@@ -308,7 +310,8 @@ class ModelBuilder:
         if peer is None or not isinstance(mine, int):
             group: tuple[Any, ...] = (att.attempt, comm.label, e.get("seq"), peer)
         else:
-            group = (att.attempt, comm.label, e.get("seq"), min(mine, peer), max(mine, peer))
+            low, high = min(mine, peer), max(mine, peer)
+            group = (att.attempt, comm.label, e.get("seq"), low, high, tag_of(e))
         first = self._first_timeout.get(group)
         if first is None or ts < first:
             self._first_timeout[group] = ts
@@ -344,10 +347,11 @@ class ModelBuilder:
             if seq > comm.logged.get(call.rank, 0):
                 comm.logged[call.rank] = seq
             return
-        if seq > comm.logged.get((call.rank, call.peer), 0):
-            comm.logged[(call.rank, call.peer)] = seq
-        comm.p2p_calls[(call.rank, call.peer, seq)] = call
-        if seq > comm.logged.get((comm.global_rank(call.peer), comm_rank), 0):
+        tag = call.tag
+        if seq > comm.logged.get((call.rank, call.peer, tag), 0):
+            comm.logged[(call.rank, call.peer, tag)] = seq
+        comm.p2p_calls[(call.rank, call.peer, tag, seq)] = call
+        if seq > comm.logged.get((comm.global_rank(call.peer), comm_rank, tag), 0):
             att.p2p_ops += 1  # the other side has not logged it: a pair op not counted yet
 
     def _call(self, att: AttemptLog, comm: CommLog, rl: RankLog, e: Event, ts: int) -> Call:
@@ -356,8 +360,8 @@ class ModelBuilder:
         A failure inside the consistency check happens before the start is logged: the rank
         did arrive, so the call starts `duration_s` before the failure.
         """
-        seq, peer = e.get("seq"), peer_of(e)
-        call = find_call(comm, rl.rank, seq, peer)
+        seq, peer, tag = e.get("seq"), peer_of(e), tag_of(e)
+        call = find_call(comm, rl.rank, seq, peer, tag)
         if call is None:
             took_ns = int((e.get("duration_s") or 0.0) * 1e9)
             mono = e.get("mono_ns")
@@ -373,6 +377,7 @@ class ModelBuilder:
                 label=e.get("label"),
                 pid=e.get("pid"),
                 start_mono_ns=mono - took_ns if isinstance(mono, int) else None,
+                tag=tag,
             )
             if isinstance(seq, int):
                 self.place(att, comm, call, e.get("comm_rank"))
@@ -451,18 +456,18 @@ class ModelBuilder:
 
     def _settle_pair(self, att: AttemptLog, comm: CommLog, call: Call, mine: Any = None) -> None:
         """Let go of a send/recv both sides finished (or whose other side will never log it)."""
-        other = comm.global_rank(call.peer)  # type: ignore[arg-type]
+        other, tag = comm.global_rank(call.peer), call.tag  # type: ignore[arg-type]
         if not isinstance(mine, int):
             mine = next((cr for cr, g in comm.members.items() if g == call.rank), None)
-        theirs = comm.p2p_calls.get((other, mine, call.seq)) if mine is not None else None
+        theirs = comm.p2p_calls.get((other, mine, tag, call.seq)) if mine is not None else None
         if theirs is None:
             if other in self._done[att.attempt]:
-                del comm.p2p_calls[(call.rank, call.peer, call.seq)]  # type: ignore[arg-type]
+                del comm.p2p_calls[(call.rank, call.peer, tag, call.seq)]  # type: ignore[arg-type]
             return
         if theirs.status != "ok":
             return
-        del comm.p2p_calls[(call.rank, call.peer, call.seq)]  # type: ignore[arg-type]
-        del comm.p2p_calls[(other, mine, call.seq)]
+        del comm.p2p_calls[(call.rank, call.peer, tag, call.seq)]  # type: ignore[arg-type]
+        del comm.p2p_calls[(other, mine, tag, call.seq)]
         self._observe_pair(att, comm, call.seq, [call, theirs])
 
     def _observe_pair(self, att: AttemptLog, comm: CommLog, seq: int, calls: list[Call]) -> None:
@@ -483,8 +488,9 @@ class ModelBuilder:
             comm = att.comms[label]
             for seq in [s for s, ok in comm.ok.items() if ok == len(comm.calls[s]) and rank not in comm.calls[s]]:
                 self._settle(att, comm, seq)
-            for (r, peer, seq), call in list(comm.p2p_calls.items()):
-                if call.status == "ok" and comm.global_rank(peer) == rank and (r, peer, seq) in comm.p2p_calls:
+            for key, call in list(comm.p2p_calls.items()):
+                settled = key not in comm.p2p_calls  # with its other side, earlier in this loop
+                if call.status == "ok" and comm.global_rank(key[1]) == rank and not settled:
                     self._settle_pair(att, comm, call)
 
     # -- after the pass -------------------------------------------------------------------
@@ -505,7 +511,7 @@ class ModelBuilder:
                     if call.status == "started" or call.source == "flight":
                         for observer in self.observers:
                             observer.call(att, call)
-                for (_, _, seq), calls in sorted(comm.pairs().items()):
+                for (_, _, _, seq), calls in sorted(comm.pairs().items()):
                     self._observe_pair(att, comm, seq, list(calls.values()))
 
     def label(self, attempt: int, rank: int, name: str) -> str:
@@ -543,10 +549,10 @@ def _count_waits(att: AttemptLog, comm: CommLog, calls: dict[int, Call]) -> None
     w.lags.add((last - first) / 1e9)
 
 
-def find_call(comm: CommLog, rank: int, seq: Any, peer: int | None) -> Call | None:
+def find_call(comm: CommLog, rank: int, seq: Any, peer: int | None, tag: int = 0) -> Call | None:
     if not isinstance(seq, int):
         return None
     if peer is not None:
-        return comm.p2p_calls.get((rank, peer, seq))
+        return comm.p2p_calls.get((rank, peer, tag, seq))
     calls = comm.calls.get(seq)
     return calls.get(rank) if calls is not None else None

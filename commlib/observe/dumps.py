@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from commlib.observe.builder import ModelBuilder, find_call
-from commlib.observe.records import Call, CommLog, DumpInfo, peer_of
+from commlib.observe.records import Call, CommLog, DumpInfo, peer_of, tag_of
 from commlib.observe.stacks import read_main_stacks
 from commlib.record.files import open_regular, safe_host
 
@@ -80,6 +80,7 @@ def dump_calls(data: dict[str, Any]) -> list[Call]:
             start_mono_ns=start_mono,
             end_mono_ns=end,
             async_op=x.get("async_op"),
+            tag=tag_of(x),
         )
         if duration is not None and call.start_ns is not None:
             call.end_ns = call.start_ns + int(duration * 1e9)
@@ -126,7 +127,13 @@ def add_dump(builder: ModelBuilder, path: Path, data: dict[str, Any]) -> DumpInf
         dumped_ns=data.get("dumped_ns"),
         entries=sum(1 for x in data.get("entries") or [] if isinstance(x, dict)),
         unfinished=[
-            {"comm": comm_name, "op": c.op, "seq": c.seq, **({"peer": c.peer} if c.peer is not None else {})}
+            {
+                "comm": comm_name,
+                "op": c.op,
+                "seq": c.seq,
+                **({"peer": c.peer} if c.peer is not None else {}),
+                **({"tag": c.tag} if c.tag else {}),
+            }
             for c in dumped
             if c.status == "started"
         ],
@@ -147,10 +154,11 @@ def add_dump(builder: ModelBuilder, path: Path, data: dict[str, Any]) -> DumpInf
     rl = att.ranks[rank]
     comm_rank = data.get("rank")
     for d in dumped:
-        call = find_call(comm, rank, d.seq, d.peer)
+        call = find_call(comm, rank, d.seq, d.peer, d.tag)
         if call is None:
+            same = (comm.label, d.seq, d.peer, d.tag)
             for known in (rl.last_started, rl.last_finished):
-                if known is not None and (known.comm, known.seq, known.peer) == (comm.label, d.seq, d.peer):
+                if known is not None and (known.comm, known.seq, known.peer, known.tag) == same:
                     call = known
         if call is None and not _logged(comm, rank, d):
             d.rank, d.comm = rank, comm.label
@@ -186,7 +194,8 @@ def _later(
 def _logged(comm: CommLog, rank: int, call: Call) -> bool:
     """Whether `rank`'s log reaches `call` (of a dump): a dump adds to a log only what comes
     after its end (a log cut short), not what a rotation took from its start."""
-    return call.seq <= comm.logged.get(rank if call.peer is None else (rank, call.peer), 0)
+    key = rank if call.peer is None else (rank, call.peer, call.tag)
+    return call.seq <= comm.logged.get(key, 0)
 
 
 def add_stacks(builder: ModelBuilder, directory: Path, skipped: list[tuple[str, str]] | None = None) -> None:

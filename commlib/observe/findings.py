@@ -53,4 +53,4 @@ class AttemptFinding:
     problems: list[Problem]
     culprits: list[int]  # the culprits of the earliest problem that names any
     positions: list[RankPosition]  # every rank at the end of its log (failed/incomplete attempts)
-    p2p_ops: int | None = 0  # distinct (communicator, pair, pair seq) started; None as `collectives`
+    p2p_ops: int | None = 0  # distinct (comm, pair, tag, pair seq) started; None as `collectives`

@@ -3,9 +3,9 @@ while no deadline expired (a job still hung, or one killed while hung).
 
 `collective_hang(att, comm, mismatches, dumps)` finds the oldest unfinished collective of a
 communicator and blames the ranks that never started it (else the minority of a mismatch
-there); `p2p_hangs(att, comm, dumps)` finds, per pair of ranks, the oldest unfinished
-send/recv and blames the peer that never posted the matching op (both, where both issued the
-same one). Flight-recorder dumps (SIGUSR1 on a live job) that still show the op started
+there); `p2p_hangs(att, comm, dumps)` finds, per pair of ranks and tag, the oldest unfinished
+send/recv and blames the peer that never posted the matching op of that tag (both, where both
+issued the same one). Flight-recorder dumps (SIGUSR1 on a live job) that still show the op started
 confirm its ranks were alive and in it. `commlib.observe.blame` applies these rules where a
 communicator logged no failure of its own.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from commlib.members import ranks_text
 from commlib.observe.findings import Kind, Problem
 from commlib.observe.position import where, where_text
-from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, p2p_name
+from commlib.observe.records import AttemptLog, Call, CommLog, DumpInfo, p2p_name, tag_text
 
 MATCHING_P2P = {"send": "recv", "recv": "send"}  # the op a send/recv's peer posts to match it
 
@@ -59,12 +59,13 @@ def collective_hang(
 
 
 def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Problem]:
-    """Per pair of ranks, the oldest send/recv that a side started and never left (no deadline expired)."""
-    by_pair: dict[tuple[int, int], dict[int, dict[int, Call]]] = defaultdict(dict)
-    for (lo, hi, seq), calls in comm.pairs().items():
-        by_pair[(lo, hi)][seq] = calls
+    """Per pair of ranks and tag, the oldest send/recv that a side started and never left (no
+    deadline expired)."""
+    by_pair: dict[tuple[int, int, int], dict[int, dict[int, Call]]] = defaultdict(dict)
+    for (lo, hi, tag, seq), calls in comm.pairs().items():
+        by_pair[(lo, hi, tag)][seq] = calls
     problems = []
-    for (lo, hi), by_seq in sorted(by_pair.items()):
+    for (lo, hi, tag), by_seq in sorted(by_pair.items()):
         unfinished = [seq for seq, calls in by_seq.items() if any(c.status == "started" for c in calls.values())]
         if not unfinished:
             continue
@@ -76,18 +77,19 @@ def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pro
         op = calls[rank].op
         theirs = calls.get(peer)
         head = (
-            f"{p2p_name(op, seq, peer)} on {comm.label!r} never finished and no deadline expired: "
-            f"{ranks_text(stuck)} in it at the end of their logs (hung, or killed while in it)"
+            f"{p2p_name(op, seq, peer, tag)} on {comm.label!r} never finished and no deadline "
+            f"expired: {ranks_text(stuck)} in it at the end of their logs (hung, or killed while "
+            "in it)"
         )
         if theirs is None:
             culprits = [peer]
-            body = (
-                f"rank {peer} never posted the matching {p2p_name(MATCHING_P2P.get(op, '?'), seq, rank)}. "
-                f"Where it was: {where_text(att, [peer], None)}"
-            )
+            matching = p2p_name(MATCHING_P2P.get(op, "?"), seq, rank, tag)
+            body = f"rank {peer} never posted the matching {matching}. Where it was: "
+            body += where_text(att, [peer], None)
         elif theirs.op == op:
             culprits = [lo, hi]
-            body = f"both sides issued {op} as their point-to-point op #{seq} with each other"
+            both = f"their point-to-point op #{seq}{tag_text(tag)}"
+            body = f"both sides issued {op} as {both} with each other"
         else:
             culprits = []
             body = "both sides posted it (the backend did not complete it)"
@@ -100,6 +102,7 @@ def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pro
                 and u.get("op") == calls[d.rank].op
                 and u.get("seq") == seq
                 and u.get("peer") == (hi if d.rank == lo else lo)
+                and u.get("tag", 0) == tag
                 for u in d.unfinished
             )
         ]
@@ -108,6 +111,7 @@ def p2p_hangs(att: AttemptLog, comm: CommLog, dumps: list[DumpInfo]) -> list[Pro
             "p2p": True,
             "pair": [lo, hi],
             "peer": peer,
+            "tag": tag,
             "stuck": stuck,
             "missing": [r for r in (lo, hi) if r not in calls],
             "where": where(att, culprits or stuck, None),

@@ -21,15 +21,20 @@ from commlib.observe.records import AttemptLog, Call, p2p_name
 class CallRef:
     comm: str
     op: str
-    seq: int  # a send/recv's: the count of its pair's point-to-point ops
+    seq: int  # a send/recv's: the count of its pair's point-to-point ops of its tag
     status: str  # at the time the position is taken: ok, started (in progress), timed_out, failed
     start_ns: int | None
     peer: int | None = None  # a send/recv's other side (global rank)
+    tag: int = 0  # a send/recv's tag
+
+    def identity(self) -> tuple[str, int, int | None, int]:
+        """What tells it from its rank's other calls of its op: communicator, seq, peer, tag."""
+        return (self.comm, self.seq, self.peer, self.tag)
 
     def describe(self) -> str:
         if self.peer is None:
             return f"{self.op} #{self.seq} on {self.comm!r}"
-        return f"{p2p_name(self.op, self.seq, self.peer)} on {self.comm!r}"
+        return f"{p2p_name(self.op, self.seq, self.peer, self.tag)} on {self.comm!r}"
 
 
 @dataclass
@@ -56,7 +61,7 @@ class RankPosition:
             state = {"started": "still in it", "ok": "finished"}.get(s.status, s.status)
             parts.append(f"last started {s.describe()} ({state})")
         f = self.last_finished
-        if f is not None and (s is None or (f.comm, f.seq, f.peer) != (s.comm, s.seq, s.peer)):
+        if f is not None and (s is None or f.identity() != s.identity()):
             parts.append(f"last finished {f.describe()}")
         if s is None and f is None:
             parts.append("no collective yet")
@@ -93,7 +98,7 @@ def position(att: AttemptLog, rank: int, at_ns: int | None = None, aborters: Col
         status = "started" if c.open_at(t, aborters) else c.status  # "started": still in it at t
         comm = att.comms.get(c.comm)
         peer = None if c.peer is None else comm.global_rank(c.peer) if comm is not None else c.peer
-        return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer)
+        return CallRef(c.comm, c.op, c.seq, status, c.start_ns, peer, c.tag)
 
     return RankPosition(
         rank=rank,

@@ -96,7 +96,7 @@ class Call:
     ) -> None:
         self.rank = rank
         self.comm = comm
-        self.seq = seq  # a send/recv's: the count of its pair's point-to-point ops
+        self.seq = seq  # a send/recv's: the count of its pair's point-to-point ops of its tag
         self.op = op
         self.start_ns = start_ns  # wall clock (`ts_ns`)
         self.peer = peer  # send/recv: the other side's communicator rank
@@ -123,7 +123,8 @@ class Call:
         **fields: Any,
     ) -> Call:
         """A call from its fields (`bytes`, `shapes`, `dtype`, `root`, `deadline_s`, `step`, `phase`,
-        `label`, `pid`, `start_mono_ns`, `async_op`, `duration_s`, `end_ns`, `end_mono_ns`, `stack`)."""
+        `label`, `pid`, `start_mono_ns`, `async_op`, `tag`, `duration_s`, `end_ns`, `end_mono_ns`,
+        `stack`)."""
         after = {k: fields.pop(k) for k in ("duration_s", "end_ns", "stack") if k in fields}
         if "start_mono_ns" in fields:
             fields["mono_ns"] = fields.pop("start_mono_ns")
@@ -162,6 +163,11 @@ class Call:
     def start_logged(self) -> bool:
         """Its start was read from its `collective.start` (not made up from its end or failure)."""
         return self._start.get("event") == "collective.start"
+
+    @property
+    def tag(self) -> int:
+        """A send/recv's tag (0: untagged; a collective's is 0)."""
+        return tag_of(self._start)
 
     @property
     def root(self) -> int | None:
@@ -282,8 +288,9 @@ class CommLog:
     members: dict[int, int] = field(default_factory=dict)  # comm rank -> global rank
     # Collectives not settled (some member has not finished it, or it failed): seq -> rank -> call.
     calls: dict[int, dict[int, Call]] = field(default_factory=dict)
-    # Send/recv not settled, as each side logged them: (global rank, peer's comm rank, pair seq) -> call.
-    p2p_calls: dict[tuple[int, int, int], Call] = field(default_factory=dict)
+    # Send/recv not settled, as each side logged them:
+    # (global rank, peer's comm rank, tag, pair seq) -> call.
+    p2p_calls: dict[tuple[int, int, int, int], Call] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)  # collectives' and send/recv's
     mismatches: dict[int, dict[int, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
     parent: tuple[CommLog, list[int]] | None = None  # the communicator it was split from, and ranks
@@ -295,7 +302,8 @@ class CommLog:
     differing_count: int = 0
     waited: int = 0  # collectives every member started (`_count_waits`)
     seqs: SeqSet = field(default_factory=SeqSet)  # collective seqs any rank started
-    # rank (a send/recv's: (rank, peer)) -> the last seq its log has (sequence numbers only grow in an attempt)
+    # rank (a send/recv's: (rank, peer, tag)) -> the last seq its log has (sequence numbers
+    # only grow in an attempt)
     logged: dict[Any, int] = field(default_factory=dict)
     ok: dict[int, int] = field(default_factory=dict)  # seq -> calls finished ok (unsettled seqs)
     member_cache: frozenset[int] | None = None  # member_ranks() as a set, until members, size or parent change
@@ -319,16 +327,17 @@ class CommLog:
     def member_count(self) -> int:
         return len(self.member_set())
 
-    def pair_key(self, rank: int, peer: int, seq: int) -> tuple[int, int, int]:
-        """(lower global rank, higher, pair seq) of `rank`'s send/recv with comm rank `peer`."""
+    def pair_key(self, rank: int, peer: int, tag: int, seq: int) -> tuple[int, int, int, int]:
+        """(lower global rank, higher, tag, pair seq) of `rank`'s op with comm rank `peer`."""
         other = self.global_rank(peer)
-        return (min(rank, other), max(rank, other), seq)
+        return (min(rank, other), max(rank, other), tag, seq)
 
-    def pairs(self) -> dict[tuple[int, int, int], dict[int, Call]]:
-        """Unsettled send/recv matched across each pair: (lower global rank, higher, pair seq) -> rank -> call."""
-        out: dict[tuple[int, int, int], dict[int, Call]] = defaultdict(dict)
-        for (rank, peer, seq), call in self.p2p_calls.items():
-            out[self.pair_key(rank, peer, seq)][rank] = call
+    def pairs(self) -> dict[tuple[int, int, int, int], dict[int, Call]]:
+        """Unsettled send/recv matched across each pair: (lower global rank, higher, tag, pair seq)
+        -> rank -> call."""
+        out: dict[tuple[int, int, int, int], dict[int, Call]] = defaultdict(dict)
+        for (rank, peer, tag, seq), call in self.p2p_calls.items():
+            out[self.pair_key(rank, peer, tag, seq)][rank] = call
         return out
 
     def sketch(self, key: tuple[str, int], durations: list[float]) -> None:
@@ -409,7 +418,7 @@ class AttemptLog:
     ranks: dict[int, RankLog] = field(default_factory=dict)
     comms: dict[str, CommLog] = field(default_factory=dict)
     collectives: int = 0  # distinct (communicator, seq) started
-    p2p_ops: int = 0  # distinct (communicator, pair, pair seq) started
+    p2p_ops: int = 0  # distinct (communicator, pair, tag, pair seq) started
     waits: dict[int, RankWaits] = field(default_factory=lambda: defaultdict(RankWaits))
 
     def waited(self) -> dict[int, int]:
@@ -438,7 +447,8 @@ class DumpInfo:
     dumped_ns: int | None
     entries: int
     # Entries still "started" at dump time: comm, op, seq, and a send/recv's peer (a global
-    # rank once the dump's owner is found in the logs, as `rank`; else its communicator rank).
+    # rank once the dump's owner is found in the logs, as `rank`; else its communicator rank)
+    # and its tag, where it has one.
     unfinished: list[dict[str, Any]]
     host: str | None = None  # the process that wrote it
     pid: int | None = None
@@ -513,5 +523,16 @@ def peer_of(e: Event) -> int | None:
     return peer if isinstance(peer, int) else None
 
 
-def p2p_name(op: str, seq: int, peer: int) -> str:
-    return f"{op} #{seq} {'to' if op == 'send' else 'from'} rank {peer}"
+def tag_of(e: Event) -> int:
+    """The tag of a send/recv event or flight entry; 0 where it has none (untagged, collective)."""
+    tag = e.get("tag")
+    return tag if type(tag) is int else 0
+
+
+def tag_text(tag: int) -> str:
+    """What follows a tagged op's name: nothing for an untagged one."""
+    return f" (tag {tag})" if tag else ""
+
+
+def p2p_name(op: str, seq: int, peer: int, tag: int = 0) -> str:
+    return f"{op} #{seq} {'to' if op == 'send' else 'from'} rank {peer}{tag_text(tag)}"

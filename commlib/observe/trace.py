@@ -11,8 +11,8 @@ Layout (JSON object format, open it in https://ui.perfetto.dev or chrome://traci
   bytes, step, phase, status, attempt; a collective never finished is drawn up to the rank's
   last event with status "unfinished";
 - send/recv likewise, on their communicator's track, named "send -> R" / "recv <- R" (R the
-  peer's global rank; args.seq is the pair's own count), and a flow arrow from each send to
-  the recv it matched;
+  peer's global rank; args.seq is the pair's own count of its tag), a tagged one with
+  " (tag N)" after it and args.tag, and a flow arrow from each send to the recv it matched;
 - instant events ("i") for timeouts, peer failures, errors, mismatches, aborts, and any
   other event logged at warning level or above (chaos faults, for instance).
 
@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
-from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer
+from commlib.observe.records import NOTICE_EVENTS, AttemptLog, Call, CommLog, Observer, tag_text
 from commlib.observe.run_logs import RunLogs, load
 from commlib.record.codec import encode
 from commlib.record.files import kind
@@ -118,9 +118,11 @@ class TraceWriter(Observer):
         }
         name, cat = c.op, "collective"
         if c.peer is not None:
-            peer = att.comms[c.comm].global_rank(c.peer)
-            name, cat = f"{c.op} {'->' if c.op == 'send' else '<-'} {peer}", "p2p"
+            peer, tag = att.comms[c.comm].global_rank(c.peer), c.tag
+            name, cat = f"{c.op} {'->' if c.op == 'send' else '<-'} {peer}{tag_text(tag)}", "p2p"
             args["peer"] = peer
+            if tag:
+                args["tag"] = tag
         self._emit(
             {
                 "name": name,
@@ -143,7 +145,7 @@ class TraceWriter(Observer):
             "cat": "p2p",
             "id": self._flows,
             "tid": self._tid(comm.label, None),
-            "args": {"seq": seq, "attempt": att.attempt},
+            "args": {"seq": seq, "attempt": att.attempt, **({"tag": send.tag} if send.tag else {})},
         }
         if recv.duration_s is not None:
             end_ns = recv.start_ns + int(recv.duration_s * 1e9)

@@ -69,7 +69,7 @@ from commlib.observe.dumps import add_dump, add_stacks, flight_dumps
 from commlib.observe.events import after_cut, rank_segments
 from commlib.observe.findings import AttemptFinding, Kind
 from commlib.observe.reading import WindowReader, enough_descriptors, stream
-from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer
+from commlib.observe.records import AttemptLog, Call, MixedJobsError, Observer, tag_of
 from commlib.observe.run_logs import load
 from commlib.record.codec import decode
 from commlib.record.files import SIGUSR1_REASON, open_regular
@@ -171,9 +171,9 @@ class _Files:
 
 
 # Each rank's files and its attempts' parts of them; a call a window shows its rank waiting in
-# (`_waiting`: rank, attempt, communicator, seq, peer, when the wait began).
+# (`_waiting`: rank, attempt, communicator, seq, peer, tag, when the wait began).
 _Ranks = dict[int, tuple[_Files, list[_Segment]]]
-_Wait = tuple[int, int, str, int, int | None, float]
+_Wait = tuple[int, int, str, int, int | None, int, float]
 
 
 def _attempt(line: bytes) -> int | None:
@@ -288,9 +288,9 @@ def _jobs(ranks: _Ranks) -> set[Any]:
 
 
 def _waiting(ranks: _Ranks) -> list[_Wait]:
-    """(rank, attempt, communicator, seq, peer, when it began) of each call a window shows its rank
-    waiting in (`collective.wait_timeout`: a caller's shorter wait, polling an op that goes on)."""
-    out: dict[tuple[int, int, str, int, int | None], float] = {}  # the earliest of a call's waits
+    """Each call a window shows its rank waiting in (`collective.wait_timeout`: a caller's shorter
+    wait, polling an op that goes on): rank, attempt, communicator, seq, peer, tag, its start."""
+    out: dict[tuple[int, int, str, int, int | None, int], float] = {}  # the earliest wait of a call
     for rank, (_, segments) in ranks.items():
         for s in segments:
             for line in s.lines if not s.whole else ():
@@ -303,7 +303,8 @@ def _waiting(ranks: _Ranks) -> list[_Wait]:
                 if isinstance(e, dict) and isinstance(e.get("seq"), int) and isinstance(e.get("comm"), str):
                     peer, elapsed = e.get("peer"), e.get("elapsed_s")
                     began = e.get("ts_ns", 0) - (elapsed * 1e9 if isinstance(elapsed, (int, float)) else 0)
-                    key = (rank, s.attempt, e["comm"], e["seq"], peer if isinstance(peer, int) else None)
+                    peer = peer if isinstance(peer, int) else None
+                    key = (rank, s.attempt, e["comm"], e["seq"], peer, tag_of(e))
                     out[key] = min(out.get(key, began), began)
     return [(*key, began) for key, began in out.items()]
 
@@ -328,13 +329,13 @@ def _edge(segment: _Segment) -> int | None:
 
 class _Coverage(Observer):
     """What each rank's window holds of its calls: the least collective seq (per communicator) and
-    send/recv pair seq (per peer) whose start it holds: every call of that rank from there on is
-    whole in it (calls start in seq order)."""
+    send/recv pair seq (per peer and tag) whose start it holds: every call of that rank from there
+    on is whole in it (calls start in seq order)."""
 
     def __init__(self, edges: dict[tuple[int, int], int | None]) -> None:
         self.edges = edges  # (attempt, rank) -> `_edge` of its window
         self.first_seq: dict[tuple[int, int, str], int] = {}
-        self.first_pair: dict[tuple[int, int, str, int], int] = {}
+        self.first_pair: dict[tuple[int, int, str, int, int], int] = {}
 
     def call(self, att: AttemptLog, call: Call) -> None:
         if call.source != "log" or not call.start_logged:  # a dump's, or made up from its end or failure
@@ -343,8 +344,15 @@ class _Coverage(Observer):
             at = (att.attempt, call.rank, call.comm)
             self.first_seq[at] = min(self.first_seq.get(at, call.seq), call.seq)
         else:
-            pair = (att.attempt, call.rank, call.comm, call.peer)
+            pair = (att.attempt, call.rank, call.comm, call.peer, call.tag)
             self.first_pair[pair] = min(self.first_pair.get(pair, call.seq), call.seq)
+
+    def pair_seq(self, attempt: int, rank: int, label: str, peer: int | None, tag: int) -> float:
+        """The least seq of `rank`'s send/recv with `peer` (its comm rank) under `tag` whose start
+        its window holds; infinity where it holds none, or the peer is not known."""
+        if peer is None:
+            return math.inf
+        return self.first_pair.get((attempt, rank, label, peer, tag), math.inf)
 
 
 def _placed(place: tuple[Any, ...] | None) -> bool:
@@ -372,7 +380,7 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
         return set()
     need = {r for r in open_ranks if not _placed(att.ranks[r].place())}
     by_comm: dict[str, set[int]] = defaultdict(set)  # communicator -> the collective seqs the problems stand on
-    pairs: dict[str, set[tuple[int, int, int]]] = defaultdict(set)
+    pairs: dict[str, set[tuple[int, int, int, int]]] = defaultdict(set)
     for p in finding.problems:
         if p.kind is Kind.TIMEOUT and p.ts_ns in att.snapshots:
             snapshot = att.snapshots[p.ts_ns]
@@ -381,7 +389,7 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
             continue
         if p.details.get("p2p"):
             lo, hi = p.details["pair"]
-            pairs[p.comm].add((lo, hi, p.seq))
+            pairs[p.comm].add((lo, hi, p.details["tag"], p.seq))
             continue
         by_comm[p.comm].add(p.seq)
         if p.kind is Kind.TIMEOUT and p.ts_ns is not None:  # the collectives ranks were held up in then
@@ -401,10 +409,10 @@ def _needs(att: AttemptLog, finding: AttemptFinding, open_ranks: set[int], cover
         }
     for label, keys in pairs.items():
         comm_rank_of = {g: c for c, g in att.comms[label].members.items()}
-        for lo, hi, seq in keys:
+        for lo, hi, tag, seq in keys:
             for q, other in ((lo, hi), (hi, lo)):
-                peer = comm_rank_of.get(other)
-                if q in open_ranks and (peer is None or coverage.first_pair.get((a, q, label, peer), math.inf) > seq):
+                held = coverage.pair_seq(a, q, label, comm_rank_of.get(other), tag)
+                if q in open_ranks and held > seq:
                     need.add(q)
     return need
 
@@ -484,7 +492,7 @@ def _reaches(ranks: _Ranks, waits: list[_Wait], window: int) -> dict[_Wait, int]
     (their call's start cannot be in it), read from the lines alone, before any builder."""
     out = {}
     for wait in waits:
-        rank, attempt, _, _, _, began = wait
+        rank, attempt, *_, began = wait
         files, segments = ranks[rank]
         s = next(s for s in segments if s.attempt == attempt)
         first = _clock(s.lines[0]) if s.lines else None
@@ -564,12 +572,12 @@ def _from_the_end(
             if not s.whole and rank not in (builder.attempts[s.attempt].ranks if s.attempt in builder.attempts else ())
         }
         for wait in waits:  # a call a rank waits in has its start in its window
-            rank, a, name, seq, peer, began = wait
+            rank, a, name, seq, peer, tag, began = wait
             label = builder.label(a, rank, name)
             held = (
                 coverage.first_seq.get((a, rank, label), math.inf)
                 if peer is None
-                else coverage.first_pair.get((a, rank, label, peer), math.inf)
+                else coverage.pair_seq(a, rank, label, peer, tag)
             )
             if held > seq:
                 grow.add((rank, a))

@@ -113,7 +113,8 @@ class FlightEntry:
     start_mono_ns: int
     step: Any = None
     phase: Any = None
-    peer: int | None = None  # the other rank of a send/recv (then `seq` counts this pair's p2p ops)
+    peer: int | None = None  # a send/recv's other rank (`seq` counts the pair's p2p ops of its tag)
+    tag: int = 0  # a send/recv's tag
     state: str = "started"  # started | completed | timed_out | failed
     end_mono_ns: int | None = None
     stack: list[str] | None = None
@@ -183,6 +184,7 @@ class FlightRecorder:
             step,
             phase,
             call.peer,
+            call.tag,
             "started",
             None,
             traceback.format_stack()[:-3] if self.with_stacks else None,
