@@ -599,6 +599,7 @@ class Communicator:
                     op=call.op.value,
                     seq=call.seq,
                     peer=call.peer,
+                    **({"tag": call.tag} if call.tag else {}),
                     waited_s=budget,
                     deadline_s=call.deadline_s,
                 )

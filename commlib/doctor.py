@@ -36,6 +36,7 @@ from commlib.observe.diagnosis import Diagnosis, analyze
 from commlib.observe.events import RANK_FILE
 from commlib.observe.findings import AttemptFinding
 from commlib.observe.position import RankPosition
+from commlib.observe.records import tag_text
 from commlib.observe.replicas import group_dirs
 from commlib.observe.replicas import main as replicas_main
 from commlib.observe.run_logs import LogDirError, load
@@ -161,7 +162,8 @@ def render(d: Diagnosis) -> str:
     telling = [x for x in d.dumps if x.unfinished]  # the others only repeat the logs
     for dump in telling:
         unfinished = ", ".join(
-            f"{u['op']} #{u['seq']}" + (f" (peer {u['peer']})" if "peer" in u else "") for u in dump.unfinished
+            f"{u['op']} #{u['seq']}" + (f" (peer {u['peer']}{tag_text(u.get('tag', 0))})" if "peer" in u else "")
+            for u in dump.unfinished
         )
         lines.append(
             f"Flight dump ({dump.reason}) of rank {dump.rank}, comm {dump.comm!r}, attempt {dump.attempt}: "

@@ -196,7 +196,7 @@ def records_from_flight(dumps: Iterable[dict[str, Any]]) -> list[Record]:
     for dump in dumps:
         for c in dump_calls(dump):
             if _counted(c):
-                seen[(c.pid, c.comm, c.seq, c.peer)] = _record(c, attempt=0)
+                seen[(c.pid, c.comm, c.seq, c.peer, c.tag)] = _record(c, attempt=0)
     return list(seen.values())
 
 
