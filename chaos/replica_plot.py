@@ -3,8 +3,10 @@
 Top: one row per replica group, a mark at every committed step it was a member of (so a lost
 group is a gap in its row, and a healed one comes back in it). Bottom: each group's committed
 step against the time since the first commit, with the faults (vertical lines, labelled) and
-the heals (triangles): the survivors' line goes on through a fault, the lost group's stops and
-resumes at the survivors' step. Imports matplotlib (the ``report`` extra) when called.
+the heals (triangles), the durable checkpoints loaded (purple triangles down) and the rollbacks
+(dotted): the survivors' line goes on through a fault, the lost group's stops and resumes at
+the survivors' step, and after a rollback every line goes on from the checkpoint's step.
+Imports matplotlib (the ``report`` extra) when called.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def plot(proof: ReplicaProof, record: Record, path: Path) -> None:
     for h in record.heals:
         if h["rank"] == 0 and h.get("to_step") is not None:
             bottom.scatter([(h["ts_ns"] - t0) / 1e9], [h["to_step"]], marker="^", color="black", zorder=3)
+    for resume in record.resumes:
+        if resume["rank"] == 0 and resume["step"]:
+            bottom.scatter([(resume["ts_ns"] - t0) / 1e9], [resume["step"]], marker="v", color="purple", zorder=3)
+    for rollback in proof.rollbacks:
+        back = (rollback.ts_ns - t0) / 1e9
+        bottom.axvline(back, color="purple", linestyle=":", linewidth=1)
+        bottom.annotate(
+            f"rolled back to {rollback.to_step}", (back, rollback.to_step), fontsize=7, color="purple", ha="left"
+        )
     for f in proof.faults:
         at = f.get("at_s")
         if at is not None:

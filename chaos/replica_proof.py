@@ -2,29 +2,35 @@
 
 `prove(run_dir)` reads every rank's ``train.step`` (a committed step: its members, quorum,
 loss and the digest of the rank's state after it), ``train.failed_in_step`` (a step torchft
-discarded), ``replica.heal`` and ``replica.start`` events, replays the recorded membership (`chaos.replicas.run_replay`:
-one group, every member's gradient in turn, the same shards and the same order of the sum)
-and checks:
+discarded), ``replica.heal``, ``replica.resume`` (a durable checkpoint loaded), ``replica.start``
+and ``train.done`` events, cuts the commits into segments where the groups went back to a
+durable checkpoint (`history`: a rollback, once every group that held a newer state was gone),
+replays the recorded segments (`chaos.replicas.run_replay`: one group, every member's gradient
+in turn, the same shards and the same order of the sum, back to the checkpoint's step at each
+rollback) and checks:
 
-- ``finished``: every rank of every group committed the last step;
+- ``finished``: every rank of every group ended holding the state committed at the last step;
 - ``survivors_never_restarted``: a group no fault targeted ran one process per rank from
   start to end (attempt 0, one pid) and never healed;
 - ``survivors_every_step_once``: such a group committed every step exactly once, in order;
 - ``no_step_committed_twice``: no rank of any group, restarted ones included, committed a
-  step twice (a restart that resumed behind where it died would);
-- ``in_step``: at every committed step, every group that committed it holds bitwise the same
-  state (the digests of each rank's shards) and agrees on the members and the quorum; and a
-  group that healed took bitwise the state the groups committed at the step it healed to;
+  step twice (a restart that went on behind where it died would), but after a rollback;
+- ``in_step``: at every committed step of a segment, every group that committed it holds
+  bitwise the same state (the digests of each rank's shards) and agrees on the members and the
+  quorum; and a group that healed, or resumed from a checkpoint, took bitwise the state the
+  groups committed at that step;
 - ``members_committed``: a group that committed a step was a member of it;
 - ``every_commit_applied``: every committed step changed the state of the rank that committed
   it (the optimizer's step count does, at least): a step committed but never applied is named;
 - ``replay``: the whole trajectory is bitwise the replay's: at every step each rank's digest,
   and each member's loss.
 
-`ReplicaProof` holds the checks (each with what it found), the membership, the faults with
-the time they cost (`fault_costs`), commlib's doctor on the groups' logs (the quorum changes,
-each lost group and its ranks, `commlib.observe.replicas`), and renders ``replica_report.json``
-and ``report.png`` (the members of each committed step, each group's commits over time).
+`ReplicaProof` holds the checks (each with what it found), the segments and rollbacks (the
+report's first line says each: "the latest state was lost with group 0 at step 13; resumed
+from the checkpoint of step 10"), the faults with the time they cost (`fault_costs`), commlib's
+doctor on the groups' logs (the quorum changes, each lost group and its ranks,
+`commlib.observe.replicas`), and renders ``replica_report.json`` and ``report.png`` (the members
+of each committed step, each group's commits over time).
 """
 
 from __future__ import annotations
@@ -73,14 +79,95 @@ class Record:
     starts: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)  # in-rank firings (chaos.fault in a rank's log)
     holds: list[dict[str, Any]] = field(default_factory=list)  # a group holding before the last step
+    joins: list[dict[str, Any]] = field(default_factory=list)  # a process's first quorum asked for
+    resumes: list[dict[str, Any]] = field(default_factory=list)  # a process's resume from a durable checkpoint
+    done: list[dict[str, Any]] = field(default_factory=list)  # a process's end (the digest of its state then)
 
-    def membership(self) -> dict[int, list[int]]:
-        """step -> its members, as the groups that committed it recorded them (the first record wins;
-        `in_step` says whether they agree)."""
-        out: dict[int, list[int]] = {}
-        for c in sorted(self.commits, key=lambda c: c.step):
-            out.setdefault(c.step, list(c.replicas))
-        return out
+
+@dataclass
+class Segment:
+    """The committed steps of the run from one state on: the first from step 0, each later one from
+    the durable checkpoint the groups resumed from once every group that held a newer state was gone."""
+
+    start: int
+    steps: dict[int, list[int]] = field(default_factory=dict)  # step -> its members (its first commit's record)
+    first_ns: dict[int, int] = field(default_factory=dict)  # step -> when it was first committed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"from": self.start, "steps": {str(k): v for k, v in sorted(self.steps.items())}}
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The run went back to a durable checkpoint: the newest state was lost with the groups that held it."""
+
+    lost_step: int  # the newest committed step
+    lost_with: list[int]  # the groups that had committed it
+    to_step: int  # the checkpoint's step
+    checkpoint_of: int | None  # the group whose checkpoint it was (None: there was none, step 0)
+    ts_ns: int  # the first commit from the checkpoint
+
+    def says(self) -> str:
+        groups = " and ".join(str(r) for r in self.lost_with)
+        resumed = f"the checkpoint of step {self.to_step}" if self.to_step else "the initial state (no checkpoint yet)"
+        return (
+            f"the latest state was lost with group{'s' if len(self.lost_with) > 1 else ''} {groups} at step "
+            f"{self.lost_step}; resumed from {resumed}"
+        )
+
+
+@dataclass
+class History:
+    """The run's segments and rollbacks, and the segment of every commit (by its index in the record)."""
+
+    segments: list[Segment]
+    rollbacks: list[Rollback]
+    segment_of: dict[Commit, int]
+
+
+def history(record: Record) -> History:
+    """The commits in time order, cut where the groups went on from a durable checkpoint behind the
+    newest committed step: a process that resumed from the checkpoint of step c (``replica.resume``)
+    and commits step c + 1 as its next step, not healed since, after the current segment had committed
+    past c before it resumed, starts a new segment from c. (Processes resumed in one wave, before the
+    segment they start committed anything, join it.)"""
+    taken: dict[tuple[int, int, int], list[dict[str, Any]]] = defaultdict(list)  # a process's heals and resumes
+    for e in sorted(record.heals + record.resumes, key=lambda e: e["ts_ns"]):
+        taken[(e["replica"], e["rank"], e["pid"])].append(e)
+    segments, rollbacks = [Segment(0)], []
+    segment_of: dict[Commit, int] = {}
+    last_commit: dict[tuple[int, int, int], int] = {}  # a process -> when it last committed
+    for c in sorted(record.commits, key=lambda c: c.ts_ns):
+        process = (c.replica, c.rank, c.pid)
+        since = last_commit.get(process, 0)
+        last_commit[process] = c.ts_ns
+        # The state this process went on from, if it took one since its last commit and that was a resume.
+        before = [e for e in taken[process] if since < e["ts_ns"] < c.ts_ns]
+        resume = before[-1] if before and "to_step" not in before[-1] else None
+        current = segments[-1]
+        if resume is not None and c.step == resume["step"] + 1:
+            past = [s for s, ts in current.first_ns.items() if s > resume["step"] and ts < resume["ts_ns"]]
+            if past:
+                lost = max(current.steps)
+                lost_with = sorted(
+                    {o.replica for o, k in segment_of.items() if k == len(segments) - 1 and o.step == lost}
+                )
+                source = next(
+                    (
+                        r["from_replica"]
+                        for r in record.resumes
+                        if (r["replica"], r["attempt"]) == (c.replica, resume["attempt"])
+                        and r.get("from_replica") is not None
+                    ),
+                    None,
+                )
+                rollbacks.append(Rollback(lost, lost_with, resume["step"], source, c.ts_ns))
+                segments.append(Segment(resume["step"]))
+                current = segments[-1]
+        current.steps.setdefault(c.step, list(c.replicas))
+        current.first_ns.setdefault(c.step, c.ts_ns)
+        segment_of[c] = len(segments) - 1
+    return History(segments, rollbacks, segment_of)
 
 
 @dataclass
@@ -94,7 +181,8 @@ class Check:
 class ReplicaProof:
     run_dir: str
     checks: list[Check]
-    membership: dict[int, list[int]]
+    segments: list[Segment]
+    rollbacks: list[Rollback]
     faults: list[dict[str, Any]]
     replay_dir: str | None = None
     doctor: dict[str, Any] = field(default_factory=dict)  # commlib's replica rule (`commlib.observe.replicas`)
@@ -103,6 +191,12 @@ class ReplicaProof:
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
+
+    @property
+    def membership(self) -> dict[int, list[int]]:
+        """step -> its members on the way to the final state (a rollback's later segment over the steps
+        it committed again)."""
+        return {step: members for segment in self.segments for step, members in sorted(segment.steps.items())}
 
     def check(self, name: str) -> Check:
         return next(c for c in self.checks if c.name == name)
@@ -113,13 +207,16 @@ class ReplicaProof:
             "run_dir": self.run_dir,
             "checks": [asdict(c) for c in self.checks],
             "membership": {str(k): v for k, v in self.membership.items()},
+            "segments": [segment.to_dict() for segment in self.segments],
+            "rollbacks": [{**asdict(r), "says": r.says()} for r in self.rollbacks],
             "faults": self.faults,
             "replay_dir": self.replay_dir,
             "doctor": self.doctor,
         }
 
     def summary(self) -> str:
-        lines = [f"replica run {self.run_dir}: {'PASSED' if self.passed else 'FAILED'}"]
+        said = "".join(f"; {r.says()}" for r in self.rollbacks)
+        lines = [f"replica run {self.run_dir}: {'PASSED' if self.passed else 'FAILED'}{said}"]
         lines += [f"  [{'ok' if c.passed else 'FAIL'}] {c.name}: {c.found}" for c in self.checks]
         for f in self.faults:
             held = f", then held {_s(f['held_for_it_s'])} for it at the last step" if f.get("held_for_it_s") else ""
@@ -183,9 +280,17 @@ def _take(record: Record, replica: int, rank: int, e: dict[str, Any]) -> None:
     elif name == "train.failed_in_step":
         record.discarded.append({**where, "step": e.get("step"), "error_type": e.get("error_type")})
     elif name == "replica.heal":
-        record.heals.append({**where, "to_step": e.get("to_step"), "digest": e.get("digest")})
+        record.heals.append({**where, "to_step": e.get("to_step"), "digest": e.get("digest"), "bytes": e.get("bytes")})
+    elif name == "replica.join":
+        record.joins.append({**where, "step": e.get("step")})
     elif name == "replica.start":
         record.starts.append(where)
+    elif name == "replica.resume":
+        record.resumes.append(
+            {**where, "step": int(e["step"]), "digest": e.get("digest"), "from_replica": e.get("from_replica")}
+        )
+    elif name == "train.done":
+        record.done.append({**where, "digest": e.get("digest")})
     elif name == "replica.holding":
         record.holds.append(where)
     elif name == "chaos.fault":
@@ -201,28 +306,29 @@ def prove(run_dir: str | Path, *, replay: bool = True, timeout_s: float = 300.0)
     targeted = {int(f["rank"]) // record.group_size for f in plan["faults"]}
     replicas = int(json.loads((run_dir / "job.json").read_text())["replicas"])
     survivors = [r for r in range(replicas) if r not in targeted]
+    run = history(record)
     checks = [
-        finished(record, replicas),
+        finished(record, run, replicas),
         survivors_never_restarted(record, survivors),
         survivors_every_step_once(record, survivors),
-        no_step_committed_twice(record),
-        in_step(record),
+        no_step_committed_twice(record, run),
+        in_step(record, run),
         members_committed(record),
         every_commit_applied(record),
     ]
-    membership = record.membership()
     replay_dir = None
     if replay:
         from chaos.replicas import run_replay
 
-        replay_dir = run_replay(run_dir, membership, timeout_s=timeout_s)
-        checks.append(matches_replay(record, read_replay(replay_dir)))
-    faults = fault_costs(run_dir, record, survivors)
+        replay_dir = run_replay(run_dir, [segment.to_dict() for segment in run.segments], timeout_s=timeout_s)
+        checks.append(matches_replay(record, run, read_replay(replay_dir)))
+    faults = fault_costs(run_dir, record, replicas, survivors)
     findings = analyze_replicas(run_dir / "logs")
     return ReplicaProof(
         str(run_dir),
         checks,
-        membership,
+        run.segments,
+        run.rollbacks,
         faults,
         str(replay_dir) if replay_dir else None,
         findings.to_dict(),
@@ -244,15 +350,34 @@ def _by_process(record: Record) -> dict[tuple[int, int], list[Commit]]:
     return out
 
 
-def finished(record: Record, replicas: int) -> Check:
-    last = {key: max(c.step for c in commits) for key, commits in _by_process(record).items()}
-    problems = [
-        f"replica {r} rank {k} committed up to step {last.get((r, k))}"
-        for r in range(replicas)
-        for k in range(record.group_size)
-        if last.get((r, k)) != record.steps
-    ]
-    return _verdict("finished", problems, f"every rank of {replicas} groups committed step {record.steps}")
+def finished(record: Record, run: History, replicas: int) -> Check:
+    """Every rank of every group ended (``train.done``, its last process) holding the final state: the
+    one its rank committed at the last step after the last rollback."""
+    final: dict[int, set[str]] = defaultdict(set)
+    for c in record.commits:
+        if c.step == record.steps and run.segment_of[c] == len(run.segments) - 1:
+            final[c.rank].add(c.digest)
+    ends = {}
+    for d in sorted(record.done, key=lambda d: d["ts_ns"]):
+        ends[(d["replica"], d["rank"])] = d
+    problems = [] if final else [f"no group committed step {record.steps}"]
+    for r in range(replicas):
+        for k in range(record.group_size):
+            end = ends.get((r, k))
+            if end is None:
+                problems.append(f"replica {r} rank {k} never finished")
+            elif final and end["digest"] not in final[k]:
+                problems.append(f"replica {r} rank {k} ended holding {_state_of(record, k, end['digest'])}")
+    return _verdict(
+        "finished", problems, f"every rank of {replicas} groups ended with the state of step {record.steps}"
+    )
+
+
+def _state_of(record: Record, rank: int, digest: str | None) -> str:
+    """What state `digest` (of rank `rank`) is, for a message: the last step committed with it."""
+    steps = [c.step for c in record.commits if c.rank == rank and c.digest == digest]
+    steps += [r["step"] for r in record.resumes if r["rank"] == rank and r["digest"] == digest]
+    return f"the state of step {steps[-1]}, not the last" if steps else "a state no group committed"
 
 
 def survivors_never_restarted(record: Record, survivors: list[int]) -> Check:
@@ -291,33 +416,42 @@ def survivors_every_step_once(record: Record, survivors: list[int]) -> Check:
     )
 
 
-def no_step_committed_twice(record: Record) -> Check:
+def no_step_committed_twice(record: Record, run: History) -> Check:
+    """No rank committed a step again, but after a rollback to a durable checkpoint below it."""
     problems = []
     for (r, k), commits in _by_process(record).items():
         for before, after in itertools.pairwise(commits):
-            if after.step <= before.step:
+            segment = run.segment_of[after]
+            rolled_back = segment > run.segment_of[before] and after.step > run.segments[segment].start
+            if after.step <= before.step and not rolled_back:
                 problems.append(
                     f"replica {r} rank {k} committed step {after.step} (pid {after.pid}, attempt "
                     f"{after.attempt}) after step {before.step} (pid {before.pid})"
                 )
-    return _verdict("no_step_committed_twice", problems, "every rank's committed steps strictly increase")
+    return _verdict(
+        "no_step_committed_twice",
+        problems,
+        "every rank's committed steps strictly increase"
+        + (f" (but across {len(run.rollbacks)} rollback(s) to a durable checkpoint)" if run.rollbacks else ""),
+    )
 
 
-def in_step(record: Record) -> Check:
-    by_step: dict[tuple[int, int], list[Commit]] = defaultdict(list)
+def in_step(record: Record, run: History) -> Check:
+    by_step: dict[tuple[int, int, int], list[Commit]] = defaultdict(list)
+    committed: dict[tuple[int, int], set[str]] = defaultdict(set)  # (step, rank) -> its digests, in any segment
     for c in record.commits:
-        by_step[(c.step, c.rank)].append(c)
-    # A heal first: the state it took must be the one the groups committed at that step (said first, as it
-    # explains the differences that follow).
+        by_step[(run.segment_of[c], c.step, c.rank)].append(c)
+        committed[(c.step, c.rank)].add(c.digest)
+    # A heal or a resume first: the state it took must be one the groups committed at that step (said
+    # first, as it explains the differences that follow).
+    taken = [("healed to", h["to_step"], h) for h in record.heals]
+    taken += [("resumed from the checkpoint of", r["step"], r) for r in record.resumes]
     problems = [
-        f"replica {h['replica']} rank {h['rank']} healed to step {h['to_step']} with a state unlike the "
-        f"groups' at that step"
-        for h in record.heals
-        if h.get("digest")
-        and by_step.get((h["to_step"], h["rank"]))
-        and h["digest"] not in {c.digest for c in by_step[(h["to_step"], h["rank"])]}
+        f"replica {e['replica']} rank {e['rank']} {how} step {step} with a state unlike the groups' at that step"
+        for how, step, e in taken
+        if e.get("digest") and committed.get((step, e["rank"])) and e["digest"] not in committed[(step, e["rank"])]
     ]
-    for (step, k), commits in sorted(by_step.items()):
+    for (_, step, k), commits in sorted(by_step.items()):
         if len({c.digest for c in commits}) > 1:
             groups = defaultdict(list)
             for c in commits:
@@ -331,7 +465,7 @@ def in_step(record: Record) -> Check:
     return _verdict(
         "in_step",
         problems,
-        f"at each of {len({s for s, _ in by_step})} committed steps every group "
+        f"at each of {len({(g, s) for g, s, _ in by_step})} committed steps every group "
         f"that committed it holds bitwise the same state",
     )
 
@@ -345,22 +479,22 @@ def members_committed(record: Record) -> Check:
     return _verdict("members_committed", problems, "every group that committed a step was a member of it")
 
 
-def read_replay(replay_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """(step, rank) -> the replay's record of it."""
+def read_replay(replay_dir: Path) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """(segment, step, rank) -> the replay's record of it."""
     out = {}
     for rank, paths in rank_segments(replay_dir / "logs").items():
         for e in read_rank(paths):
             if e.get("event") == "replay.step":
-                out[(int(e["step"]), rank)] = e
+                out[(int(e.get("segment", 0)), int(e["step"]), rank)] = e
     return out
 
 
-def matches_replay(record: Record, replayed: dict[tuple[int, int], dict[str, Any]]) -> Check:
+def matches_replay(record: Record, run: History, replayed: dict[tuple[int, int, int], dict[str, Any]]) -> Check:
     """Each rank's state after every committed step, and each member's loss, against the replay's;
     a problem is said once per group and rank: from which step on its loss, or its state, differs."""
     first: dict[tuple[str, int, int], int] = {}  # (what, replica, rank) -> the first step it differs at
-    for c in sorted(record.commits, key=lambda c: (c.step, c.replica, c.rank)):
-        r = replayed.get((c.step, c.rank))
+    for c in sorted(record.commits, key=lambda c: (run.segment_of[c], c.step, c.replica, c.rank)):
+        r = replayed.get((run.segment_of[c], c.step, c.rank))
         if r is None:
             first.setdefault(("is not replayed", c.replica, c.rank), c.step)
             continue
@@ -376,7 +510,8 @@ def matches_replay(record: Record, replayed: dict[tuple[int, int], dict[str, Any
         "replay",
         problems,
         f"{len(record.commits)} committed (step, replica, rank) records bitwise "
-        f"equal to the replay of the membership ({len(replayed)} replayed)",
+        f"equal to the replay of the membership ({len(replayed)} replayed"
+        + (f", {len(run.rollbacks)} rollback(s) included)" if run.rollbacks else ")"),
     )
 
 
@@ -385,8 +520,9 @@ def every_commit_applied(record: Record) -> Check:
     group that commits a step without applying it (a skipped step) is named at that step."""
     problems = []
     before: dict[tuple[int, int, int], str] = {}  # (replica, rank, pid) -> the digest of its state now
+    taken = [e for e in record.heals + record.resumes if e.get("digest")]  # a state put in place, not stepped
     events = sorted(
-        [(c.ts_ns, 1, c) for c in record.commits] + [(h["ts_ns"], 0, h) for h in record.heals if h.get("digest")],
+        [(c.ts_ns, 1, c) for c in record.commits] + [(e["ts_ns"], 0, e) for e in taken],
         key=lambda x: x[:2],
     )
     for _, _, e in events:
@@ -401,19 +537,21 @@ def every_commit_applied(record: Record) -> Check:
 
 
 # -- what each fault cost ------------------------------------------------------------------
-def fault_costs(run_dir: Path, record: Record, survivors: list[int]) -> list[dict[str, Any]]:
-    """Per fault firing (the harness's and the ranks' own): when a survivor's step first failed after it
-    and with what error, the survivors' next commit, the time it cost them beyond a normal step (less
-    any time they held before the last step for the lost group, said apart), and when the target
-    group committed again."""
+def fault_costs(run_dir: Path, record: Record, replicas: int, untouched: list[int]) -> list[dict[str, Any]]:
+    """Per fault firing (the harness's and the ranks' own), for its survivors (the other groups): when a
+    survivor's step first failed after it and with what error, the survivors' next commit, the time it
+    cost them beyond a normal step (the median step of the groups no fault targeted, or of all where
+    every one was; less any time they held before the last step for the lost group, said apart), and
+    when the target group committed again."""
     fired = [e for e in journal(run_dir) if e.get("event") == "chaos.fault"] + record.faults
-    periods = _step_periods(record, survivors)
+    periods = _step_periods(record, untouched or list(range(replicas)))
     normal = statistics.median(periods) if periods else 0.0
     t0 = min((c.ts_ns for c in record.commits), default=0)
     out = []
     for e in sorted(fired, key=lambda e: e["ts_ns"]):
         target = int(e["target_rank"])
         replica = target // record.group_size
+        survivors = [r for r in range(replicas) if r != replica]
         at = int(e.get("fired_ts_ns") or e["ts_ns"])
         before = [c.ts_ns for c in record.commits if c.replica in survivors and c.ts_ns <= at]
         after = [c.ts_ns for c in record.commits if c.replica in survivors and c.ts_ns > at]

@@ -9,7 +9,8 @@ it is stopped when the run ends and dies with the harness, so nothing is left ru
 log is ``{run_dir}/lighthouse.log``), then one torchrun per replica
 group (`chaos.workload.replica`, ``--standalone``, ``--max-restarts`` from the plan): when a
 group's rank dies, only that group's own torchrun restarts it, and the other groups'
-processes live on. The groups' log dirs are ``{run_dir}/logs/replica{R}``.
+processes live on. The groups' log dirs are ``{run_dir}/logs/replica{R}``, their durable
+checkpoints ``{run_dir}/ckpt/replica{R}`` (the trainer's ``--ckpt-every``; 0: none).
 
 Faults are a `chaos.plan.Plan` over the job's ranks, ``replica x group size + group rank``
 (`global_rank`), applied with what the single-job harness uses: external faults (``kill``,
@@ -65,6 +66,7 @@ from commlib.settings import choice, integer
 
 REPLICA_TRAINER = "chaos.workload.replica"
 PGS = ("commlib", "torchft-gloo")
+TRANSPORTS = ("http", "pg")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_PORT = 29510  # torchft's default; in the lighthouse's own namespace nothing else listens
 LIGHTHOUSE_START_S = 60.0  # for the lighthouse to say it listens (a loaded machine starts processes slowly)
@@ -84,6 +86,7 @@ class ReplicaJob:
     trainer: str = REPLICA_TRAINER  # a module (run with -m) or a script (.py) with chaos.workload.replica's options
     trainer_args: tuple[str, ...] = ()
     replica_pg: str = "commlib"
+    heal_transport: str = "http"
     heartbeat_timeout_ms: int = 500
     join_timeout_ms: int = 1000
     quorum_tick_ms: int = 50
@@ -92,6 +95,7 @@ class ReplicaJob:
         integer(self.replicas, "ReplicaJob.replicas", low=1, high=64)
         integer(self.group_size, "ReplicaJob.group_size", low=1, high=64)
         choice(self.replica_pg, "ReplicaJob.replica_pg", PGS)
+        choice(self.heal_transport, "ReplicaJob.heal_transport", TRANSPORTS)
         for name in ("heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
             integer(getattr(self, name), f"ReplicaJob.{name}", low=1, high=600_000)
 
@@ -115,15 +119,20 @@ class ReplicaJob:
             str(self.replicas),
             "--replica-pg",
             self.replica_pg,
+            "--heal-transport",
+            self.heal_transport,
             "--log-dir",
             str(log_dir(run_dir, replica)),
             "--ready-dir",
             str(run_dir / "ready"),
+            "--ckpt-dir",
+            str(run_dir / "ckpt"),
             *self.trainer_args,
         ]
 
     def replay_command(self, membership: Path, logs: Path) -> list[str]:
-        """The replay's torchrun: one group, no restarts (`chaos.workload.replica`'s ``--replay``)."""
+        """The replay's torchrun: one group, no restarts, no checkpoints (`chaos.workload.replica`'s
+        ``--replay``)."""
         return self._torchrun(0, logs.parent / "torchrun") + [
             "--replicas",
             str(self.replicas),
@@ -361,15 +370,17 @@ def run_replicas(
     return outcome
 
 
-def run_replay(run_dir: Path, membership: dict[int, list[int]], *, timeout_s: float = 300.0) -> Path:
-    """Replay a finished run's `membership` (step -> members) in ``{run_dir}/replay``; returns that directory.
+def run_replay(run_dir: Path, segments: list[dict[str, Any]], *, timeout_s: float = 300.0) -> Path:
+    """Replay a finished run's `segments` (each ``{"from": step, "steps": {step: members}}``, the
+    first from step 0, each later one from a rollback to a durable checkpoint) in ``{run_dir}/replay``;
+    returns that directory.
 
     Raises RuntimeError when the replay does not finish (its torchrun log says why)."""
     job = ReplicaJob.from_dict(json.loads((run_dir / "job.json").read_text()))
     replay_dir = run_dir / "replay"
     (replay_dir / "logs").mkdir(parents=True)
     steps = replay_dir / "membership.json"
-    steps.write_text(json.dumps({str(step): members for step, members in sorted(membership.items())}) + "\n")
+    steps.write_text(json.dumps(segments) + "\n")
     with Guard(replay_dir) as guard:
         processes = JobProcesses(guard.token)
         agent = processes.launch(

@@ -17,7 +17,7 @@ from chaos.options import directory_problem
 from chaos.plan import Plan, PlanError, load_plan, parse_shorthand
 from chaos.replica_plot import plot
 from chaos.replica_proof import PNG, prove, read_record
-from chaos.replicas import PGS, REPLICA_TRAINER, ReplicaJob, check_plan, run_replicas
+from chaos.replicas import PGS, REPLICA_TRAINER, TRANSPORTS, ReplicaJob, check_plan, run_replicas
 from commlib.settings import number
 
 DEFAULT_FAULTS = ("hang:rank=1,step=5", "kill_during_checkpoint:rank=1,after_s=0")
@@ -45,6 +45,12 @@ def add_command(sub: Any) -> None:
         help=f"a fault (repeatable); default {' '.join(DEFAULT_FAULTS)}",
     )
     p.add_argument("--replica-pg", choices=PGS, default="commlib", help="the process group between the groups")
+    p.add_argument(
+        "--heal-transport",
+        choices=TRANSPORTS,
+        default="http",
+        help="how a group behind takes a peer's state: torchft's HTTPTransport or its PGTransport",
+    )
     p.add_argument(
         "--heartbeat-timeout-ms",
         type=int,
@@ -77,6 +83,7 @@ def command(args: Any) -> int:
             trainer=args.trainer,
             trainer_args=tuple(args.trainer_args or DEFAULT_TRAINER_ARGS),
             replica_pg=args.replica_pg,
+            heal_transport=args.heal_transport,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             join_timeout_ms=args.join_timeout_ms,
         )

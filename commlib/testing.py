@@ -17,10 +17,12 @@ the environment when it is imported (whether to route through torchcomms, and wh
 torchcomms is importable), so the server is used only while the variables read at import
 (`_READ_AT_IMPORT`, less `_READ_LATER`) are as they were when this module was imported (the
 server starts with them); a call made under others (a test that set one) spawns fresh
-interpreters, as before. The server also starts with PYTHONPATH as it was then: its
+interpreters, as before. The server also starts only under PYTHONPATH as it was then: its
 `import torch` looks once for torchcomms on the path, and a server started inside a test that
-put the torchcomms stand-in there would hand it to every later rank. Each rank gets the
-caller's whole environment either way. A forked rank's stdout and stderr are the server's, those
+put the torchcomms stand-in there would hand it to every later rank; so a call made under
+another PYTHONPATH before the server is up spawns fresh interpreters too (this process's
+environment is never changed to start it). Each rank gets the caller's whole environment
+either way. A forked rank's stdout and stderr are the server's, those
 of the call that started it (under pytest, that test's captured output): a rank's
 exception still comes back whole in `RankError`, but what it printed shows in no later
 test's report.
@@ -51,8 +53,8 @@ _READ_AT_IMPORT = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_"
 # its own environment), and torch.compile writes its cache dir into this process's. And
 # PYTHONPATH: the interpreter reads it only to build sys.path, and a forked rank gets the
 # caller's sys.path as it is at the call (multiprocessing sends it with each process), so a
-# test that puts a package on both (the torchcomms stand-in) still forks. torch's one
-# import-time look at what is importable (distributed_c10d's probe for torchcomms) counts only
+# test that puts a package on both (the torchcomms stand-in) still forks once the server is up
+# (`_context`). torch's one import-time look at what is importable (distributed_c10d's probe for torchcomms) counts only
 # under TORCH_DISTRIBUTED_USE_TORCHCOMMS, a TORCH variable, which still sends a call to spawn.
 _READ_LATER = ("TORCHINDUCTOR_", "PYTHONPATH")
 
@@ -65,6 +67,7 @@ def _import_time_env() -> dict[str, str]:
 # test set a variable), whichever call starts the server.
 _SERVER_ENV = _import_time_env()
 _SERVER_PYTHONPATH = os.environ.get("PYTHONPATH")
+_server_started = False  # whether a call has forked from the server (so started it), under _SERVER_PYTHONPATH
 # What every rank imports: torch, commlib, and pytest (a test's function is found in its test
 # module, which imports it). One not installed is skipped (multiprocessing ignores its ImportError).
 multiprocessing.set_forkserver_preload(["torch", "commlib", "commlib.testing", "pytest"])
@@ -109,31 +112,17 @@ class _Outcome:
 
 
 def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
-    """The fork server while this process's environment is `_SERVER_ENV` (module docstring;
-    the server starts with the first rank it forks, so in that environment); fresh
-    interpreters otherwise."""
-    if _import_time_env() == _SERVER_ENV:
-        _start_fork_server()
-        return multiprocessing.get_context("forkserver")
-    return multiprocessing.get_context("spawn")
-
-
-def _start_fork_server() -> None:
-    """Start the fork server, once, under the PYTHONPATH this module was imported with (the
-    module docstring says why; the interpreter it starts builds its sys.path from it)."""
-    now = os.environ.get("PYTHONPATH")
-    _set_pythonpath(_SERVER_PYTHONPATH)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        _set_pythonpath(now)
-
-
-def _set_pythonpath(value: str | None) -> None:
-    if value is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = value
+    """The fork server while this process's environment is `_SERVER_ENV` and the server is up or
+    starts under `_SERVER_PYTHONPATH` (module docstring; it starts with the first rank it forks,
+    so in that environment); fresh interpreters otherwise."""
+    global _server_started
+    if _import_time_env() != _SERVER_ENV:
+        return multiprocessing.get_context("spawn")
+    if os.environ.get("PYTHONPATH") == _SERVER_PYTHONPATH:
+        _server_started = True
+    if not _server_started:
+        return multiprocessing.get_context("spawn")
+    return multiprocessing.get_context("forkserver")
 
 
 def _child(

@@ -9,6 +9,14 @@ own commlib world (HSDP: sharded within a group, replicated across groups). Acro
 torchft decides each step's members and heals a group that joins behind from a live peer;
 the process group between the groups is commlib's (`commlib.replicas`), or torchft's own
 gloo group with ``--replica-pg torchft-gloo`` (the baseline the benchmark compares against).
+A heal goes over torchft's HTTPTransport, or its PGTransport over that process group
+(``--heal-transport pg``).
+
+With ``--ckpt-dir``, every group also keeps durable checkpoints (`GroupCheckpoints`: every
+``--ckpt-every`` committed steps and at the last, in a directory of its own): after a quorum
+that leaves a group behind the newest of any group's (the groups that held a newer state are
+gone), it loads that one and the groups go on from it (a rollback, logged ``replica.resume``).
+Without them, a restarted group alone at step 0 stops (``replica.orphaned``).
 
 Each step: the quorum (torchft, synchronous: a replica that is behind heals before the step,
 so every member of a quorum trains it), this rank's batch (a pure function of the step, the
@@ -25,14 +33,16 @@ order of a sum of three or more shards to the engine.
 The replay (``--replay MEMBERSHIP``, a torchrun of one group of G ranks, no torchft): for
 each committed step, in order, the gradient of every member replica, computed from the one
 model in turn on that replica's batches (the same shards, the same reduce-scatter inside the
-group), averaged by `ordered_mean`, then the same optimizer step. A run whose replicas
-stayed in step is bitwise equal to it at every step.
+group), averaged by `ordered_mean`, then the same optimizer step; at a rollback, back to its
+own state after the checkpoint's step. A run whose replicas stayed in step is bitwise equal
+to it at every step.
 
 Logged per step (the rank's commlib log): ``train.step`` for a committed step (its loss and
 its exact ``loss_hex``, the members ``replicas``, the quorum, the ``digest`` of this rank's
 model and optimizer state after the step), ``train.failed_in_step`` for a step torchft did not
 commit (the error that stopped it; the harness's holds are released on it, as on the single-job
-trainer's in-job recovery), ``replica.heal`` when this rank took a peer's state; the
+trainer's in-job recovery), ``replica.heal`` when this rank took a peer's state (its size in
+bytes), ``replica.join`` at a process's first quorum, ``replica.resume`` (`GroupCheckpoints`); the
 replay logs ``replay.step`` (each member's loss, the digest). `chaos.replicas` verifies
 from these. The in-rank fault injector (`chaos.inject`) runs with the rank's place in the
 whole job (replica x G + rank); a heal calls its ``on_checkpoint_staged``, so
@@ -44,10 +54,12 @@ Exit codes as `chaos.workload.train`'s (3: a commlib error inside the group, 1: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -63,8 +75,19 @@ import commlib
 import fsdp_overlap
 from chaos.inject import Injector, install_from_env
 from chaos.options import LONGEST_S, option
+from chaos.results import fsync_dir
 from chaos.workload import train
 from chaos.workload.arguments import RefusingParser
+from chaos.workload.checkpoint import (
+    Checkpointer,
+    Snapshot,
+    TrainState,
+    checkpoint_steps,
+    find_latest,
+    staging_dir_name,
+    step_dir_name,
+    verify,
+)
 from chaos.workload.data import DataConfig, batch_for
 from chaos.workload.model import (
     ModelConfig,
@@ -78,6 +101,7 @@ from commlib import settings
 from commlib.attempt import attempt_number
 
 PGS = ("commlib", "torchft-gloo")
+TRANSPORTS = ("http", "pg")
 MAX_REPLICAS = 1024
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own
 _HEADER = 2  # a gathered row: [replica, taking part, gradient...]
@@ -112,6 +136,13 @@ def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser], trainer
         help="replica groups in the job",
     )
     p.add_argument("--replica-pg", choices=PGS, default="commlib", help="the process group between replica groups")
+    p.add_argument(
+        "--heal-transport",
+        choices=TRANSPORTS,
+        default="http",
+        help="how a group behind takes a peer's state: torchft's HTTPTransport, or its PGTransport over "
+        "the process group between the groups",
+    )
     p.add_argument("--replay", default=None, help="replay the membership in this JSON file instead of training")
     p.add_argument(
         "--quorum-timeout",
@@ -151,10 +182,7 @@ def _parsed(argv: list[str] | None, kind: type[argparse.ArgumentParser], trainer
     own, rest = p.parse_known_args(argv)
     if own.replica >= own.replicas:
         p.error(f"expected --replica below --replicas {own.replicas}; found --replica {own.replica}")
-    args = trainer(rest)
-    if args.ckpt_dir is not None:
-        p.error("replica mode heals from live peers and writes no checkpoints; found --ckpt-dir")
-    return argparse.Namespace(**vars(args), **vars(own))
+    return argparse.Namespace(**vars(trainer(rest)), **vars(own))
 
 
 # -- state: digests, heal transfers, gradients ---------------------------------------------
@@ -262,8 +290,10 @@ class ReplicaTrainer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         injector: Injector | None,
+        checkpoints: GroupCheckpoints | None,
     ) -> None:
         self.args, self.comm, self.model, self.optimizer, self.injector = args, comm, model, optimizer, injector
+        self.checkpoints = checkpoints
         self.log = commlib.get_logger()
         self.healed_to: int | None = None
         self.pg = _replica_pg(args)
@@ -273,18 +303,33 @@ class ReplicaTrainer:
     def _load(self, state: dict[str, Any]) -> None:
         load_heal_state(self.model, self.optimizer, state)
         self.healed_to = self.manager.current_step()
-        self.log.warning("replica.heal", to_step=self.healed_to, digest=digest(self.model, self.optimizer))
+        self.log.warning(
+            "replica.heal",
+            to_step=self.healed_to,
+            bytes=sum(t.nbytes for _, t in local_state(self.model, self.optimizer)),
+            digest=digest(self.model, self.optimizer),
+        )
 
     def run(self, data_cfg: DataConfig, model_cfg: ModelConfig) -> None:
         args, manager = self.args, self.manager
         global_rank = args.replica * self.comm.size + self.comm.rank
-        if args.ready_dir and attempt_number() == 0:
+        if args.ready_dir:
             _start_together(args, self.comm)
         holds = 0  # quorums held before the last step, waiting for lost groups (`_hold_for_lost_groups`)
+        quorums = 0
+        settled: int | None = None  # the size of the last quorum whose step this group committed
         while manager.current_step() < args.steps:
             start = time.perf_counter()
             self.healed_to = None
-            manager.start_quorum()
+            if quorums == 0:
+                self.log.info("replica.join", step=manager.current_step())
+            self._quorum()
+            quorums += 1
+            # After a change (this process's first quorum, a step not committed, other members), the groups
+            # that held a newer state than the durable checkpoints may be gone.
+            participants = manager.num_participants()
+            if participants != settled and self._caught_up(first=quorums == 1):
+                continue
             step = manager.current_step() + 1
             if self._orphaned(step):
                 return
@@ -307,17 +352,46 @@ class ReplicaTrainer:
                 with commlib.context(phase="replicas"):
                     members = self._average()
                 committed = manager.should_commit()
+                settled = participants if committed else None
                 if committed:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._note(step, committed, members, loss.detach().item(), time.perf_counter() - start)
+                if committed and self.checkpoints is not None and self.checkpoints.due(step):
+                    with commlib.context(phase="checkpoint"):
+                        self.checkpoints.save(self.model, self.optimizer, manager.state_dict())
             time.sleep(max(0.0, args.min_step_s - (time.perf_counter() - start)))
 
+    def _quorum(self) -> None:
+        """The next quorum; where none comes (torchft raises: the lighthouse gone or out of reach past
+        --quorum-timeout), the group first saves its committed state durably, then the error goes on
+        (torchft cannot ask again in this process): the restarted group resumes from that state, not
+        from an older checkpoint."""
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:
+            step, checkpoints = self.manager.current_step(), self.checkpoints
+            save = checkpoints is not None and step > 0 and not checkpoints.holds(step)
+            self.log.error("replica.no_quorum", step=step, error=str(exc)[:300], checkpointed=save)
+            if checkpoints is not None and save:
+                with commlib.context(phase="checkpoint"):
+                    checkpoints.save(self.model, self.optimizer, self.manager.state_dict())
+            raise
+
+    def _caught_up(self, first: bool) -> bool:
+        """Whether the group, behind the newest durable checkpoint (the groups that held a newer state
+        are gone), loaded it (`GroupCheckpoints.catch_up`), so must ask for a quorum again at its step."""
+        if self.checkpoints is None:
+            return False
+        with commlib.context(phase="checkpoint"):
+            return self.checkpoints.catch_up(self.model, self.optimizer, self.manager, first)
+
     def _orphaned(self, step: int) -> bool:
-        """A restarted group alone at step 0: the others have finished or are gone, and no peer can
-        heal it. It stops (logged) rather than start the training over as a lineage of its own."""
+        """A restarted group alone at step 0 without durable checkpoints: the others have finished or
+        are gone, and no peer can heal it. It stops (logged) rather than start the training over as a
+        lineage of its own. (With checkpoints it resumed from the newest before its first quorum.)"""
         alone = self.manager.num_participants() == 1 < self.args.replicas
-        if step == 1 and attempt_number() > 0 and alone:
+        if step == 1 and attempt_number() > 0 and alone and self.checkpoints is None:
             self.log.error(
                 "replica.orphaned",
                 replica=self.args.replica,
@@ -414,6 +488,7 @@ def _manager(
         pg=pg,
         load_state_dict=load,
         state_dict=save,
+        checkpoint_transport=_heal_transport(args, pg),
         min_replica_size=1,
         use_async_quorum=False,
         timeout=timedelta(seconds=args.manager_timeout),
@@ -426,6 +501,17 @@ def _manager(
         replica_id=f"replica{args.replica}",
         init_sync=False,
     )
+
+
+def _heal_transport(args: argparse.Namespace, pg: Any) -> Any:
+    """torchft's checkpoint transport for a heal (``--heal-transport``): None for its default, the
+    HTTPTransport (a server in every rank, its state fetched in chunks), or its PGTransport over the
+    process group between the groups (sent and received in order with tags 1, 2, 3 + tensor index)."""
+    if args.heal_transport == "http":
+        return None
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    return PGTransport(pg, timeout=timedelta(seconds=args.manager_timeout), device=torch.device("cpu"))
 
 
 def _attempt_store(comm: commlib.Communicator) -> tuple[str, int, dist.TCPStore | None]:
@@ -451,13 +537,15 @@ def _attempt_store(comm: commlib.Communicator) -> tuple[str, int, dist.TCPStore 
 def _start_together(args: argparse.Namespace, comm: commlib.Communicator) -> None:
     """Hold the first launch, its Manager up (heartbeating to the lighthouse, which then waits for it to
     join the first quorum), until every group's is (`--ready-dir`); else the first group up would train
-    alone and the others join it late, healing. A restarted group never waits."""
+    alone and the others join it late, healing. Every attempt marks its group ready, a restarted one
+    too (it never waits): a group whose first launch died before its mark would otherwise hold the
+    others' first launch, heartbeating, and with it every quorum its own restart asks for."""
     ready = Path(args.ready_dir)
     if comm.rank == 0:
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"replica{args.replica}").touch()
         give_up = time.monotonic() + args.startup_timeout
-        while len(list(ready.glob("replica*"))) < args.replicas:
+        while attempt_number() == 0 and len(list(ready.glob("replica*"))) < args.replicas:
             if time.monotonic() > give_up:
                 raise TimeoutError(
                     f"replica {args.replica}: expected all {args.replicas} replica groups ready in "
@@ -466,6 +554,113 @@ def _start_together(args: argparse.Namespace, comm: commlib.Communicator) -> Non
                 )
             time.sleep(0.05)
     comm.barrier(timeout=max(args.timeout, args.startup_timeout))
+
+
+# -- durable checkpoints -------------------------------------------------------------------
+class GroupCheckpoints:
+    """This group's durable checkpoints, ``{ckpt_dir}/replica{R}`` (`chaos.workload.checkpoint`: staged,
+    hashed, renamed, so a kill never leaves a torn one behind), written every ``--ckpt-every`` committed
+    steps and at the last; and the catch-up to the newest complete one of any group's.
+
+    Every group keeps its own directory (a save or a restart of one never touches another's files);
+    the groups of a quorum commit bitwise the same state, so any group's checkpoint of a step is
+    every group's. After a quorum that healed this group from a live peer, it holds the newest state
+    there is; after one that left it behind the newest checkpoint (every group that held a newer state
+    is gone), it loads that checkpoint and asks for a quorum again: the groups go on from it. Each
+    such resume is logged (``replica.resume``: the step, the digest of the state loaded, the group
+    whose checkpoint it was), and so is a process's first quorum that leaves it at step 0 unhealed
+    (step 0, no checkpoint: it goes on from the initial state).
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        comm: commlib.Communicator,
+        lineage: dict[str, Any],
+        injector: Injector | None,
+    ) -> None:
+        self.root = Path(args.ckpt_dir)
+        self.every, self.last, self.replica, self.comm = args.ckpt_every, args.steps, args.replica, comm
+        self.checkpointer = Checkpointer(
+            self.root / f"replica{args.replica}",
+            comm,
+            attempt=attempt_number(),
+            lineage=lineage,
+            on_committed=injector.on_checkpoint_committed if injector else None,
+        )
+        self._unusable = -1  # rank 0: the newest step listed that held no complete checkpoint newer than ours
+
+    def due(self, step: int) -> bool:
+        return step == self.last or step % self.every == 0
+
+    def holds(self, step: int) -> bool:
+        """Whether this group's directory lists a checkpoint of `step` (every rank of the group asks at
+        the same point, after the same saves, so all answer alike)."""
+        return step in checkpoint_steps(self.checkpointer.directory)
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manager_state: dict[str, int]) -> None:
+        """The state after a committed step, with the Manager's (torchft's step count: a resume needs it)."""
+        self.checkpointer.save(model, optimizer, TrainState(step=manager_state["step"], history=[manager_state]))
+
+    def catch_up(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manager: Any, first: bool) -> bool:
+        """After a quorum (collective over the group): load the newest complete checkpoint of any group
+        where it is ahead of the Manager's step (rank 0 decides); whether it did."""
+        step = manager.current_step()
+        newest, source = self._newer_than(step) if self.comm.rank == 0 else (-1, None)
+        choice = torch.tensor([newest], dtype=torch.int64)
+        self.comm.broadcast(choice, root=0)
+        log = commlib.get_logger()
+        if int(choice.item()) > step:
+            state = self.checkpointer.resume(model, optimizer)
+            manager.load_state_dict(state.history[-1])
+            log.warning("replica.resume", step=state.step, from_replica=source, digest=digest(model, optimizer))
+            return True
+        if first and step == 0:
+            log.info("replica.resume", step=0, from_replica=None, digest=digest(model, optimizer))
+        return False
+
+    def _newer_than(self, step: int) -> tuple[int, int | None]:
+        """Rank 0: the newest complete checkpoint's step and group where it is ahead of `step` (else -1);
+        a directory listing first, so that no file is read while nothing newer is there."""
+        listed = max((s for d in self._group_dirs() for s in checkpoint_steps(d)), default=-1)
+        if listed <= max(step, self._unusable):
+            return -1, None
+        found = self._take_newest()
+        if found is None or found[0] <= step:
+            self._unusable = listed
+            return -1, None
+        return found
+
+    def _take_newest(self) -> tuple[int, int] | None:
+        """Rank 0: the newest complete checkpoint's step and the group whose directory holds it (None:
+        none does), copied into this group's directory when it is another's, so `Checkpointer.resume`
+        finds it there. A copy is checked against its marker before it counts; one that fails (its
+        source pruned under it) is removed and the choice made again."""
+        for _ in range(3):
+            staging = None
+            try:
+                found = [(s, int(d.name[7:])) for d in self._group_dirs() if (s := find_latest(d)[0]) is not None]
+                if not found:
+                    return None
+                step, replica = max(found, key=lambda f: (f[0], f[1] == self.replica))
+                own = self.checkpointer.directory / step_dir_name(step)
+                if replica == self.replica or verify(own) is None:
+                    return step, replica
+                staging = self.checkpointer.directory / staging_dir_name(step, attempt_number())
+                shutil.copytree(self.root / f"replica{replica}" / step_dir_name(step), staging, dirs_exist_ok=True)
+                shutil.rmtree(own, ignore_errors=True)
+                os.rename(staging, own)
+                fsync_dir(own.parent)
+                if verify(own) is None:
+                    return step, replica
+                shutil.rmtree(own, ignore_errors=True)
+            except OSError:  # a directory pruned or renamed by its group while this one read it
+                if staging is not None:
+                    shutil.rmtree(staging, ignore_errors=True)
+        return None
+
+    def _group_dirs(self) -> list[Path]:
+        return sorted(d for d in self.root.glob("replica*") if d.is_dir() and d.name[7:].isdigit())
 
 
 # -- the replay --------------------------------------------------------------------------
@@ -477,28 +672,47 @@ def replay(
     data_cfg: DataConfig,
     model_cfg: ModelConfig,
 ) -> None:
-    """Every committed step of the membership file, every member's gradient in turn (module docstring)."""
-    membership = {int(step): members for step, members in json.loads(open(args.replay).read()).items()}
+    """Every committed step of the membership file, every member's gradient in turn (module docstring).
+
+    The file is the run's segments in order, ``[{"from": STEP, "steps": {step: members}}, ...]``: the
+    first from step 0, each later one from a rollback to the state after step ``from`` (the durable
+    checkpoint the groups resumed from), which is the state the replay had after that step last."""
+    segments = json.loads(Path(args.replay).read_text())
+    starts = {int(segment["from"]) for segment in segments[1:]}
+    kept = {0: Snapshot.take(model, optimizer, TrainState())} if 0 in starts else {}
     log = commlib.get_logger()
-    for step in sorted(membership):
-        members = membership[step]
-        rows: dict[int, torch.Tensor] = {}
-        losses: dict[str, str] = {}
-        with commlib.context(step=step):
-            for r in members:
-                batch = batch_for(data_cfg, step, r * comm.size + comm.rank)
-                loss = model(
-                    batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids, torch.device("cpu"))
+    for index, segment in enumerate(segments):
+        if index:
+            kept[int(segment["from"])].restore(model, optimizer)
+        membership = {int(step): members for step, members in segment["steps"].items()}
+        for step in sorted(membership):
+            members = membership[step]
+            rows: dict[int, torch.Tensor] = {}
+            losses: dict[str, str] = {}
+            with commlib.context(step=step):
+                for r in members:
+                    batch = batch_for(data_cfg, step, r * comm.size + comm.rank)
+                    loss = model(
+                        batch.tokens, batch.targets, build_block_mask(model_cfg, batch.doc_ids, torch.device("cpu"))
+                    )
+                    loss.backward()
+                    rows[r] = torch.cat([g.reshape(-1) for g in grad_shards(model)])
+                    losses[str(r)] = loss.detach().item().hex()
+                    if r != members[-1]:
+                        optimizer.zero_grad(set_to_none=True)
+                _write_back(grad_shards(model), ordered_mean(rows))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                log.info(
+                    "replay.step",
+                    segment=index,
+                    step=step,
+                    replicas=members,
+                    losses_hex=losses,
+                    digest=digest(model, optimizer),
                 )
-                loss.backward()
-                rows[r] = torch.cat([g.reshape(-1) for g in grad_shards(model)])
-                losses[str(r)] = loss.detach().item().hex()
-                if r != members[-1]:
-                    optimizer.zero_grad(set_to_none=True)
-            _write_back(grad_shards(model), ordered_mean(rows))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            log.info("replay.step", step=step, replicas=members, losses_hex=losses, digest=digest(model, optimizer))
+            if step in starts:
+                kept[step] = Snapshot.take(model, optimizer, TrainState(step=step))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
             replicas=args.replicas,
             group_size=comm.size,
             replica_pg=args.replica_pg,
+            heal_transport=args.heal_transport,
+            ckpt_dir=args.ckpt_dir,
             replay=args.replay,
             threads=torch.get_num_threads(),
             steps=args.steps,
@@ -536,7 +752,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.replay:
             replay(args, comm, model, optimizer, data_cfg, model_cfg)
         else:
-            trainer = ReplicaTrainer(args, comm, model, optimizer, injector)
+            checkpoints = None
+            if args.ckpt_dir is not None and args.ckpt_every:
+                lineage = {
+                    "model": dataclasses.asdict(model_cfg),
+                    "data": dataclasses.asdict(data_cfg),
+                    "lr": args.lr,
+                    "world_size": comm.size,
+                }
+                checkpoints = GroupCheckpoints(args, comm, lineage, injector)
+            trainer = ReplicaTrainer(args, comm, model, optimizer, injector, checkpoints)
             trainer.run(data_cfg, model_cfg)
             trainer.manager.shutdown(wait=False)
             trainer.pg.shutdown()  # the last quorum's communicators, finalized

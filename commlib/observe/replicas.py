@@ -16,8 +16,11 @@ and the ends of the collectives on the quorums' communicators (`quorum_comm`). I
   in a later quorum, less their usual interval between collectives; a trainer that waits for
   the lost group on purpose, as the reference trainer's ``--finish-together-s`` does at its last
   step, has that wait counted in it), and when it was back
-  in a quorum (healed by torchft from a peer);
-- the groups that never came back.
+  in a quorum (healed by torchft from a peer), or else when it was restarted (a new process of
+  the group logged: it came back, if to no quorum);
+- the groups that never came back (neither in a later quorum nor restarted);
+- a group that left a quorum by finalizing that quorum's communicator (``comm.finalize``: it
+  ended its part, as a trainer that finished or stops on purpose does) is not lost: it left.
 
 `python -m commlib.observe.replicas ROOT [--json]` prints it; `commlib-doctor ROOT` does for
 a directory of replica groups' log dirs. Nothing here imports torch.
@@ -64,6 +67,13 @@ class LostGroup:
     time_lost_s: float | None = None  # the survivors' gap in collectives, less their usual interval
     back_in_quorum: int | None = None
     back_after_s: float | None = None  # its loss -> the first quorum it is a member of again
+    restarted_after_s: float | None = None  # its loss -> a new process of it logging (where in no later quorum)
+
+
+@dataclass
+class LeftGroup:
+    replica: int
+    quorum_id: int  # the last quorum it was a member of, whose communicator its ranks finalized
 
 
 @dataclass
@@ -72,14 +82,15 @@ class ReplicaFindings:
     groups: list[int]
     quorums: list[QuorumChange] = field(default_factory=list)
     lost: list[LostGroup] = field(default_factory=list)
+    left: list[LeftGroup] = field(default_factory=list)
 
     @property
     def never_back(self) -> list[int]:
-        return sorted({g.replica for g in self.lost if g.back_in_quorum is None})
+        return sorted({g.replica for g in self.lost if g.back_in_quorum is None and g.restarted_after_s is None})
 
     @property
     def exit_code(self) -> int:
-        """0: no group lost; 3: every lost group came back; 1: one never did."""
+        """0: no group lost; 3: every lost group came back (in a later quorum, or restarted); 1: one never did."""
         return 0 if not self.lost else (1 if self.never_back else 3)
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,15 +114,20 @@ class ReplicaFindings:
         for g in self.lost:
             how = g.cause + (f" in {g.op}" if g.op else "")
             noticed = f", noticed by replica {g.noticed_by[0]} rank {g.noticed_by[1]}" if g.noticed_by else ""
-            back = (
-                f"back in quorum {g.back_in_quorum} after {_s(g.back_after_s)}"
-                if g.back_in_quorum is not None
-                else "NEVER BACK"
-            )
+            if g.back_in_quorum is not None:
+                back = f"back in quorum {g.back_in_quorum} after {_s(g.back_after_s)}"
+            elif g.restarted_after_s is not None:
+                back = f"restarted after {_s(g.restarted_after_s)}, in no later quorum"
+            else:
+                back = "NEVER BACK"
             lines.append(
                 f"  LOST replica {g.replica} (ranks {g.ranks}) from quorum {g.quorum_id}: {how}{noticed}; "
                 f"detected after {_s(g.detected_after_s)}, survivors lost {_s(g.time_lost_s)}; {back}"
             )
+        lines += [
+            f"  replica {g.replica} left after quorum {g.quorum_id} (its ranks finalized that quorum's communicator)"
+            for g in self.left
+        ]
         return "\n".join(lines)
 
 
@@ -136,11 +152,14 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
     failures: list[dict[str, Any]] = []
     ends: list[tuple[int, int, int, int]] = []  # (ts_ns, quorum id, replica, group rank) of completed collectives
     starts: dict[tuple[int, int, str | None, Any], int] = {}  # (replica, group rank, comm, seq) -> when it started
+    finalized: set[tuple[int, int]] = set()  # (replica, quorum id) of a quorum communicator its ranks finalized
+    began: dict[tuple[int, Any], int] = {}  # (replica, pid) -> the process's first event
     groups = group_dirs(root)
     for replica, directory in groups.items():
         for rank, paths in rank_segments(directory).items():
             for e in read_rank(paths):
                 name = e.get("event")
+                began.setdefault((replica, e.get("pid")), e["ts_ns"])
                 if name == "replicas.quorum":
                     q = quorums.setdefault(
                         int(e["quorum_id"]), {"replicas": e.get("replicas") or [], "ranks": set(), "ts_ns": e["ts_ns"]}
@@ -152,6 +171,8 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
                     failures.append({**e, "replica": replica, "group_rank": rank})
                 elif name == "collective.start" and quorum_of(e.get("comm")) is not None:
                     starts[(replica, rank, e["comm"], e.get("seq"))] = e["ts_ns"]
+                elif name == "comm.finalize" and (qid := quorum_of(e.get("comm"))) is not None:
+                    finalized.add((replica, qid))
                 elif (
                     name == "collective.end"
                     and e.get("status") == "ok"
@@ -173,9 +194,15 @@ def analyze_replicas(root: str | Path) -> ReplicaFindings:
     usual = _usual_interval(ends)
     for (prev_id, prev), (next_id, nxt) in itertools.pairwise(ordered):
         for replica in sorted(set(prev["replicas"]) - set(nxt["replicas"])):
-            findings.lost.append(
-                _lost(replica, prev_id, prev, next_id, nxt["replicas"], failures, starts, ends, usual, ordered)
-            )
+            if (replica, prev_id) in finalized:
+                findings.left.append(LeftGroup(replica, prev_id))
+                continue
+            lost = _lost(replica, prev_id, prev, next_id, nxt["replicas"], failures, starts, ends, usual, ordered)
+            since = min((ts for ts, qid, r, _ in ends if qid == prev_id and r == replica), default=prev["ts_ns"])
+            restarted = [ts for (r, _), ts in began.items() if r == replica and ts > since]
+            if lost.back_in_quorum is None and restarted:
+                lost.restarted_after_s = (min(restarted) - since) / 1e9
+            findings.lost.append(lost)
     return findings
 
 

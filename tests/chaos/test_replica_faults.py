@@ -30,6 +30,7 @@ from chaos.plan import Plan, parse_shorthand
 from chaos.replica_plot import plot
 from chaos.replica_proof import PNG, REPORT, prove, read_record
 from chaos.replicas import ReplicaJob, run_replicas
+from chaos.workload.checkpoint import verify
 
 HERE = Path(__file__).parent
 DEADLINE_S = 3.0
@@ -148,6 +149,42 @@ def test_the_proof_fails_a_group_that_healed_stale_or_skipped_a_step(tmp_path, l
     assert f"replica 1 rank 0: loss differs from the replay's from step {healed[1] + 1} on" in problems, problems
     good = re.search(r"replica 0 rank 0: loss differs from the replay's from step (\d+) on", problems)
     assert good is None or int(good.group(1)) > min(healed.values()) + 1, problems
+    assert leftovers(run_dir) == []
+
+
+def test_losing_every_up_to_date_group_rolls_back_to_the_newest_checkpoint_and_the_run_goes_on(tmp_path, leftovers):
+    """Group 1's first launch dies before it is ready (it joins late), then stops past the deadline; group 0,
+    the only group up to date, is killed after its checkpoint of step 5: the groups go on from that
+    checkpoint, the run finishes, the proof holds through the rollback (its replay too), and the report's
+    first line and the doctor say what happened."""
+    run_dir = tmp_path / "rollback"
+    job = ReplicaJob(replicas=2, trainer_args=TINY)
+    plan = _plan("exit:rank=1,seq=1,comm=world", f"hang:rank=1,step=3,release=cont,duration_s={HELD_S + 3}",
+                 "kill:rank=0,step=8")
+    outcome = run_replicas(job, plan, run_dir, timeout_s=400)
+    proof = prove(run_dir)
+    assert outcome.ok, outcome
+    assert proof.passed, proof.summary()
+    assert proof.summary().splitlines()[0].endswith(
+        "PASSED; the latest state was lost with group 0 at step 7; resumed from the checkpoint of step 5"
+    ), proof.summary()
+    [rollback] = proof.rollbacks
+    assert (rollback.lost_with, rollback.checkpoint_of) == ([0], 0), rollback
+    assert [s.start for s in proof.segments] == [0, 5] and max(proof.segments[0].steps) == 7, proof.segments
+    assert "1 rollback(s) included" in proof.check("replay").found, proof.summary()
+    record = read_record(run_dir)
+    # Group 1's first launch died at its first collective, before it was ready; the restart marked it ready
+    # (group 0's first launch waits for that), and the two started in one quorum.
+    assert [(f["fault"], f["attempt"]) for f in record.faults if f["replica"] == 1] == [("exit", 0)], record.faults
+    assert {s["attempt"] for s in record.starts if s["replica"] == 1} == {1}, record.starts
+    # The checkpoint the groups went on from: group 0's, copied whole into the directory of the group that
+    # took it, each one complete.
+    took = [r for r in record.resumes if r["step"] == 5]
+    assert took and {r["from_replica"] for r in took} == {0}, record.resumes
+    for r in {r["replica"] for r in took}:
+        assert verify(run_dir / "ckpt" / f"replica{r}" / "step000005") is None
+    # The doctor names both losses and both groups back; never NEVER BACK.
+    assert proof.doctor["exit_code"] == 3 and "NEVER BACK" not in proof.doctor_text, proof.doctor_text
     assert leftovers(run_dir) == []
 
 

@@ -3,6 +3,7 @@ forked from the server while the environment allows."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,27 +72,41 @@ def test_ranks_fork_from_the_server_unless_an_import_time_variable_changed(monke
 
 # Run as its own script: the fork server must not have started yet, as in a fresh xdist worker.
 _FIRST_CALL_UNDER_THE_STANDIN = """
-import os, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[2])  # this checkout's commlib, as pytest's rootdir puts it first
 from commlib import testing
 
 def torchcomms_imported():
     return "torchcomms" in sys.modules
 
+def pythonpath_written(real):
+    def write(key, *value):
+        if os.fsdecode(key) == "PYTHONPATH":
+            written.append([os.fsdecode(v) for v in value])
+        real(key, *value)
+    return write
+
 if __name__ == "__main__":
     standin = sys.argv[1]
     os.environ["PYTHONPATH"] = standin  # what tests/commlib/conftest.py's torchcomms backend sets
     sys.path.insert(0, standin)
-    testing.run(torchcomms_imported, 2, backend=None)  # the worker's first ranks: the server starts
+    written = []
+    os.putenv, os.unsetenv = pythonpath_written(os.putenv), pythonpath_written(os.unsetenv)
+    first = testing.run(torchcomms_imported, 1, backend=None)  # the worker's first rank
+    os.putenv, os.unsetenv = os.putenv.__closure__[0].cell_contents, os.unsetenv.__closure__[0].cell_contents
     del os.environ["PYTHONPATH"]
     sys.path.remove(standin)
-    print(testing.run(torchcomms_imported, 2, backend=None))
+    print(json.dumps({"first": first, "later": testing.run(torchcomms_imported, 2, backend=None),
+                      "pythonpath_writes": written}))
 """
 
 
 def test_a_fork_server_started_under_a_tests_pythonpath_does_not_hand_its_imports_to_later_ranks(
     tmp_path: Path,
 ) -> None:
+    """A worker's first call under a test's PYTHONPATH leaves the process's environment alone, and
+    the ranks of later calls, under the PYTHONPATH this module was imported with, never see what
+    that test put on the path."""
     # torch looks for torchcomms once, as it is imported: in the server. Started while a test had
     # the stand-in on PYTHONPATH, it imported the stand-in, and every later rank of that worker
     # found torchcomms (test_auto_falls_back_quietly_without_torchcomms failed so, once).
@@ -99,7 +114,11 @@ def test_a_fork_server_started_under_a_tests_pythonpath_does_not_hand_its_import
     script.write_text(_FIRST_CALL_UNDER_THE_STANDIN)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [sys.executable, str(script), str(STANDIN), str(REPO)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(STANDIN), str(REPO)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[False, False]", done.stdout
+    found = json.loads(done.stdout)
+    assert found["later"] == [False, False], found
+    # The first call's rank had the stand-in (its caller's path); nobody else saw PYTHONPATH change.
+    assert found["first"] == [True] and found["pythonpath_writes"] == [], found
