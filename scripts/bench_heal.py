@@ -2,7 +2,7 @@
 HTTPTransport against its PGTransport, in the same invocation.
 
     python scripts/bench_heal.py                                  # one run of each, about 100 MB of state
-    python scripts/bench_heal.py --runs 3 --replica-pg commlib    # over commlib's group (needs tagged send/recv)
+    python scripts/bench_heal.py --runs 3 --replica-pg commlib    # over commlib's group
 
 Two replica groups of one rank (`chaos.replicas`, the reference trainer in replica mode, the
 lighthouse on loopback), a model whose state (parameters and AdamW's two moments) is about
