@@ -305,9 +305,10 @@ def run_threads(
     for thread in threads:
         thread.join(max(0.0, until - time.monotonic()))
     running = [rank.rank for rank, thread in zip(ranks, threads, strict=True) if thread.is_alive()]
+    # Taken before the aborts below, whose errors are their consequence.
+    failed = sorted((rank for rank in ranks if rank.error is not None), key=lambda rank: rank.failed_at)
     for r in running:
         ranks[r].abort(f"commlib.testing.run_threads: rank {r} still running after {timeout} s")
-    failed = sorted((rank for rank in ranks if rank.error is not None), key=lambda rank: rank.failed_at)
     if failed:
         first = failed[0]
         raise RankError(first.rank, first.error, first.traceback)
@@ -316,26 +317,22 @@ def run_threads(
     return [rank.value for rank in ranks]
 
 
+@dataclass
 class _ThreadRank:
     """One rank of `run_threads`: its communicator's making and ending, and what its `fn` gave."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        port: int,
-        backend: str | None,
-        log_dir: str | os.PathLike[str] | None,
-        check_consistency: bool | None,
-        deadline: float,
-    ) -> None:
-        self.rank, self.world_size, self.port = rank, world_size, port
-        self.backend, self.log_dir, self.check_consistency, self.deadline = backend, log_dir, check_consistency, deadline
-        self.comm: Any = None
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.traceback = ""
-        self.failed_at = 0.0
+    rank: int
+    world_size: int
+    port: int
+    backend: str | None
+    log_dir: str | os.PathLike[str] | None
+    check_consistency: bool | None
+    deadline: float
+    comm: Any = None
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+    failed_at: float = 0.0  # monotonic: the first rank to raise is the one reported
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         from commlib.record import log
