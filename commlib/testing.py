@@ -1,4 +1,4 @@
-"""Run a function on N ranks in N real processes, for tests.
+"""Run a function on N ranks, for tests: as N real processes (`run`) or as N threads of this process (`run_threads`).
 
 `run(fn, world_size=2, backend="gloo", timeout=60.0, args=())` starts a fresh TCPStore on
 a free loopback port in the calling process, spawns one process per rank (with RANK,

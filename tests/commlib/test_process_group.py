@@ -174,6 +174,7 @@ def _through_a_commlib_group(store: dist.Store, rank: int, size: int) -> dict[st
     hook.remove()
     out["handed_back"] = {k: type(w).__name__ for k, w in handed.items()}
     out["recorded_async"] = seen
+    comm.finalize()
     return out
 
 

@@ -161,6 +161,7 @@ def _short_wait(store: dist.Store, rank: int, size: int) -> dict[str, object]:
         p = torch.ones(2)
         time.sleep(1.0)
         dist.all_reduce(p, group=group)
+        comm.finalize()
         return {"value": t.tolist(), "pg": p.tolist()}
     work = comm.all_reduce(t, async_op=True, timeout=20.0)
     start = time.monotonic()
@@ -180,7 +181,9 @@ def _short_wait(store: dist.Store, rank: int, size: int) -> dict[str, object]:
     except commlib.WaitTimeout:
         pg_short = "WaitTimeout"
     pg_work.wait()
-    return {"short": short, "value": t.tolist(), "broken": comm.broken, "pg_short": pg_short, "pg": p.tolist()}
+    out = {"short": short, "value": t.tolist(), "broken": comm.broken, "pg_short": pg_short, "pg": p.tolist()}
+    comm.finalize()
+    return out
 
 
 @pytest.mark.contract
