@@ -1,4 +1,4 @@
-"""Run a function on N ranks, for tests: as N real processes (`run`) or as N threads of this process (`run_threads`).
+"""Run a function on N ranks, for tests: N real processes (`run`) or N threads (`run_threads`).
 
 `run(fn, world_size=2, backend="gloo", timeout=60.0, args=())` starts a fresh TCPStore on
 a free loopback port in the calling process, spawns one process per rank (with RANK,
@@ -289,24 +289,19 @@ def run_threads(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1; found {world_size}")
     if backend not in ("gloo", None):
-        raise ValueError(f"commlib.testing.run_threads: expected backend 'gloo' or None; found {backend!r}")
+        raise ValueError(f"run_threads: expected backend 'gloo' or None; found {backend!r}")
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ranks = [
         _ThreadRank(r, world_size, server.port, backend, log_dir, check_consistency, deadline)
         for r in range(world_size)
     ]
-    threads = [
-        threading.Thread(target=rank.run, args=(fn, args), name=f"commlib-rank{rank.rank}", daemon=True)
-        for rank in ranks
-    ]
-    for thread in threads:
-        thread.start()
+    threads = [rank.start(fn, args) for rank in ranks]
     until = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(0.0, until - time.monotonic()))
     running = [rank.rank for rank, thread in zip(ranks, threads, strict=True) if thread.is_alive()]
     # Taken before the aborts below, whose errors are their consequence.
-    failed = sorted((rank for rank in ranks if rank.error is not None), key=lambda rank: rank.failed_at)
+    failed = sorted((r for r in ranks if r.error is not None), key=lambda r: r.failed_at)
     for r in running:
         ranks[r].abort(f"commlib.testing.run_threads: rank {r} still running after {timeout} s")
     if failed:
@@ -334,7 +329,14 @@ class _ThreadRank:
     traceback: str = ""
     failed_at: float = 0.0  # monotonic: the first rank to raise is the one reported
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def start(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
+        """A thread of its own, started, that runs `fn` as this rank."""
+        thread = threading.Thread(target=self._run, args=(fn, args), name=f"rank{self.rank}")
+        thread.daemon = True  # one still running past the timeout is left behind (`run_threads`)
+        thread.start()
+        return thread
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         from commlib.record import log
 
         with log.rank_log():
@@ -348,7 +350,8 @@ class _ThreadRank:
                     self.value = fn(self.comm, *args)
                     self.comm.finalize()
             except BaseException as exc:  # report everything, as `run` does
-                self.error, self.traceback, self.failed_at = exc, traceback.format_exc(), time.monotonic()
+                self.error, self.traceback = exc, traceback.format_exc()
+                self.failed_at = time.monotonic()
                 self.abort(f"rank {self.rank}'s function raised {type(exc).__name__}")
 
     def _communicator(self, store: dist.Store) -> Any:

@@ -7,7 +7,7 @@
 #   ./scripts/test.sh [PYTEST ARGS]          every test: what CI runs (.ci/run)
 #   ./scripts/test.sh --fast [PYTEST ARGS]   the fast lane, before each commit: the same static
 #                                            checks, then the tests marked `contract` (commlib's
-#                                            contracts, ranks as threads of one process), under a minute
+#                                            contracts, ranks as threads), in under a minute
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 fast=false

@@ -273,7 +273,7 @@ class _State:
 # The one piece of global state this module owns: where this process logs, and where each rank
 # run as a thread of it logs instead (`rank_log`), the rank's own read through a ContextVar.
 STATE = _State()
-_RANK_LOG: contextvars.ContextVar[_State | None] = contextvars.ContextVar("commlib_rank_log", default=None)
+_RANK_LOG = contextvars.ContextVar[_State | None]("commlib_rank_log", default=None)
 _RANK_LOGS: set[_State] = set()  # the rank logs open now
 _RANK_LOGS_LOCK = threading.Lock()
 
@@ -391,7 +391,8 @@ def get_logger(**bound: Any) -> Any:
     trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
     state = _state()
     if state.logger is None:
-        state.logger, state.sink = _build_logger(_Descriptor(sys.stderr.fileno()), logging.WARNING, {})
+        stderr = _Descriptor(sys.stderr.fileno())
+        state.logger, state.sink = _build_logger(stderr, logging.WARNING, {})
     return state.logger.bind(**bound) if bound else state.logger
 
 

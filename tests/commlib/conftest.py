@@ -28,7 +28,8 @@ BACKENDS = ["gloo", "torchcomms"]
 
 def _use_standin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(STANDIN))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])))
+    path = os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -39,7 +40,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(params=[pytest.param("gloo", marks=pytest.mark.contract), "torchcomms"])
-def ranks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Any]]:
+def ranks(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., list[Any]]:
     """`ranks(fn, world_size, timeout=, args=, log_dir=, check_consistency=)`: each rank's
     `fn(comm, *args)`, in rank order, over gloo as threads or over torchcomms as processes."""
     if request.param == "gloo":

@@ -59,7 +59,7 @@ def _reject_everything(comm: commlib.Communicator) -> dict[str, str]:
 
 
 def test_bad_input_rejected_locally(ranks: Callable[..., list]) -> None:
-    """Every kind of bad call is refused on the calling rank, says what it expected, and spends no sequence number."""
+    """Each bad call is refused on its own rank, saying what it expected; no number is spent."""
     results = ranks(_reject_everything, 2, timeout=60)
     for rank, errors in enumerate(results):
         for name, message in errors.items():
@@ -125,8 +125,10 @@ def _bad_after_good(comm: commlib.Communicator) -> dict[str, list[str]]:
     return {name: [fresh[name], message(bad)] for name, (_, bad) in cases.items()}
 
 
-def test_a_bad_call_after_many_good_ones_is_rejected_with_the_same_message(ranks: Callable[..., list]) -> None:
-    """A bad call after many good ones of the same op meets the validation cache and is refused alike."""
+def test_a_bad_call_after_many_good_ones_is_rejected_with_the_same_message(
+    ranks: Callable[..., list],
+) -> None:
+    """A bad call after many good ones of its op meets the validation cache and is refused alike."""
     for rank, results in enumerate(ranks(_bad_after_good, 2, timeout=120)):
         for name, (fresh, after_good) in results.items():
             assert fresh != "accepted", f"rank {rank} accepted {name}"

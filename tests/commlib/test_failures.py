@@ -44,7 +44,7 @@ def _rank1_never_joins(comm: commlib.Communicator) -> dict[str, object]:
 
 
 def test_rank_that_never_joins_gives_timeout_naming_it(ranks: Callable[..., list]) -> None:
-    """A rank that skips a collective is named by its peer's CollectiveTimeout; later calls fail at once."""
+    """A rank that skips a collective is named by its peer's timeout; later calls fail at once."""
     r0 = ranks(_rank1_never_joins, 2)[0]
     assert r0["elapsed"] < 1.5 + 1.0, r0
     assert r0["missing"] == [1]
@@ -119,7 +119,7 @@ def _rank1_leaves(
 @pytest.mark.parametrize(("how", "check"), [("abort", None), ("broken", None), ("abort", "engine"),
                                            ("abort", "store")])
 def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, check: str | None) -> None:
-    """A live peer that aborts or breaks the communicator ends the others' waits at once, naming it."""
+    """A live peer that aborts or breaks the communicator ends the others' waits, named."""
     # gloo only: the torchcomms engine waits in one piece (TorchcommsBackend.resumable_wait).
     # `check`: rank 0 waits in the consistency check for rank 1's part of #2, which never
     # comes (the digest exchange on the engine, or the store wait for its fingerprint),
@@ -136,7 +136,9 @@ def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, che
             and f"found rank 1 had aborted the communicator ({reason})" in r0["message"]), r0
 
 
-def _rank2_skips_and_rank0_expires_first(comm: commlib.Communicator, done: threading.Barrier) -> dict[str, object]:
+def _rank2_skips_and_rank0_expires_first(
+    comm: commlib.Communicator, done: threading.Barrier
+) -> dict[str, object]:
     t = torch.ones(2)
     comm.all_reduce(t)
     if comm.rank == 2:
@@ -159,7 +161,8 @@ def test_a_peer_timing_out_first_in_the_same_collective_is_no_culprit() -> None:
     # Rank 0 arrived like rank 1 did: its announcement ends rank 1's wait, and rank 1 reports
     # the same timeout naming rank 2 (a PeerFailure naming rank 0 before, when the two
     # deadlines expired a moment apart; seen in CI on test_doctor_p2p).
-    r0, r1, _ = testing.run_threads(_rank2_skips_and_rank0_expires_first, 3, args=(threading.Barrier(3),))
+    done = threading.Barrier(3)
+    r0, r1, _ = testing.run_threads(_rank2_skips_and_rank0_expires_first, 3, args=(done,))
     assert (r0["error"], r0["missing"]) == ("CollectiveTimeout", [2]), r0
     assert (r1["error"], r1["missing"]) == ("CollectiveTimeout", [2]), r1
     assert r1["elapsed"] < 1.0 + 1.5, r1
@@ -181,7 +184,9 @@ def _mismatch(comm: commlib.Communicator, transport: str) -> str:
 
 
 @pytest.mark.parametrize("transport", ["engine", "store"])
-def test_consistency_check_names_mismatch_on_every_rank(ranks: Callable[..., list], transport: str) -> None:
+def test_consistency_check_names_mismatch_on_every_rank(
+    ranks: Callable[..., list], transport: str
+) -> None:
     """Different collectives at one sequence number raise CollectiveMismatch on every rank."""
     r0, r1 = ranks(_mismatch, 2, args=(transport,), check_consistency=True)
     assert r0.startswith("[1]|") and r1.startswith("[0]|")
@@ -200,8 +205,10 @@ def _shape_mismatch_then_recover(comm: commlib.Communicator) -> list[float]:
     return t.tolist()
 
 
-def test_shape_mismatch_caught_before_launch(ranks: Callable[..., list], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A shape mismatch is caught before launch (the environment's switch) and leaves the communicator usable."""
+def test_shape_mismatch_caught_before_launch(
+    ranks: Callable[..., list], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape mismatch is caught before launch (the environment's switch); the comm lives on."""
     monkeypatch.setenv("COMMLIB_CHECK_CONSISTENCY", "1")  # the environment switch, inherited by the ranks
     assert ranks(_shape_mismatch_then_recover, 2) == [[2.0] * 3] * 2
 
@@ -223,8 +230,10 @@ def _rank1_late_for_a_reused_slot(comm: commlib.Communicator) -> dict[str, objec
     return {"sum": t.tolist(), "differing": None}
 
 
-def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(ranks: Callable[..., list]) -> None:
-    """A late rank's old value in a reused fingerprint slot is waited past, not called a mismatch."""
+def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(
+    ranks: Callable[..., list],
+) -> None:
+    """A late rank's old value in a reused fingerprint slot is waited past, not a mismatch."""
     r0, r1 = ranks(_rank1_late_for_a_reused_slot, 2, check_consistency=True)
     assert r0 == {"sum": [2.0, 2.0], "differing": [1], "seq": 5}, r0
     assert r1 == {"sum": [2.0, 2.0], "differing": [0], "seq": 5}, r1
@@ -271,8 +280,10 @@ def _agree_then_differ(comm: commlib.Communicator) -> dict[str, object]:
     return {"sum": t.tolist(), "agreed": agreed, "differing": None}
 
 
-def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch(ranks: Callable[..., list]) -> None:
-    """Agreeing calls write no fingerprint to the store; a digest mismatch makes every rank write its own."""
+def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch(
+    ranks: Callable[..., list],
+) -> None:
+    """Agreeing calls write no fingerprint; a digest mismatch makes every rank write its own."""
     # Agreeing calls cost one small all_reduce on the engine and no store round trip; a
     # mismatch of digests sends every rank to the store, for the fingerprints that say who differs.
     r0, r1 = ranks(_agree_then_differ, 2, check_consistency=True)
@@ -285,7 +296,8 @@ def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch
 
 def _half_checked_group(store: object, rank: int, size: int) -> str:
     try:  # COMMLIB_CHECK_CONSISTENCY set on one rank only, say
-        group_over_store(store, rank, size, 30.0, "group1", EngineOptions(engine="gloo", check_consistency=rank == 0))
+        options = EngineOptions(engine="gloo", check_consistency=rank == 0)
+        group_over_store(store, rank, size, 30.0, "group1", options)
     except ValueError as exc:
         return str(exc)
     return "no error"
@@ -293,7 +305,7 @@ def _half_checked_group(store: object, rank: int, size: int) -> str:
 
 @pytest.mark.contract
 def test_ranks_that_disagree_on_the_check_fail_at_creation() -> None:
-    """Ranks that create a group with and without the check fail at creation, each saying who differs."""
+    """Ranks that create a group with and without the check fail at creation, saying who differs."""
     # A checked rank's digest exchange would otherwise pair with an unchecked peer's real
     # collective on the engine, and mix their data.
     for rank, message in enumerate(testing.run_threads(_half_checked_group, 2, backend=None)):

@@ -124,7 +124,7 @@ def _same(got: object, want: object) -> bool:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_op_sync_and_async(ranks: Callable[..., list], world_size: int) -> None:
-    """Every op, sync and async, gives the expected result for every dtype and numbers one sequence."""
+    """Every op, sync and async, gives the expected result for every dtype, in one sequence."""
     def check(results: list[dict[str, object]]) -> None:
         for rank, got in enumerate(results):
             for dtype in DTYPES:

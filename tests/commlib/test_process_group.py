@@ -54,7 +54,7 @@ def _logged_ops(log_dir: Path, rank: int) -> Counter[str]:
 
 @pytest.mark.parametrize("nproc,extra", [(4, ()), (2, ("--ddp",))], ids=["fsdp2-hsdp-dcp-4ranks", "ddp-2ranks"])
 def test_unmodified_trainer_over_commlib_matches_plain_gloo(tmp_path: Path, nproc: int, extra: tuple[str, ...]) -> None:
-    """An unmodified trainer under torchrun trains bitwise alike over commlib and plain gloo, every op through commlib."""
+    """An unmodified trainer under torchrun trains bitwise alike over commlib and gloo."""
     plain = _result(tmp_path, "gloo", _torchrun(tmp_path, "gloo", nproc, *extra))
     over = _result(tmp_path, "commlib", _torchrun(tmp_path, "commlib", nproc, *extra))
     assert plain["same_on_every_rank"] and over["same_on_every_rank"]
@@ -70,7 +70,7 @@ def test_unmodified_trainer_over_commlib_matches_plain_gloo(tmp_path: Path, npro
 
 
 def test_rank_stopped_before_dcp_save_is_named_by_a_collective_timeout(tmp_path: Path) -> None:
-    """A rank stopped before a DCP save is named by the peer's CollectiveTimeout, in its error and its log."""
+    """A rank stopped before a DCP save is named by its peer's timeout, in its error and log."""
     deadline = 4.0
     proc = _torchrun(tmp_path, "commlib", 2, "--stop-before-save", "1", "--timeout", str(deadline), "--steps", "2")
     assert proc.returncode != 0
@@ -118,7 +118,8 @@ def _through_torch_distributed(comm: commlib.Communicator) -> dict[str, Any]:
     group = dist.group.WORLD
     reduced = funcol.all_reduce(torch.full((2,), float(r + 1)), "sum", group)
     gathered = funcol.all_gather_tensor(torch.full((2,), float(r)), 0, group)
-    out["funcol"] = {"all_reduce": reduced.tolist(), "all_gather": gathered.tolist()}  # tolist() waits
+    # tolist() waits
+    out["funcol"] = {"all_reduce": reduced.tolist(), "all_gather": gathered.tolist()}
     hook.remove()
     out["funcol_ops"] = ops
     return out
@@ -147,10 +148,12 @@ def _through_a_commlib_group(store: dist.Store, rank: int, size: int) -> dict[st
     dist.all_gather_object(objs, {"rank": rank}, group=group)
     out["objects"] = objs
     out["seq"] = comm.seq
+    three, two, four = torch.empty(3), torch.ones(2), torch.ones(4)
+    ints = torch.empty(4, dtype=torch.int64)
     for name, call in (
-        ("wrong_size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2), group=group)),
-        ("dtypes", lambda: dist.all_gather_into_tensor(torch.empty(4, dtype=torch.int64), torch.ones(2), group=group)),
-        ("reduce_scatter_size", lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(4), group=group)),
+        ("wrong_size", lambda: dist.all_gather_into_tensor(three, two, group=group)),
+        ("dtypes", lambda: dist.all_gather_into_tensor(ints, two, group=group)),
+        ("reduce_scatter_size", lambda: dist.reduce_scatter_tensor(three, four, group=group)),
     ):
         try:
             call()
@@ -187,7 +190,8 @@ def _sync_allreduce_options() -> Any:
 
 
 @pytest.mark.contract
-@pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")  # torch 2.13's renamed APIs, as trainers call them
+# torch 2.13's renamed APIs, called by their old names as trainers call them
+@pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
 def test_torch_distributed_calls_take_commlibs_path_and_bad_input_is_commlibs_error() -> None:
     """torch.distributed's calls on a commlib group take commlib's path: its results, its
     validation's errors (nothing numbered), and a Work exactly where c10d asks for one."""
@@ -237,8 +241,8 @@ def _late_peer_short_deadline(comm: commlib.Communicator, rank0_gave_up: threadi
 
 @pytest.mark.contract
 def test_a_per_call_deadline_shorter_than_the_communicators_is_honoured() -> None:
-    """A call's own deadline shorter than the communicator's expires, and the late rank is told it was late."""
-    r0, r1 = testing.run_threads(_late_peer_short_deadline, 2, timeout=60, args=(threading.Event(),))
+    """A call's own deadline shorter than the communicator's expires; the late rank is told so."""
+    r0, r1 = testing.run_threads(_late_peer_short_deadline, 2, args=(threading.Event(),))
     deadline, elapsed, missing = r0.split(":")
     assert float(deadline) == 1.0 and float(elapsed) < 1.6 and missing == "[1]"
     # Rank 1 is the one rank 0 gave up on, not a fellow waiter: told that it is the late one

@@ -49,7 +49,7 @@ def _split_and_hooks(comm: commlib.Communicator) -> dict[str, object]:
 
 
 def test_split_renumbers_and_hooks_apply(ranks: Callable[..., list]) -> None:
-    """A split renumbers its members in list order; process-wide hooks see it, a communicator's own do not."""
+    """A split numbers its members in list order; process-wide hooks see it, the world's own not."""
     r0, r1, r2 = ranks(_split_and_hooks, 3)
     assert r1["member"] is False
     assert (r2["sub_rank"], r0["sub_rank"], r0["sub_size"], r0["sum"], r2["name"]) == (0, 1, 2, 2.0, "pair")
@@ -128,8 +128,10 @@ def _async_then_sync(comm: commlib.Communicator) -> None:
     comm.all_reduce(torch.ones(8))
 
 
-def test_async_end_says_how_long_its_wait_blocked(ranks: Callable[..., list], tmp_path: Path) -> None:
-    """An async op's collective.end says how long its wait blocked; a sync one's says nothing of it."""
+def test_async_end_says_how_long_its_wait_blocked(
+    ranks: Callable[..., list], tmp_path: Path
+) -> None:
+    """An async op's collective.end says how long its wait blocked; a sync one's does not."""
     ranks(_async_then_sync, 2, log_dir=str(tmp_path))
     for rank in (0, 1):
         ends = [e for e in read_events(tmp_path / f"rank{rank}.jsonl") if e["event"] == "collective.end"]

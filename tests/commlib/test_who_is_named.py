@@ -1,13 +1,13 @@
 """Errors name the right rank, never a live one; a caller's short wait breaks nothing.
 
 Ranks are threads over gloo (`testing.run_threads`: the fast lane, marked `contract`), but where
-a test kills a process or needs torch's default group (one per process). A SIGKILLed rank is named by every survivor (its process is gone
-on this host), also by a survivor that reads the announcement of the peer that met the broken
-connection first; a root waiting inside a gather for a late rank is not blamed by a peer that
-left the gather and timed out in the next op (also where that peer's timeout line comes late);
-a rank that aborts on purpose and leaves is named for its abort, not as dead; a
-`Work.wait(timeout)` shorter than the op's deadline raises `WaitTimeout` and leaves the op and
-the communicator alive.
+a test kills a process or needs torch's default group (one per process). A SIGKILLed rank is
+named by every survivor (its process is gone on this host), also by a survivor that reads the
+announcement of the peer that met the broken connection first; a root waiting inside a gather
+for a late rank is not blamed by a peer that left the gather and timed out in the next op (also
+where that peer's timeout line comes late); a rank that aborts on purpose and leaves is named
+for its abort, not as dead; a `Work.wait(timeout)` shorter than the op's deadline raises
+`WaitTimeout` and leaves the op and the communicator alive.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def test_a_root_waiting_in_a_gather_is_not_blamed_for_the_next_op(
             return fields(error)
 
         monkeypatch.setattr(communicator, "_error_fields", late)
-    _, r1, _ = testing.run_threads(_root_waits_in_gather, 3, timeout=90, log_dir=tmp_path, args=(threading.Barrier(3),))
+    done = threading.Barrier(3)
+    _, r1, _ = testing.run_threads(_root_waits_in_gather, 3, log_dir=tmp_path, args=(done,))
     # The doctor, reading the logs, blames the same rank and says why rank 0 is not one.
     timeouts = [p for p in diagnose(tmp_path).final.problems if p.kind is Kind.TIMEOUT]
     assert [(p.seq, p.ranks, p.details["waiting"]) for p in timeouts] == [(3, [2], [0])], timeouts
@@ -141,7 +142,7 @@ def test_a_rank_that_aborted_on_purpose_and_left_is_named_for_its_abort_not_as_d
 ) -> None:
     """A rank that aborted on purpose and left is named for its abort, not as dead. Also where
     its comm.abort line comes late: no peer may log the abort's consequence first."""
-    _, r1 = testing.run_threads(_abort_and_leave, 2, timeout=60, log_dir=tmp_path, args=(slow_abort_line,))
+    _, r1 = testing.run_threads(_abort_and_leave, 2, log_dir=tmp_path, args=(slow_abort_line,))
     assert r1["failed"] == [0], r1
     for final in (diagnose(tmp_path).final, verdict(tmp_path).final):
         assert final is not None and final.culprits == [0], final
@@ -181,14 +182,15 @@ def _short_wait(store: dist.Store, rank: int, size: int) -> dict[str, object]:
     except commlib.WaitTimeout:
         pg_short = "WaitTimeout"
     pg_work.wait()
-    out = {"short": short, "value": t.tolist(), "broken": comm.broken, "pg_short": pg_short, "pg": p.tolist()}
+    out = {"short": short, "value": t.tolist(), "broken": comm.broken, "pg_short": pg_short,
+           "pg": p.tolist()}
     comm.finalize()
     return out
 
 
 @pytest.mark.contract
 def test_a_wait_shorter_than_the_deadline_leaves_the_op_and_the_communicator_alive() -> None:
-    """A wait shorter than the op's deadline raises WaitTimeout (also through a c10d Work) and breaks nothing."""
+    """A wait shorter than the deadline raises WaitTimeout (a c10d Work's too); nothing breaks."""
     r0, r1 = testing.run_threads(_short_wait, 2, backend=None, timeout=60)
     short = r0["short"]
     assert short is not None and 0.45 <= short["elapsed"] < 1.2, r0
@@ -213,7 +215,7 @@ def _subgroup_member_absent(comm: commlib.Communicator) -> dict[str, object]:
 
 
 def test_a_subgroups_error_names_global_ranks() -> None:
-    """A timeout on a torch subgroup (`dist.new_group`) names global ranks, with their group ranks."""
+    """A timeout on a torch subgroup (`dist.new_group`) names global ranks, and group ranks."""
     _, r1, _ = testing.run(_subgroup_member_absent, 3, backend="gloo", timeout=60)
     assert r1["missing"] == [2] and r1["rank"] == 1, r1
     assert "timed out after 1.5 s on rank 1 (rank 0 of 'group1')" in r1["message"], r1
