@@ -1,4 +1,4 @@
-"""Run a function on N ranks in N real processes, for tests.
+"""Run a function on N ranks, for tests: N real processes (`run`) or N threads (`run_threads`).
 
 `run(fn, world_size=2, backend="gloo", timeout=60.0, args=())` starts a fresh TCPStore on
 a free loopback port in the calling process, spawns one process per rank (with RANK,
@@ -27,6 +27,12 @@ of the call that started it (under pytest, that test's captured output): a rank'
 exception still comes back whole in `RankError`, but what it printed shows in no later
 test's report.
 
+`run_threads(fn, world_size=2, ...)` runs the ranks as threads of this process instead, each
+with a communicator of its own over one shared store (torchft's way): no process to start, so a
+contract test of a few ranks costs its waits and little else. A rank's log is its own
+(`commlib.record.log.rank_log`); what stays one per process is said at `run_threads`, and a
+test about processes (kills, signals, /proc, torchrun, torch's default group) uses `run`.
+
 `outcome(fn)` is for a rank that expects a commlib error: what `fn()` raised, as plain data.
 """
 
@@ -37,6 +43,7 @@ import multiprocessing.forkserver
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -232,3 +239,119 @@ def run(
             raise RankTimeout(missing, timeout)
         raise RankError(missing[0], None, f"rank(s) {missing} exited without a result (exit codes {codes})")
     return [outcomes[r].value for r in range(world_size)]
+
+
+def run_threads(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    backend: str | None = "gloo",
+    timeout: float = 60.0,
+    args: tuple[Any, ...] = (),
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+    check_consistency: bool | None = None,
+    deadline: float = 300.0,
+) -> list[Any]:
+    """Run `fn` on `world_size` ranks, each a thread of this process; returns each rank's result
+    in rank order.
+
+    Each rank gets a store client of its own on a TCPStore this call starts, its own log (to
+    `{log_dir}/rank{R}.jsonl`, or stderr; `commlib.record.log.rank_log`), and calls
+    `fn(comm, *args)` with the communicator `commlib.init(backend, rank=, world_size=, store=,
+    timeout=deadline, log_dir=, check_consistency=)` would make ("world", a commlib process
+    group's, `commlib.process_group.group_over_store`), but outside torch's registry and its
+    default group, which are one per process. With `backend` None it calls `fn(store, rank,
+    world_size, *args)` and the rank builds what it needs. `backend` is an engine whose rank is
+    its communicator's: "gloo" (torchcomms takes its rank from the process's environment).
+
+    A rank whose `fn` returns finalizes its communicator, and one whose `fn` raises aborts it,
+    as a process's exit would end its connections: its peers are not left waiting. The first
+    rank to raise is re-raised as `RankError` with its rank and traceback. Past `timeout`, the
+    ranks still running have their communicators aborted and `RankTimeout` names them (a
+    thread cannot be killed: one asleep finishes later, on its own).
+
+    One per process, shared by the ranks: hooks registered process-wide (they see every rank's
+    calls), `commlib.dist`'s default communicator, the flight recorder's signal handlers (not
+    installed here: `run` tests signals), the progress board's publisher thread and the pid
+    every board entry carries (a rank is never found gone: `run` tests that), and the attempt.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; found {world_size}")
+    if backend not in ("gloo", None):
+        raise ValueError(f"run_threads: expected backend 'gloo' or None; found {backend!r}")
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    ranks = [
+        _ThreadRank(r, world_size, server.port, backend, log_dir, check_consistency, deadline)
+        for r in range(world_size)
+    ]
+    threads = [rank.start(fn, args) for rank in ranks]
+    until = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, until - time.monotonic()))
+    running = [rank.rank for rank, thread in zip(ranks, threads, strict=True) if thread.is_alive()]
+    # Taken before the aborts below, whose errors are their consequence.
+    failed = sorted((r for r in ranks if r.error is not None), key=lambda r: r.failed_at)
+    for r in running:
+        ranks[r].abort(f"commlib.testing.run_threads: rank {r} still running after {timeout} s")
+    if failed:
+        first = failed[0]
+        raise RankError(first.rank, first.error, first.traceback)
+    if running:
+        raise RankTimeout(running, timeout)
+    return [rank.value for rank in ranks]
+
+
+@dataclass
+class _ThreadRank:
+    """One rank of `run_threads`: its communicator's making and ending, and what its `fn` gave."""
+
+    rank: int
+    world_size: int
+    port: int
+    backend: str | None
+    log_dir: str | os.PathLike[str] | None
+    check_consistency: bool | None
+    deadline: float
+    comm: Any = None
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+    failed_at: float = 0.0  # monotonic: the first rank to raise is the one reported
+
+    def start(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
+        """A thread of its own, started, that runs `fn` as this rank."""
+        thread = threading.Thread(target=self._run, args=(fn, args), name=f"rank{self.rank}")
+        thread.daemon = True  # one still running past the timeout is left behind (`run_threads`)
+        thread.start()
+        return thread
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        from commlib.record import log
+
+        with log.rank_log():
+            try:
+                store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=False)
+                log.configure(self.rank, self.world_size, self.log_dir, store=store)
+                if self.backend is None:
+                    self.value = fn(store, self.rank, self.world_size, *args)
+                else:
+                    self.comm = self._communicator(store)
+                    self.value = fn(self.comm, *args)
+                    self.comm.finalize()
+            except BaseException as exc:  # report everything, as `run` does
+                self.error, self.traceback = exc, traceback.format_exc()
+                self.failed_at = time.monotonic()
+                self.abort(f"rank {self.rank}'s function raised {type(exc).__name__}")
+
+    def _communicator(self, store: dist.Store) -> Any:
+        from commlib.engines import EngineOptions
+        from commlib.process_group import group_over_store
+
+        options = EngineOptions(engine="gloo", check_consistency=self.check_consistency)
+        group = group_over_store(store, self.rank, self.world_size, self.deadline, "world", options)
+        return group.communicator()
+
+    def abort(self, reason: str) -> None:
+        comm = self.comm
+        if comm is not None and not comm.broken:
+            comm.abort(reason)

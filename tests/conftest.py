@@ -1,4 +1,5 @@
-"""Shared test setup: every test runs real processes over gloo on loopback."""
+"""Shared test setup: every test runs real gloo on loopback, its ranks processes or (the fast lane,
+marked `contract`) threads of the test's process."""
 
 import fcntl
 import os

@@ -4,6 +4,8 @@ Configured once per process by `commlib.init` (or `configure` directly):
 - with a log dir (`init(log_dir=...)` or `COMMLIB_LOG_DIR`), every event at INFO and above
   goes to `{log_dir}/rank{R}.jsonl`;
 - without one, only warnings and errors go to stderr.
+A rank run as a thread of a process that runs other ranks too (the tests' fast lane,
+`commlib.testing.run_threads`) writes inside `rank_log`, a log of its own: its file, its rank.
 
 Each line is written with a single `os.write` on an `O_APPEND` descriptor, so a process
 killed mid-write leaves at most one truncated last line, ranks restarted by torchrun
@@ -51,6 +53,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -110,7 +113,7 @@ def job_id(store: Any = None, environ: Mapping[str, str] = os.environ) -> str | 
         return run_id
     if store is not None:
         return store.compare_set(JOB_KEY, "", uuid.uuid4().hex).decode()
-    return STATE.job
+    return _state().job
 
 
 @dataclass(frozen=True)
@@ -256,17 +259,56 @@ class _Sink:
     level: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _State:
     path: Path | None = None
-    enabled: bool = False  # INFO events are written (a log dir is configured)
+    # Read on `STATE` only, by the communicators: INFO events are written, by the process's log
+    # or by an open rank log (`_open_gate`).
+    enabled: bool = False
     logger: Any = None  # commlib's own structlog logger; None until the first use
     sink: _Sink | None = None  # the logger's writer and renderer
-    job: str | None = None  # the job of this process's last configure
+    job: str | None = None  # the job of this log's last configure
 
 
-# The one piece of global state this module owns: where this process logs.
+# The one piece of global state this module owns: where this process logs, and where each rank
+# run as a thread of it logs instead (`rank_log`), the rank's own read through a ContextVar.
 STATE = _State()
+_RANK_LOG = contextvars.ContextVar[_State | None]("commlib_rank_log", default=None)
+_RANK_LOGS: set[_State] = set()  # the rank logs open now
+_RANK_LOGS_LOCK = threading.Lock()
+
+
+def _state() -> _State:
+    """The log this code writes to: its rank's own inside `rank_log`, else the process's."""
+    return _RANK_LOG.get() or STATE
+
+
+@contextlib.contextmanager
+def rank_log() -> Iterator[None]:
+    """Inside the block, a log of the calling rank's own in place of the process's: for a rank run
+    as a thread of a process that runs others (`commlib.testing.run_threads`), so that its lines
+    carry its own rank and go to its own file. `configure`, `get_logger`, `event_writer`,
+    `log_dir`, `release` and `job_id` concern it; the process's log stays as it was. A thread the
+    rank starts begins outside it, as it begins outside `context` (a communicator's own threads
+    write with the logger it bound at its creation, in the rank's log)."""
+    state = _State()
+    token = _RANK_LOG.set(state)
+    with _RANK_LOGS_LOCK:
+        _RANK_LOGS.add(state)
+    try:
+        yield
+    finally:
+        _RANK_LOG.reset(token)
+        with _RANK_LOGS_LOCK:
+            _RANK_LOGS.discard(state)
+            _open_gate()
+
+
+def _open_gate() -> None:
+    """Set `STATE.enabled`, the one test a communicator makes before it builds a collective's lines
+    (each line's writer still writes only at its own level): true while the process's log or an
+    open rank log writes INFO events. Under `_RANK_LOGS_LOCK`."""
+    STATE.enabled = STATE.path is not None or any(log.path is not None for log in _RANK_LOGS)
 
 
 def _build_logger(target: LogFile | _Descriptor, level: int, static: dict[str, Any]) -> tuple[Any, _Sink]:
@@ -299,7 +341,8 @@ def budget(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
 
 
 def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = None, store: Any = None) -> Path | None:
-    """Point this process's events at `{log_dir}/rank{rank}.jsonl` (or stderr, warnings only).
+    """Point this process's events (a rank's, inside `rank_log`) at `{log_dir}/rank{rank}.jsonl`
+    (or stderr, warnings only).
 
     `store`: one every rank of the job shares, to agree on a job id without torchrun.
     Returns the log file's path, or None when logging to stderr.
@@ -334,39 +377,48 @@ def configure(rank: int, size: int, log_dir: str | os.PathLike[str] | None = Non
         path, target, level = None, _Descriptor(sys.stderr.fileno()), logging.WARNING
     # Replacing the logger drops the previous writer: its file is closed once no logger
     # bound to it is left.
-    STATE.logger, STATE.sink = _build_logger(target, level, static)
-    STATE.path = path
-    STATE.enabled = path is not None
-    STATE.job = process.job
+    state = _state()
+    state.logger, state.sink = _build_logger(target, level, static)
+    state.path = path
+    state.job = process.job
+    with _RANK_LOGS_LOCK:
+        _open_gate()
     return path
 
 
 def get_logger(**bound: Any) -> Any:
     """commlib's structlog logger, with `bound` fields, writing into this rank's log (the
     trainer and chaos use it too). Before `configure`: warnings and errors to stderr."""
-    if STATE.logger is None:
-        STATE.logger, STATE.sink = _build_logger(_Descriptor(sys.stderr.fileno()), logging.WARNING, {})
-    return STATE.logger.bind(**bound) if bound else STATE.logger
+    state = _state()
+    if state.logger is None:
+        stderr = _Descriptor(sys.stderr.fileno())
+        state.logger, state.sink = _build_logger(stderr, logging.WARNING, {})
+    return state.logger.bind(**bound) if bound else state.logger
 
 
 def event_writer(**bound: Any) -> EventWriter:
     """The direct path of `get_logger(**bound).info` (`EventWriter`), where the log points now."""
     get_logger()
-    assert STATE.sink is not None
-    return EventWriter(STATE.sink, bound)
+    sink = _state().sink
+    assert sink is not None
+    return EventWriter(sink, bound)
 
 
 def log_dir() -> Path | None:
     """The configured log directory, or None."""
-    return STATE.path.parent if STATE.path else None
+    path = _state().path
+    return path.parent if path else None
 
 
 def release() -> None:
     """Close this process's log file, even for loggers still bound to it, and log to stderr
     again, warnings only: the last communicator is gone (`commlib.record.flight.release`)."""
-    if STATE.path is not None:
-        log_file = _FILES.pop(STATE.path, None)
+    state = _state()
+    if state.path is not None:
+        log_file = _FILES.pop(state.path, None)
         if log_file is not None:
             log_file.close()
-        STATE.logger = STATE.sink = None
-        STATE.path, STATE.enabled = None, False
+        state.logger = state.sink = None
+        state.path = None
+        with _RANK_LOGS_LOCK:
+            _open_gate()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 import torch
 
 import commlib
-from commlib import testing
 
 
 def _reject_everything(comm: commlib.Communicator) -> dict[str, str]:
@@ -58,8 +58,9 @@ def _reject_everything(comm: commlib.Communicator) -> dict[str, str]:
     return errors
 
 
-def test_bad_input_rejected_locally(backend: str) -> None:
-    results = testing.run(_reject_everything, 2, backend=backend, timeout=60)
+def test_bad_input_rejected_locally(ranks: Callable[..., list]) -> None:
+    """Each bad call is refused on its own rank, saying what it expected; no number is spent."""
+    results = ranks(_reject_everything, 2, timeout=60)
     for rank, errors in enumerate(results):
         for name, message in errors.items():
             assert message != "accepted", f"rank {rank} accepted {name}"
@@ -124,8 +125,11 @@ def _bad_after_good(comm: commlib.Communicator) -> dict[str, list[str]]:
     return {name: [fresh[name], message(bad)] for name, (_, bad) in cases.items()}
 
 
-def test_a_bad_call_after_many_good_ones_is_rejected_with_the_same_message(backend: str) -> None:
-    for rank, results in enumerate(testing.run(_bad_after_good, 2, backend=backend, timeout=120)):
+def test_a_bad_call_after_many_good_ones_is_rejected_with_the_same_message(
+    ranks: Callable[..., list],
+) -> None:
+    """A bad call after many good ones of its op meets the validation cache and is refused alike."""
+    for rank, results in enumerate(ranks(_bad_after_good, 2, timeout=120)):
         for name, (fresh, after_good) in results.items():
             assert fresh != "accepted", f"rank {rank} accepted {name}"
             assert after_good == fresh, (
@@ -141,11 +145,14 @@ def _finalize_then_call(comm: commlib.Communicator) -> str:
     return "ok"
 
 
-def test_calls_after_finalize_raise(backend: str) -> None:
-    assert testing.run(_finalize_then_call, 2, backend=backend) == ["ok", "ok"]
+def test_calls_after_finalize_raise(ranks: Callable[..., list]) -> None:
+    """A call on a finalized communicator raises CommAborted."""
+    assert ranks(_finalize_then_call, 2) == ["ok", "ok"]
 
 
+@pytest.mark.contract
 def test_init_rejects_bad_arguments() -> None:
+    """commlib.init refuses an unknown backend and a deadline that is not positive."""
     with pytest.raises(ValueError, match="expected backend in"):
         commlib.init("mpi", rank=0, world_size=1)
     with pytest.raises(ValueError, match="positive"):

@@ -10,6 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from commlib.backends.c10d import classify_exception
+
+pytestmark = pytest.mark.contract
 from commlib.failures import Failure, classify
 
 GLOO = [

@@ -1,4 +1,9 @@
-"""The compat table across torch surfaces, and commlib.dist's old and new names."""
+"""The compat table across torch surfaces, and commlib.dist's old and new names.
+
+The checks in this process are in the fast lane (marked `contract`); the drop-in's default
+communicator (`commlib.dist.use`, or torch's default group) is one per process, so its ranks
+are processes.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import commlib.dist as cdist
 from commlib import compat, testing
 
 
+@pytest.mark.contract
 def test_running_torch_resolves_new_names() -> None:
     assert compat.resolve("all_gather_single") is dist.all_gather_single
     assert compat.resolve("reduce_scatter_single") is dist.reduce_scatter_single
@@ -28,6 +34,7 @@ def _remove(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
             monkeypatch.delattr(owner, name, raising=False)
 
 
+@pytest.mark.contract
 def test_older_torch_without_new_names(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.9-2.12: no *_single names yet.
     _remove(monkeypatch, "all_gather_single", "reduce_scatter_single")
@@ -38,6 +45,7 @@ def test_older_torch_without_new_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compat.resolve("all_gather_single") is all_gather_base
 
 
+@pytest.mark.contract
 def test_newer_torch_without_old_names(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.14-2.15: gather_single and set_timeout appear; old names may be gone.
     sentinel_gather, sentinel_timeout = object(), object()
@@ -49,12 +57,14 @@ def test_newer_torch_without_old_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compat.resolve("all_gather_single") is dist.all_gather_single
 
 
+@pytest.mark.contract
 def test_missing_everywhere_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     _remove(monkeypatch, "gather_single", "gather_into_tensor")
     with pytest.raises(compat.CompatError, match=r"none of \['gather_single', 'gather_into_tensor'\].*2\.14"):
         compat.resolve("gather_single")
 
 
+@pytest.mark.contract
 def test_canonical_kwargs() -> None:
     assert compat.canonical_kwargs("broadcast", {"src": 1}) == {"root": 1}
     assert compat.canonical_kwargs("reduce", {"dst": 0, "op": "x"}) == {"root": 0, "op": "x"}
@@ -105,6 +115,7 @@ def test_dist_drop_in_old_and_new_names_without_warnings(backend: str) -> None:
     assert r0["reduce(dst=)"] == [2.0, 2.0]
 
 
+@pytest.mark.contract
 def test_dist_unknown_name() -> None:
     import commlib.dist as cdist
 
@@ -112,6 +123,7 @@ def test_dist_unknown_name() -> None:
         cdist.all_gather_object  # noqa: B018
 
 
+@pytest.mark.contract
 def test_dist_reductions_map_every_torch_spelling() -> None:
     import commlib
     from commlib.ops import to_reduction
@@ -128,6 +140,7 @@ def test_dist_reductions_map_every_torch_spelling() -> None:
         to_reduction("sum")
 
 
+@pytest.mark.contract
 def test_backfill_adds_only_the_newer_names_this_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed import _functional_collectives as funcol
 

@@ -1,16 +1,24 @@
-"""Deadlines, dead peers and mismatched collectives become typed errors, never silent hangs."""
+"""Deadlines, dead peers and mismatched collectives become typed errors, never silent hangs.
+
+Ranks are threads (`ranks`, and `testing.run_threads`: the fast lane, marked `contract`), but
+where a test kills a process.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import commlib
 from commlib import testing
+from commlib.engines import EngineOptions
+from commlib.process_group import group_over_store
 
 
 def _rank1_never_joins(comm: commlib.Communicator) -> dict[str, object]:
@@ -35,8 +43,9 @@ def _rank1_never_joins(comm: commlib.Communicator) -> dict[str, object]:
             "seq": error.seq, "rank": error.rank, "deadline": error.deadline, "after": after}
 
 
-def test_rank_that_never_joins_gives_timeout_naming_it(backend: str) -> None:
-    r0 = testing.run(_rank1_never_joins, 2, backend=backend)[0]
+def test_rank_that_never_joins_gives_timeout_naming_it(ranks: Callable[..., list]) -> None:
+    """A rank that skips a collective is named by its peer's timeout; later calls fail at once."""
+    r0 = ranks(_rank1_never_joins, 2)[0]
     assert r0["elapsed"] < 1.5 + 1.0, r0
     assert r0["missing"] == [1]
     assert (r0["op"], r0["seq"], r0["rank"], r0["deadline"]) == ("all_reduce", 2, 0, 1.5)
@@ -60,6 +69,7 @@ def _rank1_killed(comm: commlib.Communicator) -> dict[str, object]:
 
 
 def test_killed_peer_gives_peer_failure_within_a_second(backend: str) -> None:
+    """A SIGKILLed peer ends the wait with a PeerFailure within a second."""
     r0, r1 = testing.run(_rank1_killed, 2, backend=backend, allow_dead_ranks=True)
     assert r1 is None
     assert r0["elapsed"] < 1.0, r0
@@ -73,7 +83,9 @@ def _check_through(comm: commlib.Communicator, transport: str) -> None:
     comm._consistency.via_engine = transport == "engine"
 
 
-def _rank1_leaves(comm: commlib.Communicator, how: str, check: str | None) -> dict[str, object]:
+def _rank1_leaves(
+    comm: commlib.Communicator, how: str, check: str | None, rank0_done: threading.Event
+) -> dict[str, object]:
     if check is not None:
         _check_through(comm, check)
     t = torch.ones(2)
@@ -90,24 +102,31 @@ def _rank1_leaves(comm: commlib.Communicator, how: str, check: str | None) -> di
                 comm.all_reduce(t)
             except ValueError:
                 pass
-        time.sleep(5)  # alive, keeping its engine open: only the announcement can end rank 0's wait
+        # Alive, keeping its engine open: only the announcement can end rank 0's wait.
+        rank0_done.wait(30)
         return {}
     start = time.monotonic()
     try:
         comm.all_reduce(t, timeout=30)
     except commlib.PeerFailure as exc:
         return {"elapsed": time.monotonic() - start, "message": str(exc), "failed": exc.failed_ranks}
+    finally:
+        rank0_done.set()
     return {"elapsed": time.monotonic() - start, "message": "no error"}
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize(("how", "check"), [("abort", None), ("broken", None), ("abort", "engine"),
                                            ("abort", "store")])
 def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, check: str | None) -> None:
+    """A live peer that aborts or breaks the communicator ends the others' waits, named."""
     # gloo only: the torchcomms engine waits in one piece (TorchcommsBackend.resumable_wait).
     # `check`: rank 0 waits in the consistency check for rank 1's part of #2, which never
     # comes (the digest exchange on the engine, or the store wait for its fingerprint),
     # instead of in the op.
-    r0, _ = testing.run(_rank1_leaves, 2, backend="gloo", args=(how, check), check_consistency=check is not None)
+    r0, _ = testing.run_threads(
+        _rank1_leaves, 2, args=(how, check, threading.Event()), check_consistency=check is not None
+    )
     # Its deadline is 30 s; the announcement is read between slices of the wait.
     assert r0["elapsed"] < 0.5 + 1.5, r0
     assert r0["failed"] == [1], r0
@@ -117,11 +136,13 @@ def test_a_peer_that_leaves_the_communicator_ends_the_wait_at_once(how: str, che
             and f"found rank 1 had aborted the communicator ({reason})" in r0["message"]), r0
 
 
-def _rank2_skips_and_rank0_expires_first(comm: commlib.Communicator) -> dict[str, object]:
+def _rank2_skips_and_rank0_expires_first(
+    comm: commlib.Communicator, done: threading.Barrier
+) -> dict[str, object]:
     t = torch.ones(2)
     comm.all_reduce(t)
     if comm.rank == 2:
-        time.sleep(2.5)  # never joins #2, and outlives both peers' waits
+        done.wait(30)  # never joins #2, and outlives both peers' waits
         return {}
     start = time.monotonic()
     try:  # rank 0's deadline expires long before rank 1's
@@ -129,14 +150,19 @@ def _rank2_skips_and_rank0_expires_first(comm: commlib.Communicator) -> dict[str
     except commlib.CommError as exc:
         return {"elapsed": time.monotonic() - start, "error": type(exc).__name__, "message": str(exc),
                 "missing": getattr(exc, "missing_ranks", None)}
+    finally:
+        done.wait(30)
     return {"error": None}
 
 
+@pytest.mark.contract
 def test_a_peer_timing_out_first_in_the_same_collective_is_no_culprit() -> None:
+    """A peer whose deadline expired first is no culprit: the rank that never came is named."""
     # Rank 0 arrived like rank 1 did: its announcement ends rank 1's wait, and rank 1 reports
     # the same timeout naming rank 2 (a PeerFailure naming rank 0 before, when the two
     # deadlines expired a moment apart; seen in CI on test_doctor_p2p).
-    r0, r1, _ = testing.run(_rank2_skips_and_rank0_expires_first, 3, backend="gloo")
+    done = threading.Barrier(3)
+    r0, r1, _ = testing.run_threads(_rank2_skips_and_rank0_expires_first, 3, args=(done,))
     assert (r0["error"], r0["missing"]) == ("CollectiveTimeout", [2]), r0
     assert (r1["error"], r1["missing"]) == ("CollectiveTimeout", [2]), r1
     assert r1["elapsed"] < 1.0 + 1.5, r1
@@ -158,8 +184,11 @@ def _mismatch(comm: commlib.Communicator, transport: str) -> str:
 
 
 @pytest.mark.parametrize("transport", ["engine", "store"])
-def test_consistency_check_names_mismatch_on_every_rank(backend: str, transport: str) -> None:
-    r0, r1 = testing.run(_mismatch, 2, backend=backend, args=(transport,), check_consistency=True)
+def test_consistency_check_names_mismatch_on_every_rank(
+    ranks: Callable[..., list], transport: str
+) -> None:
+    """Different collectives at one sequence number raise CollectiveMismatch on every rank."""
+    r0, r1 = ranks(_mismatch, 2, args=(transport,), check_consistency=True)
     assert r0.startswith("[1]|") and r1.startswith("[0]|")
     for message in (r0, r1):
         assert "expected every rank to issue the same collective" in message
@@ -176,9 +205,12 @@ def _shape_mismatch_then_recover(comm: commlib.Communicator) -> list[float]:
     return t.tolist()
 
 
-def test_shape_mismatch_caught_before_launch(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shape_mismatch_caught_before_launch(
+    ranks: Callable[..., list], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape mismatch is caught before launch (the environment's switch); the comm lives on."""
     monkeypatch.setenv("COMMLIB_CHECK_CONSISTENCY", "1")  # the environment switch, inherited by the ranks
-    assert testing.run(_shape_mismatch_then_recover, 2, backend=backend) == [[2.0] * 3] * 2
+    assert ranks(_shape_mismatch_then_recover, 2) == [[2.0] * 3] * 2
 
 
 def _rank1_late_for_a_reused_slot(comm: commlib.Communicator) -> dict[str, object]:
@@ -198,8 +230,11 @@ def _rank1_late_for_a_reused_slot(comm: commlib.Communicator) -> dict[str, objec
     return {"sum": t.tolist(), "differing": None}
 
 
-def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(backend: str) -> None:
-    r0, r1 = testing.run(_rank1_late_for_a_reused_slot, 2, backend=backend, check_consistency=True)
+def test_a_late_rank_is_waited_for_when_the_check_reuses_its_slot(
+    ranks: Callable[..., list],
+) -> None:
+    """A late rank's old value in a reused fingerprint slot is waited past, not a mismatch."""
+    r0, r1 = ranks(_rank1_late_for_a_reused_slot, 2, check_consistency=True)
     assert r0 == {"sum": [2.0, 2.0], "differing": [1], "seq": 5}, r0
     assert r1 == {"sum": [2.0, 2.0], "differing": [0], "seq": 5}, r1
 
@@ -218,10 +253,11 @@ def _rank1_skips_a_checked_collective(comm: commlib.Communicator, transport: str
 
 
 @pytest.mark.parametrize("transport", ["engine", "store"])
-def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(backend: str, transport: str) -> None:
-    # The flight entry used to be created after the store wait failed: "timed out after 0.0 s".
-    r0 = testing.run(_rank1_skips_a_checked_collective, 2, backend=backend, args=(transport,),
-                     check_consistency=True)[0]
+def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(
+    ranks: Callable[..., list], transport: str
+) -> None:
+    """A deadline that expires inside the consistency check reports the time really waited."""
+    r0 = ranks(_rank1_skips_a_checked_collective, 2, args=(transport,), check_consistency=True)[0]
     assert 1.0 <= r0["elapsed"] < 2.0 and 0.9 <= r0["reported"] <= r0["elapsed"], r0
     assert "all_reduce #2 on 'world' timed out after 1.0 s on rank 0" in r0["message"], r0
     assert r0["missing"] == [1]
@@ -244,10 +280,13 @@ def _agree_then_differ(comm: commlib.Communicator) -> dict[str, object]:
     return {"sum": t.tolist(), "agreed": agreed, "differing": None}
 
 
-def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch(backend: str) -> None:
+def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch(
+    ranks: Callable[..., list],
+) -> None:
+    """Agreeing calls write no fingerprint; a digest mismatch makes every rank write its own."""
     # Agreeing calls cost one small all_reduce on the engine and no store round trip; a
     # mismatch of digests sends every rank to the store, for the fingerprints that say who differs.
-    r0, r1 = testing.run(_agree_then_differ, 2, backend=backend, check_consistency=True)
+    r0, r1 = ranks(_agree_then_differ, 2, check_consistency=True)
     for r, other in ((r0, 1), (r1, 0)):
         assert r["sum"] == [16.0] * 3 and r["agreed"] == [False] * 4, r
         assert r["differing"] == [other] and r["after"] == [False, False, True, True], r  # #5: slot 1, both ranks
@@ -255,20 +294,20 @@ def test_a_cpu_engine_compares_digests_and_swaps_fingerprints_only_on_a_mismatch
         assert '"shapes": [[3]]' in r["message"], r
 
 
-def _half_checked_group(comm: commlib.Communicator) -> str:
-    import torch.distributed as dist
-    from commlib.process_group import EngineOptions
-
+def _half_checked_group(store: object, rank: int, size: int) -> str:
     try:  # COMMLIB_CHECK_CONSISTENCY set on one rank only, say
-        dist.new_group(backend="commlib", pg_options=EngineOptions(engine="gloo", check_consistency=comm.rank == 0))
+        options = EngineOptions(engine="gloo", check_consistency=rank == 0)
+        group_over_store(store, rank, size, 30.0, "group1", options)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
+@pytest.mark.contract
 def test_ranks_that_disagree_on_the_check_fail_at_creation() -> None:
+    """Ranks that create a group with and without the check fail at creation, saying who differs."""
     # A checked rank's digest exchange would otherwise pair with an unchecked peer's real
     # collective on the engine, and mix their data.
-    for rank, message in enumerate(testing.run(_half_checked_group, 2, backend="gloo")):
+    for rank, message in enumerate(testing.run_threads(_half_checked_group, 2, backend=None)):
         assert f"on rank {rank}: expected every rank to create it with the same check_consistency" in message, message
         assert "found it on for ranks [0] and off for ranks [1]" in message, message

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import commlib
-from commlib import testing
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -122,7 +123,8 @@ def _same(got: object, want: object) -> bool:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_op_sync_and_async(backend: str, world_size: int) -> None:
+def test_every_op_sync_and_async(ranks: Callable[..., list], world_size: int) -> None:
+    """Every op, sync and async, gives the expected result for every dtype, in one sequence."""
     def check(results: list[dict[str, object]]) -> None:
         for rank, got in enumerate(results):
             for dtype in DTYPES:
@@ -131,7 +133,7 @@ def test_every_op_sync_and_async(backend: str, world_size: int) -> None:
                         continue
                     assert _same(got[key], want), f"rank {rank} {key}: got {got[key]}, want {want}"
 
-    per_rank = testing.run(_run_sync_then_async, world_size, backend=backend, timeout=120)
+    per_rank = ranks(_run_sync_then_async, world_size, timeout=120)
     sync, asyn = [r[0] for r in per_rank], [r[1] for r in per_rank]
     check(sync)
     check(asyn)

@@ -4,6 +4,8 @@ import pytest
 
 from commlib import settings
 
+pytestmark = pytest.mark.contract
+
 
 @pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e400", 10**400, "abc", ""])
 def test_a_number_is_finite_and_a_number(raw):

@@ -1,4 +1,7 @@
-"""Split communicators, hooks, structured logs with context, and the SIGUSR1 flight dump."""
+"""Split communicators, hooks, structured logs with context, and the SIGUSR1 flight dump.
+
+Ranks are threads (`ranks`: the fast lane, marked `contract`), but for the signal's test.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 import commlib
@@ -18,7 +23,15 @@ from commlib.observe.events import LogTail, read_events
 
 def _split_and_hooks(comm: commlib.Communicator) -> dict[str, object]:
     seen: list[tuple[str, str, int]] = []
-    process_wide = commlib.register_pre_hook(lambda call: seen.append(("pre", call.comm, call.seq)))
+    me = threading.current_thread()
+
+    def pre(call: commlib.Collective) -> None:
+        # A process-wide hook sees every rank's calls where ranks are threads of one process
+        # (pre-hooks run on the caller's thread): this rank keeps its own.
+        if threading.current_thread() is me:
+            seen.append(("pre", call.comm, call.seq))
+
+    process_wide = commlib.register_pre_hook(pre)
     local = comm.register_post_hook(lambda call, duration: seen.append(("post", call.comm, call.seq)))
     # Ranks 2 and 0, in that order: rank numbering in the new communicator follows the list.
     sub = comm.split([2, 0], "pair")
@@ -35,8 +48,9 @@ def _split_and_hooks(comm: commlib.Communicator) -> dict[str, object]:
     return result
 
 
-def test_split_renumbers_and_hooks_apply(backend: str) -> None:
-    r0, r1, r2 = testing.run(_split_and_hooks, 3, backend=backend)
+def test_split_renumbers_and_hooks_apply(ranks: Callable[..., list]) -> None:
+    """A split numbers its members in list order; process-wide hooks see it, the world's own not."""
+    r0, r1, r2 = ranks(_split_and_hooks, 3)
     assert r1["member"] is False
     assert (r2["sub_rank"], r0["sub_rank"], r0["sub_size"], r0["sum"], r2["name"]) == (0, 1, 2, 2.0, "pair")
     # Process-wide pre-hooks see the split's collectives too; the world's post-hook only the world's.
@@ -50,9 +64,11 @@ def _logged_run(comm: commlib.Communicator) -> None:
         comm.all_reduce(torch.ones(8), commlib.premul_sum(1.0))
         comm.broadcast(torch.ones(8), root=0)
 
+        log = commlib.get_logger()  # this rank's: a thread a rank starts may log with it
+
         def in_thread() -> None:
             with commlib.context(phase="side"):
-                commlib.get_logger().info("side.event")
+                log.info("side.event")
 
         th = threading.Thread(target=in_thread)
         th.start()
@@ -60,8 +76,9 @@ def _logged_run(comm: commlib.Communicator) -> None:
     commlib.get_logger().info("train.step", loss=1.5)
 
 
-def test_logs_are_json_lines_with_context(backend: str, tmp_path: Path) -> None:
-    testing.run(_logged_run, 2, backend=backend, log_dir=str(tmp_path))
+def test_logs_are_json_lines_with_context(ranks: Callable[..., list], tmp_path: Path) -> None:
+    """Each rank's file holds JSON lines with its rank, the op, the caller's context, and clocks."""
+    ranks(_logged_run, 2, log_dir=str(tmp_path))
     for rank in (0, 1):
         events = list(read_events(tmp_path / f"rank{rank}.jsonl"))
         by_name = {e["event"]: e for e in events}  # the last of each event
@@ -80,13 +97,17 @@ def test_logs_are_json_lines_with_context(backend: str, tmp_path: Path) -> None:
         assert "step" not in by_name["train.step"] and by_name["train.step"]["loss"] == 1.5
 
 
+@pytest.mark.contract
 def test_reader_tolerates_a_truncated_last_line(tmp_path: Path) -> None:
+    """A log's truncated last line is skipped."""
     path = tmp_path / "rank0.jsonl"
     path.write_text('{"event": "a"}\n{"event": "b"}\n{"event": "c", "trunc')
     assert [e["event"] for e in read_events(path)] == ["a", "b"]
 
 
+@pytest.mark.contract
 def test_tail_returns_each_complete_line_once(tmp_path: Path) -> None:
+    """LogTail returns each complete line once, across files and partial writes."""
     tail = LogTail(tmp_path / "logs")
     assert tail.poll() == []  # no log dir yet
     (tmp_path / "logs").mkdir()
@@ -107,8 +128,11 @@ def _async_then_sync(comm: commlib.Communicator) -> None:
     comm.all_reduce(torch.ones(8))
 
 
-def test_async_end_says_how_long_its_wait_blocked(backend: str, tmp_path: Path) -> None:
-    testing.run(_async_then_sync, 2, backend=backend, log_dir=str(tmp_path))
+def test_async_end_says_how_long_its_wait_blocked(
+    ranks: Callable[..., list], tmp_path: Path
+) -> None:
+    """An async op's collective.end says how long its wait blocked; a sync one's does not."""
+    ranks(_async_then_sync, 2, log_dir=str(tmp_path))
     for rank in (0, 1):
         ends = [e for e in read_events(tmp_path / f"rank{rank}.jsonl") if e["event"] == "collective.end"]
         async_end, sync_end = ends
@@ -135,6 +159,7 @@ def _hung_rank_dumps_on_sigusr1(comm: commlib.Communicator, log_dir: str) -> lis
 
 
 def test_sigusr1_dumps_flight_recorder_while_blocked(backend: str, tmp_path: Path) -> None:
+    """SIGUSR1 dumps a rank's flight recorder while it is blocked in a collective."""
     dumps = testing.run(_hung_rank_dumps_on_sigusr1, 2, backend=backend, args=(str(tmp_path),),
                         log_dir=str(tmp_path))[0]
     assert len(dumps) == 1

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from commlib.record.board import BoardEntry, ProgressBoard
 from commlib.store_reads import absent, present
 
+pytestmark = pytest.mark.contract
+
 RANKS = 256
 
 

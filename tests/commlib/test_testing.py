@@ -1,5 +1,6 @@
 """commlib.testing.run: results in rank order, a rank's exception with its rank, a hard timeout, ranks
-forked from the server while the environment allows."""
+forked from the server while the environment allows; run_threads: the same of ranks as threads, each
+logging as itself."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import commlib
 from commlib import testing
+from commlib.observe.events import read_events
+from commlib.record import log
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "tests" / "torchcomms_standin"
@@ -122,3 +128,59 @@ def test_a_fork_server_started_under_a_tests_pythonpath_does_not_hand_its_import
     assert found["later"] == [False, False], found
     # The first call's rank had the stand-in (its caller's path); nobody else saw PYTHONPATH change.
     assert found["first"] == [True] and found["pythonpath_writes"] == [], found
+
+
+def _rank_raises_in_a_thread(comm) -> int:
+    if comm.rank == 1:
+        raise KeyError("boom on one")
+    comm.all_reduce(torch.ones(1))  # its peer left: a PeerFailure, after rank 1's error
+    return comm.rank
+
+
+@pytest.mark.contract
+def test_threads_reraise_the_first_rank_to_fail_with_its_traceback() -> None:
+    """run_threads re-raises the first rank to fail, with its traceback; no peer is left waiting."""
+    start = time.monotonic()
+    with pytest.raises(testing.RankError) as info:
+        testing.run_threads(_rank_raises_in_a_thread, 2, timeout=30)
+    assert info.value.rank == 1 and isinstance(info.value.exc, KeyError)
+    assert "boom on one" in info.value.traceback
+    assert "_rank_raises_in_a_thread" in info.value.traceback
+    assert time.monotonic() - start < 10
+
+
+def _rank1_never_comes(comm, release: threading.Event) -> None:
+    if comm.rank == 1:
+        release.wait(30)
+        return
+    comm.all_reduce(torch.ones(1))
+
+
+@pytest.mark.contract
+def test_threads_never_outlive_their_timeout() -> None:
+    """Past its timeout, run_threads aborts the ranks still running and RankTimeout names them."""
+    release = threading.Event()
+    start = time.monotonic()
+    try:
+        with pytest.raises(testing.RankTimeout) as info:
+            testing.run_threads(_rank1_never_comes, 2, timeout=1.0, args=(release,))
+    finally:
+        release.set()
+    assert info.value.ranks == [0, 1]
+    assert time.monotonic() - start < 5
+
+
+def _logs_as_itself(comm) -> str:
+    commlib.get_logger().info("test.mine", said=comm.rank)
+    return str(log.log_dir())
+
+
+@pytest.mark.contract
+def test_a_thread_rank_logs_as_itself_and_leaves_the_process_log_as_it_was(tmp_path: Path) -> None:
+    """Each thread rank writes its own file with its own rank; the process's log stays as it was."""
+    before = (log.log_dir(), log.STATE.enabled)
+    assert testing.run_threads(_logs_as_itself, 3, log_dir=tmp_path) == [str(tmp_path)] * 3
+    for rank in range(3):
+        mine = [e for e in read_events(tmp_path / f"rank{rank}.jsonl") if e["event"] == "test.mine"]
+        assert [(e["rank"], e["said"]) for e in mine] == [(rank, rank)], mine
+    assert (log.log_dir(), log.STATE.enabled) == before
