@@ -35,6 +35,7 @@ HEAVY_FIRST = (
     "tests/chaos/test_chaos_faults.py::test_in_rank_errors_recover_bitwise",
     "tests/chaos/test_chaos_cluster_faults.py::test_straggler_corrupted_checkpoint_and_preemption",
     "tests/chaos/test_replica_faults.py::test_a_lost_hsdp_group_restarts_alone_heals_and_the_run_is_its_replay_bitwise",
+    "tests/chaos/test_replica_faults.py::test_losing_every_up_to_date_group_rolls_back_to_the_newest_checkpoint_and_the_run_goes_on",
     "tests/commlib/test_process_group.py::test_unmodified_trainer_over_commlib_matches_plain_gloo",
     "tests/chaos/test_chaos_resume_proof.py::test_correct_resume_passes",
     "tests/workload/test_model.py::test_ranks_of_one_host_compile_a_cold_kernel_once",
