@@ -60,6 +60,7 @@ from typing import Any
 from chaos.cleanup import Guard
 from chaos.disk import SmallDisk
 from chaos.external import TYPED_ERRORS, ExternalFaults
+from chaos.files import publish
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
 from chaos.job import REFERENCE_TRAINER, Job, free_port, torchrun_commands
 from chaos.net import DEVICE, Network
@@ -340,21 +341,14 @@ def _join(job: Job, plan: Plan, run_dir: Path) -> None:
     shared = {**job.to_dict(), "node_rank": None, "rdzv_endpoint": None}  # the head may move on a requeue
     for name, data in (("job.json", shared), ("plan.json", plan.to_dict())):
         path = run_dir / name
-        text = json.dumps(data, indent=2) + "\n"
-        partial = run_dir / f".{name}.{os.getpid()}"
-        partial.write_text(text)
-        try:
-            os.link(partial, path)  # whole or absent, and never over a peer's
-        except FileExistsError:
+        if not publish(path, json.dumps(data, indent=2) + "\n"):  # a peer's came first
             found = json.loads(path.read_text())
             if found != data:
                 differ = sorted(k for k in data.keys() | found.keys() if data.get(k) != found.get(k))
                 raise ValueError(
                     f"run_job: expected {path} to be this job's, to join it; found another "
                     f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)"
-                ) from None
-        finally:
-            partial.unlink()
+                )
     if (run_dir / "report.json").exists():
         raise ValueError(
             f"run_job: expected a multi-node run still going on in {run_dir}; found its verdict written (report.json)"

@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from chaos.files import write_atomic
 from chaos.harness import Job, JobOutcome, first_attempt, journal_name, run_job
 from chaos.plan import Plan
 from chaos.report import Report
@@ -182,9 +183,7 @@ def _reference(
             "run": ok and not (final / RESULTS).is_file(),
             "work": str(work),
         }
-        partial = run_dir / f".{DECISION}.{os.getpid()}"
-        partial.write_text(json.dumps(decision) + "\n")
-        os.replace(partial, run_dir / DECISION)
+        write_atomic(run_dir / DECISION, json.dumps(decision) + "\n")
         if decision["run"] and _run_reference(job, work, timeout_s, progress) and (work / RESULTS).is_file():
             shutil.rmtree(final, ignore_errors=True)
             os.replace(work, final)

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from chaos.files import write_json_atomic
+
 FORMAT = 1
 _RESERVED = ("format", "steps", "losses", "losses_hex", "state_digest")
 
@@ -111,30 +113,6 @@ def write_results(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, results)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as strict JSON to `path` via a fsynced temporary file and a rename.
-
-    A reader sees the old file or the whole new one, never part of it, even if the writer
-    is killed. Non-finite floats are refused: they are not JSON.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make the renames inside `directory` survive a machine crash."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_results(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import torch
 
 from chaos.comparison import compare
 from chaos.fault import FaultType, TriggerKind
+from chaos.files import work_directory
 from chaos.harness import RECOVERY_ONLY_FLAGS, Job, JobOutcome, run_job, trainer_deadline
 from chaos.plan import PartitionOutcome, Plan, partition_outcome
 from chaos.report import FaultResult, Report
@@ -140,8 +141,7 @@ def ensure_reference(
     with locked(root / f"{key}.lock"):
         if (final / RESULTS).is_file():
             return final
-        work = root / f"{key}.tmp-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
+        work = work_directory(root, f"{key}.tmp-")
         if job.rdzv_endpoint is not None:  # its nodes run it together (chaos.multinode), or it failed
             raise ReferenceRunError(
                 f"the fault-free reference of this multi-node job is not in {final}: its "

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import commlib
-from chaos.results import fsync_dir, write_json_atomic
+from chaos.files import fsync_dir, write_json_atomic
 
 MARKER = "COMPLETE.json"
 TRAINER_STATE = "trainer.json"

@@ -242,7 +242,7 @@ def test_ensure_reference_recomputes_after_a_library_edit(tmp_path, library_copy
 
     def fake_run_job(job, plan, run_dir, **kwargs):
         runs.append(Path(run_dir))
-        Path(run_dir).mkdir(parents=True)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)  # made empty for it (chaos.files.work_directory)
         (Path(run_dir) / RESULTS).write_text(f"run {len(runs)}\n")
         return JobOutcome(Path(run_dir), 0, 0, [0])
 
