@@ -119,19 +119,20 @@ def read_steps(run_dir: Path) -> Steps:
 
 def final_lineage(records: list[StepRecord]) -> list[StepRecord]:
     """The executions the last record descends from, oldest first (module docstring): from the
-    last record back, each step's latest execution before the one after it. It starts past
-    step 1 where an earlier step was never recorded."""
+    last record back, each step's latest execution before the one after it. Where a step was
+    never recorded before it (a step skipped), the walk goes on from the latest earlier lower one."""
     if not records:
         return []
     chain, at = [records[-1]], len(records) - 1
-    while chain[-1].step > 1:
+    while True:
         want = chain[-1].step - 1
         earlier = next((k for k in range(at - 1, -1, -1) if records[k].step == want), None)
         if earlier is None:
-            break
+            earlier = next((k for k in range(at - 1, -1, -1) if records[k].step < want), None)
+        if earlier is None:
+            return chain[::-1]
         chain.append(records[earlier])
         at = earlier
-    return chain[::-1]
 
 
 @dataclass

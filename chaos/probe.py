@@ -45,6 +45,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,10 +62,14 @@ DIGEST_CHARS = 32  # of the sha256 hex: 128 bits
 MOST_SCANS = 5
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, or `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of this rank's part of `t` (a DTensor's local shard), on the CPU."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+    return _local(t).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _update(h: Any, value: Any) -> None:
@@ -129,11 +134,19 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> int | None:
         for p in group["params"]:
             step = optimizer.state.get(p, {}).get("step")
             if isinstance(step, torch.Tensor):
-                local = step.to_local() if hasattr(step, "to_local") else step
-                return int(local.item())
+                return int(_local(step).item())
             if isinstance(step, (int, float)):
                 return int(step)
     return None
+
+
+@dataclass
+class _Seen:
+    """An optimizer the probe has seen, and its steps in this process."""
+
+    ref: weakref.ref[torch.optim.Optimizer]
+    steps: int = 0  # training steps it took in this process
+    backwards: int | None = None  # the probe's backward count at its last training step
 
 
 class StepProbe:
@@ -141,13 +154,12 @@ class StepProbe:
 
     def __init__(self, digest_every: int = 1) -> None:
         self.digest_every = digest_every
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        self._counts: dict[int, int] = {}  # id(optimizer) -> its steps in this process
+        self._optimizers: list[_Seen] = []  # by index: a dead one's index goes to the next new one
+        self._stepped = False  # any optimizer took a training step in this process
         self._scans = 0
         self._depth = 0
         self._in_backward = False
         self._backwards = 0  # backward calls so far
-        self._stepped_after: dict[int, int] = {}  # id(optimizer) -> `_backwards` at its last step
         self._announced: int | None = None
         self._step_started = time.perf_counter()
         self._rng: str | None = None
@@ -214,12 +226,12 @@ class StepProbe:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         index = self._index(optimizer)
-        if self._stepped_after.get(id(optimizer), 0) == self._backwards:
-            return  # no backward since its last step: not a training step (DCP's state initialisation)
-        self._stepped_after[id(optimizer)] = self._backwards
-        self._counts[id(optimizer)] = self._counts.get(id(optimizer), 0) + 1
+        seen = self._optimizers[index]
+        if not self._trained(optimizer, seen):
+            return  # not a training step (DCP's state initialisation)
+        seen.backwards, seen.steps, self._stepped = self._backwards, seen.steps + 1, True
         own = optimizer_step(optimizer)
-        step = own if own is not None else self._counts[id(optimizer)]
+        step = own if own is not None else seen.steps
         if not self._described:
             self._described = True
             self._describe(source="optimizer" if own is not None else "count")
@@ -238,6 +250,17 @@ class StepProbe:
             record["optim"] = optim_digest(optimizer)
         commlib.get_logger().info("train.step", **record)
 
+    def _trained(self, optimizer: torch.optim.Optimizer, seen: _Seen) -> bool:
+        """Whether the step it just took applied gradients of a backward: one ran since its last
+        step; before its first, it had a nonzero gradient (DCP gives an empty optimizer zeros)."""
+        if seen.backwards is not None:
+            return seen.backwards != self._backwards
+        return any(
+            p.grad is not None and bool(_local(p.grad).any())
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
+
     # -- steps ---------------------------------------------------------------------------
     def restart_step(self) -> None:
         """The step in progress failed: it starts over at the next outermost module call."""
@@ -254,7 +277,7 @@ class StepProbe:
     def _next_step(self) -> int | None:
         """The step the next optimizer step will be: its optimizer's count + 1 (None: no optimizer yet)."""
         first = next(self._live(), None)
-        if first is None and not self._counts and self._scans < MOST_SCANS:
+        if first is None and not self._stepped and self._scans < MOST_SCANS:
             self._scans += 1
             # type(), not isinstance: the latter asks every object its __class__, and some
             # (torch.distributed.reduce_op) warn when asked anything.
@@ -264,16 +287,23 @@ class StepProbe:
         if first is None:
             return None
         own = optimizer_step(first)
-        return (own if own is not None else self._counts.get(id(first), 0)) + 1
+        return (own if own is not None else self._optimizers[self._index(first)].steps) + 1
 
     def _live(self) -> Iterator[torch.optim.Optimizer]:
-        return (o for o in (ref() for ref in self._optimizers) if o is not None)
+        return (o for o in (seen.ref() for seen in self._optimizers) if o is not None)
 
     def _index(self, optimizer: torch.optim.Optimizer) -> int:
-        for i, ref in enumerate(self._optimizers):
-            if ref() is optimizer:
+        """The optimizer's index in this process; a new one takes the first index whose optimizer
+        is gone (a trainer that makes its optimizer again keeps its records' index)."""
+        for i, seen in enumerate(self._optimizers):
+            if seen.ref() is optimizer:
                 return i
-        self._optimizers.append(weakref.ref(optimizer))
+        new = _Seen(weakref.ref(optimizer))
+        for i, seen in enumerate(self._optimizers):
+            if seen.ref() is None:
+                self._optimizers[i] = new
+                return i
+        self._optimizers.append(new)
         return len(self._optimizers) - 1
 
     def _describe(self, source: str) -> None:

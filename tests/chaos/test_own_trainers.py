@@ -53,7 +53,7 @@ def test_a_users_trainer_recovers_bitwise_from_a_kill_a_hang_a_delay_and_a_preem
     ("stale", "step 3 on rank 0 (the first step after attempt 1 resumed from step 2)", "it drew other data"),
     ("rng", "step 5 on rank 0 (the first step after attempt 1 resumed from step 4)",
      "torch's RNG state at its start differs too"),
-])
+], ids=["skip", "stale", "rng"])
 def test_a_wrong_resume_fails_naming_the_first_step_that_differs(bug, first, found, tmp_path, reference_dir,
                                                                  capsys, leftovers, monkeypatch):
     """The job recovers as far as the harness can see (killed, restarted, finished); only the step
