@@ -28,9 +28,10 @@
 After each optimizer step the rank logs ``train.step`` to its commlib log (one ``os.write`` per
 line: a killed rank leaves whole lines): ``step``, ``opt`` (the optimizer's index in this
 process), ``loss`` (the last scalar, a float) and ``losses`` (all, as ``float.hex``), ``data`` and
-``rng`` digests, ``step_time_s``, and, every `DIGEST_EVERY_ENV`-th step, ``params`` and ``optim``:
-sha256 of the optimizer's parameters and of its state and hyperparameters (local shards of
-DTensors: sharded and replicated alike, each rank its own). The first step of a process is
+``rng`` digests, ``step_time_s`` (from its start to the end of the optimizer's step), and, every
+`DIGEST_EVERY_ENV`-th step, ``params`` and ``optim``: sha256 of the optimizer's parameters and
+of its state and hyperparameters (local shards of DTensors: sharded and replicated alike, each
+rank its own), and ``digest_s``, what taking them cost. The first step of a process is
 preceded by ``train.probe``: the backend the trainer's default process group runs over, its
 collective deadline where commlib has it, the step source.
 Hooks skip their work while torch compiles (`torch.compiler.is_compiling`), so a compiled
@@ -246,8 +247,10 @@ class StepProbe:
             "step_time_s": time.perf_counter() - self._step_started,
         }
         if step % self.digest_every == 0:
+            started = time.perf_counter()
             record["params"] = params_digest(optimizer)
             record["optim"] = optim_digest(optimizer)
+            record["digest_s"] = time.perf_counter() - started
         commlib.get_logger().info("train.step", **record)
 
     def _trained(self, optimizer: torch.optim.Optimizer, seen: _Seen) -> bool:
