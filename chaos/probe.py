@@ -17,10 +17,11 @@
   (``chaos.step`` in the log; the injector arms the step's faults). Before the first optimizer
   step of a process its optimizers are found among the live objects (`gc`), so a resumed
   process starts from its optimizer's count.
-- a step that failed starts over at the next outermost call (its losses and data so far
-  dropped): commlib raised a typed error (a process-wide failure hook), or the injector acted
-  a fault that fails the step (`restart_step`); a trainer that recovers in its process rolls
-  back and runs the step again.
+- a step starts over (its losses and data so far dropped) at the next outermost call after it
+  failed (commlib raised a typed error: a process-wide failure hook; or the injector acted a
+  fault that fails the step: `restart_step`), or once the optimizer's count went back to or
+  before the last step recorded (a trainer that recovers in its process rolls back and runs
+  the steps again).
 - `torch.autograd.backward`, wrapped (``Tensor.backward`` calls it): each scalar a backward
   runs from is one of the step's losses (several under gradient accumulation). torch has no
   process-wide hook on backward itself; this wrapper only records and delegates.
@@ -161,7 +162,8 @@ class StepProbe:
         self._depth = 0
         self._in_backward = False
         self._backwards = 0  # backward calls so far
-        self._announced: int | None = None
+        self._announced: int | None = None  # the step started last
+        self._recorded = 0  # the last step recorded (that the state had reached)
         self._step_started = time.perf_counter()
         self._rng: str | None = None
         self._data = hashlib.sha256()
@@ -207,7 +209,8 @@ class StepProbe:
         self._depth += 1
         if self._depth == 1:
             step = self._next_step()
-            if step is not None and step != self._announced:
+            # A step not started yet, or one the state went back before (a rollback, a load).
+            if step is not None and (step != self._announced or step <= self._recorded):
                 self._start(step)
 
     def _after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -252,6 +255,7 @@ class StepProbe:
             record["optim"] = optim_digest(optimizer)
             record["digest_s"] = time.perf_counter() - started
         commlib.get_logger().info("train.step", **record)
+        self._recorded = step
 
     def _trained(self, optimizer: torch.optim.Optimizer, seen: _Seen) -> bool:
         """Whether the step it just took applied gradients of a backward: one ran since its last
@@ -268,10 +272,9 @@ class StepProbe:
     def restart_step(self) -> None:
         """The step in progress failed: it starts over at the next outermost module call."""
         self._announced = None
-        self._depth = 0
 
     def _start(self, step: int) -> None:
-        self._announced = step
+        self._announced, self._recorded = step, min(self._recorded, step - 1)
         self._step_started = time.perf_counter()
         self._rng = rng_digest()
         self._losses, self._data, self._data_seen = [], hashlib.sha256(), False

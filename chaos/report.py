@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,11 +126,12 @@ class Report:
         if self.timed_out:
             lines.append("  the harness's timeout expired: the job was stopped")
         lines.append(f"  faults ({len(self.faults)} fired):")
+        later = sorted(f.injected_ts_ns for f in self.faults)
         for f in self.faults:
             lines += _wrapped(_describe(f), "    ", "      ")
             for name, ok in f.verdicts.items():
                 lines.append(f"      [{'ok' if ok else 'FAILED'}] {name}")
-            problem = _problem_of(f)
+            problem = _problem_of(f, next((t for t in later if t > f.injected_ts_ns), None))
             if problem is not None:
                 lines += _wrapped(
                     f"doctor, attempt {f.attempt}: {problem.get('kind')} {problem.get('ranks')}: "
@@ -184,12 +186,21 @@ def _wrapped(text: str, first: str, later: str) -> list[str]:
     return lines
 
 
-def _problem_of(f: FaultResult) -> dict[str, Any] | None:
-    """The doctor's problem about this firing: the first of its attempt's problems that names the
-    faulted rank (an attempt may hold several faults), else the attempt's first."""
-    problems = (f.diagnosis or {}).get("problems") or []
-    named = [p for p in problems if f.rank in (p.get("ranks") or [])]
-    return (named or problems or [None])[0]
+PROBLEM_LEAD_S = 1.0  # a problem may show this long before its fault's firing was noted
+
+
+def _problem_of(f: FaultResult, next_fault_ns: int | None) -> dict[str, Any] | None:
+    """The doctor's problem about this firing: of its attempt's problems (an attempt may hold
+    several faults), the first that showed from its firing to the next one, preferring one that
+    names the faulted rank; None where none did (a fault no collective saw: a corrupted input
+    the trainer caught)."""
+    since, until = f.injected_ts_ns - PROBLEM_LEAD_S * 1e9, next_fault_ns if next_fault_ns is not None else math.inf
+    timed = sorted(
+        (p for p in (f.diagnosis or {}).get("problems") or [] if since <= (p.get("ts_ns") or since) < until),
+        key=lambda p: p.get("ts_ns") or since,
+    )
+    named = [p for p in timed if f.rank in (p.get("ranks") or [])]
+    return (named or timed or [None])[0]
 
 
 def _describe(f: FaultResult) -> str:

@@ -226,7 +226,7 @@ def train(
         try:
             with commlib.context(step=step):
                 start = time.perf_counter()
-                result = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device, preemption.requested)
+                result = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device, preemption)
                 state.step = step
                 log.info(
                     "train.metrics",
@@ -357,9 +357,10 @@ def train_step(
     data_cfg: DataConfig,
     step: int,
     device: torch.device,
-    stop: bool = False,
+    preemption: Preemption | None = None,
 ) -> StepResult:
-    """One step on this rank's batch; `stop`: this rank asks the job to stop after it."""
+    """One step on this rank's batch. A SIGTERM `preemption` noted by the end of its backward
+    (it may come at the step's start, where chaos holds a rank for it) asks the job to stop after it."""
     batch = batch_for(data_cfg, step, comm.rank).to(device)
     block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
     with commlib.context(phase="forward"):
@@ -367,6 +368,7 @@ def train_step(
     with commlib.context(phase="backward"):
         loss.backward()
     with commlib.context(phase="optimizer"):
+        stop = preemption is not None and preemption.requested
         result = check_finite_and_average(comm, step, loss, model, stop)
         # On a GPU engine a collective of this step that failed on the device raises only
         # here (its outputs are garbage): before they reach the weights, so the step rolls back.

@@ -1,6 +1,7 @@
 """The step probe (`chaos.probe`) in one process: what it counts as a step and how it numbers
 it, what each record holds, and that its digests see one ulp of any part of the state."""
 
+import copy
 import math
 
 import pytest
@@ -96,6 +97,24 @@ def test_a_failed_step_starts_over_with_nothing_of_its_failed_try(probed, tmp_pa
     assert events == [("chaos.step", 1), ("chaos.step", 1), ("train.step", 1)]
     [record] = read_steps(tmp_path).records[(0, 0)]
     assert len(record.losses) == 1
+
+
+def test_a_rollback_runs_its_steps_again_each_started_and_recorded_anew(probed, tmp_path):
+    """Steps 1-2, then the state of step 1 put back in place (an in-job rollback after a failure
+    the probe did not see: a save that failed after step 2): step 2 starts again, and its record
+    is the first run's, bitwise."""
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer, 1)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    _step(model, optimizer, 2)
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    for step in (2, 3):
+        _step(model, optimizer, step)
+    events = [(e["event"], e.get("step")) for e in _events(tmp_path) if e["event"] != "train.probe"]
+    assert events == [(name, step) for step in (1, 2, 2, 3) for name in ("chaos.step", "train.step")]
+    records = read_steps(tmp_path).records[(0, 0)]
+    assert [r.step for r in records] == [1, 2, 2, 3] and records[1] == records[2]
 
 
 def _ulp(t: torch.Tensor) -> None:
