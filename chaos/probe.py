@@ -19,9 +19,10 @@
   process starts from its optimizer's count.
 - a step starts over (its losses and data so far dropped) at the next outermost call after it
   failed (commlib raised a typed error: a process-wide failure hook; or the injector acted a
-  fault that fails the step: `restart_step`), or once the optimizer's count went back to or
-  before the last step recorded (a trainer that recovers in its process rolls back and runs
-  the steps again).
+  fault that fails the step: `restart_step`), once the optimizer's count went back to or
+  before the last step recorded, or when a backward ran in the step and its gradients are gone
+  (a trainer that recovers in its process rolls back, clears them and runs the step again;
+  a peer's failure it learned of from the trainer, not from commlib, shows only so).
 - `torch.autograd.backward`, wrapped (``Tensor.backward`` calls it): each scalar a backward
   runs from is one of the step's losses (several under gradient accumulation). torch has no
   process-wide hook on backward itself; this wrapper only records and delegates.
@@ -162,6 +163,7 @@ class StepProbe:
         self._depth = 0
         self._in_backward = False
         self._backwards = 0  # backward calls so far
+        self._backwards_at_start = 0  # `_backwards` when the step in progress started
         self._announced: int | None = None  # the step started last
         self._recorded = 0  # the last step recorded (that the state had reached)
         self._step_started = time.perf_counter()
@@ -209,17 +211,18 @@ class StepProbe:
         self._depth += 1
         if self._depth == 1:
             step = self._next_step()
-            # A step not started yet, or one the state went back before (a rollback, a load).
-            if step is not None and (step != self._announced or step <= self._recorded):
+            if step is not None and (step != self._announced or step <= self._recorded or self._tried_again()):
                 self._start(step)
 
-    def _after_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _after_forward(self, module: torch.nn.Module, args: Any, *rest: Any) -> None:
+        # (kwargs, output) after a forward; (output,) alone after one that raised: torch calls an
+        # always_call hook without the keyword arguments then.
         if self._in_backward or torch.compiler.is_compiling():
             return
         self._depth = max(self._depth - 1, 0)
-        if self._depth == 0:
+        if self._depth == 0 and len(rest) == 2:
             self._data_seen = True
-            _update(self._data, [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)])
+            _update(self._data, [leaf for leaf in tree_leaves((args, rest[0])) if isinstance(leaf, torch.Tensor)])
 
     def _on_backward(self, tensors: Any) -> None:
         self._backwards += 1
@@ -273,8 +276,18 @@ class StepProbe:
         """The step in progress failed: it starts over at the next outermost module call."""
         self._announced = None
 
+    def _tried_again(self) -> bool:
+        """Whether the step in progress is being run again: a backward ran in it, and its optimizer
+        holds no gradient now (a gradient accumulation's next micro-batch finds them there; a
+        trainer that rolled back cleared them)."""
+        if self._backwards == self._backwards_at_start:
+            return False
+        first = next(self._live(), None)
+        return first is not None and all(p.grad is None for g in first.param_groups for p in g["params"])
+
     def _start(self, step: int) -> None:
         self._announced, self._recorded = step, min(self._recorded, step - 1)
+        self._backwards_at_start = self._backwards
         self._step_started = time.perf_counter()
         self._rng = rng_digest()
         self._losses, self._data, self._data_seen = [], hashlib.sha256(), False

@@ -85,12 +85,15 @@ def test_a_step_of_several_backwards_holds_each_loss_and_all_its_data(probed, tm
     assert read_steps(tmp_path).records[(0, 0)][-1].data != record.data
 
 
-def test_a_failed_step_starts_over_with_nothing_of_its_failed_try(probed, tmp_path):
-    """A failure in step 1 (commlib's error, an injected fault: `restart_step`), then step 1 run
-    again: announced again, and its record holds only the try that completed."""
+@pytest.mark.parametrize("told", [True, False], ids=["told", "gradients-cleared"])
+def test_a_failed_step_starts_over_with_nothing_of_its_failed_try(probed, tmp_path, told):
+    """A failure in step 1, told (commlib's error, an injected fault: `restart_step`) or not (a
+    peer's failure the trainer learned of: only its gradients cleared for the retry show it),
+    then step 1 run again: announced again, and its record holds only the try that completed."""
     model, optimizer = _model_and_optimizer()
     model(torch.ones(8, 4)).sum().backward()
-    probed.restart_step()
+    if told:
+        probed.restart_step()
     optimizer.zero_grad()
     _step(model, optimizer, 1)
     events = [(e["event"], e.get("step")) for e in _events(tmp_path) if e["event"] != "train.probe"]
@@ -115,6 +118,21 @@ def test_a_rollback_runs_its_steps_again_each_started_and_recorded_anew(probed, 
     assert events == [(name, step) for step in (1, 2, 2, 3) for name in ("chaos.step", "train.step")]
     records = read_steps(tmp_path).records[(0, 0)]
     assert [r.step for r in records] == [1, 2, 2, 3] and records[1] == records[2]
+
+
+def test_a_forward_that_raised_inside_leaves_the_next_one_outermost(probed, tmp_path):
+    """A forward that raised in a nested module (a collective timing out inside FSDP's hook), then
+    the step run again: its data is the try that completed, as in a run where nothing raised."""
+    model, optimizer = _model_and_optimizer()
+    raising = model[1].register_forward_pre_hook(lambda module, args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        model(torch.ones(8, 4))
+    raising.remove()
+    _step(model, optimizer, 1)
+    clean_model, clean_optimizer = _model_and_optimizer()
+    _step(clean_model, clean_optimizer, 1)
+    records = read_steps(tmp_path).records
+    assert records[(0, 0)][0].data == records[(0, 1)][0].data is not None
 
 
 def _ulp(t: torch.Tensor) -> None:
