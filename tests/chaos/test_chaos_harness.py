@@ -63,6 +63,19 @@ def test_a_plan_the_trainer_cannot_fire_is_refused_before_its_launch(tmp_path, r
     assert not (run_dir / "job.json").exists()  # nothing launched
 
 
+def test_a_trainer_whose_fault_free_runs_differ_is_said_first_to_be_not_reproducible(tmp_path, reference_dir):
+    """No fault at all, and the run differs from its reference: a second fault-free run differs
+    too, and the report says first that the trainer is not reproducible, blaming no recovery."""
+    report = chaos.run(None, tmp_path / "run", ["--steps", "3", "--unseeded"], trainer=TOY,
+                       reference_dir=reference_dir, png=False)
+    assert not report.passed and report.checks["reproducible"] is False, report.summary()
+    assert report.problems[0].startswith(
+        "reproducible: expected two fault-free runs of the trainer to compute the same steps bitwise; found step 1 "
+        "on rank 0 differs from the reference's: its data, loss, parameters, optimizer state"), report.problems
+    assert "may be the trainer's own, not the recovery's" in report.problems[0]
+    assert list(report.checks).index("reproducible") < list(report.checks).index("steps_exact")
+
+
 def test_failed_job_is_reported_and_leaves_nothing(tmp_path, leftovers):
     run_dir = tmp_path / "run"
     report = chaos.run(None, run_dir, ["--steps", "4", "--fail-rank", "1"], trainer=TOY, verify=False, png=False)

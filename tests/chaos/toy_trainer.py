@@ -4,7 +4,8 @@ neither chaos nor commlib (its default process group is commlib's by the backend
 One linear layer, Adam (or SGD: `--optimizer sgd`, which keeps no step count), one all_reduce
 of the gradient per step, no checkpoint: a restarted job trains from step 1 again.
 ``--step-time`` makes a step that long (a sleep inside it), so a test can stop the harness
-while the job is busy; ``--fail-rank`` makes that rank exit 1 at step 2, in every attempt.
+while the job is busy; ``--fail-rank`` makes that rank exit 1 at step 2, in every attempt;
+``--unseeded`` adds noise drawn from the OS to each input, so that no two runs compute the same.
 """
 
 import argparse
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--backend", default="commlib")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits 1 at step 2, in every attempt")
+    p.add_argument("--unseeded", action="store_true", help="noise from the OS in every input")
     args = p.parse_args()
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
@@ -35,7 +37,10 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if rank == args.fail_rank and step == 2:
             os._exit(1)
-        loss = layer(torch.full((1, 4), float(step + rank))).sum()
+        x = torch.full((1, 4), float(step + rank))
+        if args.unseeded:
+            x += torch.rand(1, 4, generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little")))
+        loss = layer(x).sum()
         time.sleep(args.step_time)
         loss.backward()
         dist.all_reduce(layer.weight.grad)
