@@ -116,12 +116,12 @@ class Injector:
         rank: int,
         ledger: Ledger,
         start_ns: int,
-        attempt: int,
+        attempt: int | None = None,
         *,
         external_wait_s: float = EXTERNAL_WAIT_S,
     ) -> None:
         self.rank = rank
-        self.attempt = attempt
+        self._attempt = attempt
         self._ledger = ledger
         self._start_ns = start_ns
         self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
@@ -142,6 +142,12 @@ class Injector:
         self.step: int | None = None
         self.on_step_failed: Callable[[], None] | None = None
         self._handle = commlib.register_pre_hook(self._pre_hook)
+
+    @property
+    def attempt(self) -> int:
+        """This rank's attempt: as given, or else commlib's (`attempt_number`), read at each use,
+        since the ranks agree on it in the trainer's first communicator, after this is made."""
+        return self._attempt if self._attempt is not None else attempt_number()
 
     def close(self) -> None:
         self._handle.remove()
@@ -367,7 +373,6 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
         rank = comm.world_rank if comm is not None else settings.integer(os.environ.get("RANK", ""), "RANK", low=0)
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
     start_ns = settings.env_integer(START_ENV, time.time_ns(), low=0)
-    attempt = attempt_number()
     wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
     if comm is not None:
         for i, f in enumerate(plan.faults):
@@ -377,6 +382,6 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
                     f"collective deadline ({comm.timeout * 1000:g} ms), so that it slows the job "
                     f"without failing it; found ms={f.ms:g} (use delay to go past the deadline)"
                 )
-    injector = Injector(plan, rank, Ledger(state), start_ns, attempt, external_wait_s=wait_s)
+    injector = Injector(plan, rank, Ledger(state), start_ns, external_wait_s=wait_s)
     _INSTALLED.append(injector)
     return injector

@@ -30,7 +30,8 @@
 After each optimizer step the rank logs ``train.step`` to its commlib log (one ``os.write`` per
 line: a killed rank leaves whole lines): ``step``, ``opt`` (the optimizer's index in this
 process), ``loss`` (the last scalar, a float) and ``losses`` (all, as ``float.hex``), ``data`` and
-``rng`` digests, ``step_time_s`` (from its start to the end of the optimizer's step), and, every
+``rng`` digests, ``step_time_s`` (from its start, after any hold for a fault, to the end of the
+optimizer's step), and, every
 `DIGEST_EVERY_ENV`-th step, ``params`` and ``optim``: sha256 of the optimizer's parameters and
 of its state and hyperparameters (local shards of DTensors: sharded and replicated alike, each
 rank its own), and ``digest_s``, what taking them cost. The first step of a process is
@@ -288,10 +289,10 @@ class StepProbe:
     def _start(self, step: int) -> None:
         self._announced, self._recorded = step, min(self._recorded, step - 1)
         self._backwards_at_start = self._backwards
-        self._step_started = time.perf_counter()
         self._rng = rng_digest()
         self._losses, self._data, self._data_seen = [], hashlib.sha256(), False
-        inject.on_step_start(step)
+        inject.on_step_start(step)  # may hold the step for a fault of the harness's: not its time
+        self._step_started = time.perf_counter()
 
     def _next_step(self) -> int | None:
         """The step the next optimizer step will be: its optimizer's count + 1 (None: no optimizer yet)."""
