@@ -120,7 +120,8 @@ class Report:
         lines = [
             f"chaos run {self.run_dir}: {verdict} ({held}/{len(self.checks)} checks held)",
             f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({backend}), "
-            f"{self.steps_done} steps, {self.restarts} restarts, {self.duration_s:.1f} s"
+            f"{self.steps_done} steps, {self.restarts} restart{'' if self.restarts == 1 else 's'}, "
+            f"{self.duration_s:.1f} s"
             + (f", cold start to first step {self.cold_start_s:.1f} s" if self.cold_start_s else ""),
         ]
         if self.timed_out:
