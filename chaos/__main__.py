@@ -5,7 +5,8 @@ run as a Slurm job, one harness per node (`chaos.slurm.batch`).
     python -m chaos run --fault kill:rank=1,step=5 --fault hang:rank=0,step=9 -- --steps 12
     python -m chaos run --plan plan.yaml --nproc-per-node 4
     python -m chaos run --soak 20 --seed 7                # 20 faults drawn from seed 7 (chaos.soak)
-    python -m chaos run --trainer my_train.py --fault kill:rank=1,step=20 -- --its-own-args   # any trainer, unmodified
+    python -m chaos run --trainer my_train.py --fault kill:rank=1,step=20 -- --its-own-args
+                                                          # any trainer, unmodified
 
 One machine of a multi-node job runs its node's harness; node 0 gives the verdict once every
 node is done (`chaos.multinode`)::

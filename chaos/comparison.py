@@ -28,12 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos.probe import PROBE_EVENT, STEP_EVENT
 from commlib.observe.log import rank_segments, read_rank
 from commlib.observe.records import rank_list  # steps as ranges, as ranks are
-
-STEP_EVENT = "train.step"
-PROBE_EVENT = "train.probe"
-STEP_EVENTS = frozenset({STEP_EVENT, PROBE_EVENT, "chaos.step"})
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,7 @@ class StepRecord:
     rng: str | None
     params: str | None
     optim: str | None
+    ts_ns: int = field(default=0, compare=False)  # when it was logged: not what the step computed
 
     @classmethod
     def from_event(cls, e: dict[str, Any]) -> StepRecord:
@@ -64,6 +62,7 @@ class StepRecord:
             rng=e.get("rng"),
             params=e.get("params"),
             optim=e.get("optim"),
+            ts_ns=int(e.get("ts_ns", 0)),
         )
 
 
@@ -83,7 +82,7 @@ class Steps:
 
     @property
     def backend(self) -> str | None:
-        """What the ranks' default process group ran over, as the probe saw it (``commlib over gloo``)."""
+        """What the ranks' default process group ran over ("commlib over gloo")."""
         for p in self.probes:
             if p.get("backend"):
                 engine = p.get("engine")
@@ -99,6 +98,11 @@ class Steps:
     @property
     def last_step(self) -> int:
         return max((r[-1].step for r in self.records.values() if r), default=0)
+
+    @property
+    def last_step_ns(self) -> int | None:
+        """When the last record of any rank was logged (wall clock)."""
+        return max((r.ts_ns for records in self.records.values() for r in records), default=None)
 
 
 def read_steps(run_dir: Path) -> Steps:
@@ -120,7 +124,8 @@ def read_steps(run_dir: Path) -> Steps:
 def final_lineage(records: list[StepRecord]) -> list[StepRecord]:
     """The executions the last record descends from, oldest first (module docstring): from the
     last record back, each step's latest execution before the one after it. Where a step was
-    never recorded before it (a step skipped), the walk goes on from the latest earlier lower one."""
+    never recorded before it (a step skipped), the walk goes on from the latest earlier lower
+    one."""
     if not records:
         return []
     chain, at = [records[-1]], len(records) - 1
@@ -139,7 +144,8 @@ def final_lineage(records: list[StepRecord]) -> list[StepRecord]:
 class Comparison:
     checks: dict[str, bool] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    first_difference: str | None = None  # the first step that differs, what differs and what it points to
+    # The first step that differs, what differs in it and what that points to.
+    first_difference: str | None = None
 
     @property
     def equal(self) -> bool:
@@ -148,7 +154,7 @@ class Comparison:
 
 
 def _what_differs(got: StepRecord, want: StepRecord) -> list[str]:
-    """The parts of one step's record that differ (digests not taken on either side are not compared)."""
+    """The parts of one step's record that differ (a digest one side lacks is not compared)."""
     parts = []
     if got.data != want.data:
         parts.append("data")
@@ -165,24 +171,27 @@ def _explain(parts: list[str], got: StepRecord, want: StepRecord) -> str:
     """What a first difference points to."""
     if got.rng != want.rng:
         return (
-            "torch's RNG state at its start differs too: a trainer that does not restore its RNG state on "
-            "resume draws other random numbers (batches, dropout) than an uninterrupted run"
+            "torch's RNG state at its start differs too: a trainer that does not restore its "
+            "RNG state on resume draws other random numbers (batches, dropout) than an "
+            "uninterrupted run"
         )
     if "data" in parts:
         return (
-            "it drew other data from the same torch RNG state: the data position (a sampler's, an iterator's), "
-            "another RNG (Python's random, NumPy's) or the step the trainer believes it is at was not restored, "
-            "or a step was skipped or run twice"
+            "it drew other data from the same torch RNG state: the data position (a sampler's, "
+            "an iterator's), another RNG (Python's random, NumPy's) or the step the trainer "
+            "believes it is at was not restored, or a step was skipped or run twice"
         )
     if "loss" in parts:
         return (
-            "the same data gave another loss: the state the step started from differs from the reference's "
-            "(parameters or buffers not restored), or the forward pass is not deterministic"
+            "the same data gave another loss: the state the step started from differs from the "
+            "reference's (parameters or buffers not restored), or the forward pass is not "
+            "deterministic"
         )
     if "parameters" in parts:
         return (
-            "the same data and loss gave other parameters: the update differs (gradients from a collective "
-            "that lost or doubled a contribution, or an optimizer state that was not restored)"
+            "the same data and loss gave other parameters: the update differs (gradients from a "
+            "collective that lost or doubled a contribution, or an optimizer state that was not "
+            "restored)"
         )
     return "the parameters are equal but the optimizer state differs: its moments or step count were not restored"
 
@@ -225,7 +234,7 @@ def _lineage_comparison(got: list[StepRecord], want: list[StepRecord], who: str,
 
 
 def _final_state(last: StepRecord | None, ref: StepRecord | None, who: str, out: Comparison, *, placed: bool) -> None:
-    """The last state digests of a rank against the reference's (at the same step, where steps are placed)."""
+    """A rank's last state digests against the reference's (at the same step where placed)."""
     equal = (
         last is not None
         and ref is not None
@@ -255,7 +264,8 @@ def _last_digest(records: list[StepRecord]) -> StepRecord | None:
 
 def compare(faulted: Steps, reference: Steps, *, placed: bool = True) -> Comparison:
     """The faulted run's steps against the reference's (module docstring). `placed` False: the
-    faulted run's steps cannot be placed (counted per process, with restarts): the final state only."""
+    faulted run's steps cannot be placed (counted per process, with restarts): the final state
+    only."""
     out = Comparison()
     if not reference.records:
         out.checks["steps_exact"] = False

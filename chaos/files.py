@@ -64,7 +64,7 @@ def publish(path: str | os.PathLike[str], text: str) -> bool:
 
 
 def work_directory(parent: str | os.PathLike[str], prefix: str) -> Path:
-    """A new empty directory in `parent` whose name starts with `prefix` and is this writer's alone."""
+    """A new empty directory in `parent`, named `prefix` and a suffix no other writer has."""
     return Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
 
 

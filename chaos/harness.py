@@ -184,7 +184,8 @@ def check_plan(
     own parser, which checks its arguments, and, where the job launches here (no `notice_s`), its
     devices against this machine's (`chaos.workload.arguments.check_devices`): ValueError naming
     the argument. Another trainer's `steps` and `deadline_s` are what its fault-free run showed
-    (`chaos.verify.check_against_reference`), or unknown (None): what depends on them is not checked."""
+    (`chaos.verify.check_against_reference`), or unknown (None): what depends on them is not
+    checked."""
     args = _reference_args(job)
     if args is not None and notice_s is None:
         from chaos.workload.arguments import check_devices

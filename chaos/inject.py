@@ -94,7 +94,8 @@ def installed() -> Injector | None:
 
 
 def on_step_start(step: int) -> None:
-    """A step starts in this rank: ``chaos.step`` in its log, and the injector's faults of that step armed."""
+    """A step starts in this rank: ``chaos.step`` in its log, and the injector's faults of the
+    step armed."""
     injector = installed()
     if injector is not None:
         injector.on_step_start(step)
@@ -360,7 +361,8 @@ def _flip_bytes(path: Path, offset: int, n: int) -> None:
 
 
 def install_from_env(comm: commlib.Communicator | None = None, rank: int | None = None) -> Injector | None:
-    """The injector for this rank when the harness set ``CHAOS_PLAN``, else None; `installed` from now on.
+    """The injector for this rank when the harness set ``CHAOS_PLAN`` (`installed` from then on),
+    else None.
 
     The plan's rank of this process: `rank` where given (a replica group's rank in the whole
     job, `chaos.workload.replica`), else `comm`'s world rank, else ``RANK`` from the environment.

@@ -101,7 +101,7 @@ class Job:
         return self.trainer.endswith(".py") or os.sep in self.trainer
 
     def trainer_argv(self, run_dir: Path) -> list[str]:
-        """The trainer and its arguments, as `chaos.entry` takes them (``-m MODULE`` or a script's path)."""
+        """The trainer and its arguments as `chaos.entry` takes them (``-m MODULE``, a script)."""
         argv = [os.path.abspath(self.trainer)] if self.is_script else ["-m", self.trainer]
         argv += [a.replace("{run_dir}", str(run_dir)) for a in self.trainer_args]
         if self.is_reference_trainer:

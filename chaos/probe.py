@@ -60,6 +60,8 @@ import commlib
 from chaos import inject
 
 DIGEST_EVERY_ENV = "CHAOS_DIGEST_EVERY"
+STEP_EVENT = "train.step"  # a step's record
+PROBE_EVENT = "train.probe"  # a process's description, before its first record
 DIGEST_CHARS = 32  # of the sha256 hex: 128 bits
 # How many times a process looks for its optimizers among the live objects before its first
 # optimizer step (once per outermost forward that finds none: a warm-up before it has one).
@@ -258,7 +260,7 @@ class StepProbe:
             record["params"] = params_digest(optimizer)
             record["optim"] = optim_digest(optimizer)
             record["digest_s"] = time.perf_counter() - started
-        commlib.get_logger().info("train.step", **record)
+        commlib.get_logger().info(STEP_EVENT, **record)
         self._recorded = step
 
     def _trained(self, optimizer: torch.optim.Optimizer, seen: _Seen) -> bool:
@@ -295,7 +297,7 @@ class StepProbe:
         self._step_started = time.perf_counter()
 
     def _next_step(self) -> int | None:
-        """The step the next optimizer step will be: its optimizer's count + 1 (None: no optimizer yet)."""
+        """The step the next optimizer step will be: its optimizer's count + 1 (None: none yet)."""
         first = next(self._live(), None)
         if first is None and not self._stepped and self._scans < MOST_SCANS:
             self._scans += 1
@@ -340,7 +342,7 @@ class StepProbe:
             else:
                 engine, deadline_s = comm.backend, comm.timeout
         commlib.get_logger().info(
-            "train.probe",
+            PROBE_EVENT,
             step_source=source,
             backend=backend,
             engine=engine,

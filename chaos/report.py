@@ -61,7 +61,7 @@ class FaultResult:
     requeued_after_s: float | None = None  # the same: to the job's next launch (Slurm ran it again)
     lost_ranks: list[int] | None = None  # node_loss: the ranks the node held in the attempt it broke
     last_checkpoint: int | None = None  # node_loss: the last checkpoint committed before it (0: none)
-    verdicts: dict[str, bool] = field(default_factory=dict)  # the checks about this firing: held or not
+    verdicts: dict[str, bool] = field(default_factory=dict)  # the checks about this firing
 
 
 @dataclass
@@ -79,9 +79,10 @@ class Report:
     diagnosis_error: str | None = None
     reference_dir: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
-    backend: str | None = None  # what the ranks' default process group ran over, as they recorded it
+    backend: str | None = None  # what the ranks' default process group ran over, as recorded
     step_source: str | None = None  # "optimizer" (its own step count) or "count" (each process's)
-    reproducibility: dict[str, str] = field(default_factory=dict)  # how both runs were made to agree bitwise
+    # How both runs were made to compute the same bits (`chaos.verify`).
+    reproducibility: dict[str, str] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     exit_codes: list[int | None] = field(default_factory=list)
     timed_out: bool = False

@@ -10,8 +10,9 @@ started after it), first completed step after the fault, the step resumed from (
 step the ranks started after it, ``chaos.step`` of the step probe, minus one: the step of the
 checkpoint loaded, or of the state rolled back to), and the steps executed again; and how the
 job recovered (``recovery``: "restart" when processes started after the fault, "in_job" when
-the same processes logged ``recovery.in_job``, so one attempt may hold several faults). `diagnose` gives the doctor's
-findings per attempt, which `chaos.verify` attaches to the firings and judges.
+the same processes logged ``recovery.in_job``, so one attempt may hold several faults).
+`diagnose` gives the doctor's findings per attempt, which `chaos.verify` attaches to the
+firings and judges.
 """
 
 from __future__ import annotations

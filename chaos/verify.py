@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from chaos.comparison import STEP_EVENT, Comparison, Steps, compare, final_lineage, read_steps
+from chaos.comparison import Comparison, Steps, compare, final_lineage, read_steps
 from chaos.fault import FaultType, TriggerKind
 from chaos.files import work_directory, write_json_atomic
 from chaos.harness import (
@@ -151,7 +151,7 @@ def locked(path: Path) -> Iterator[None]:
 def ensure_reference(
     job: Job, root: str | os.PathLike[str], *, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
 ) -> Path:
-    """The directory of the cached fault-free run of `job` (its logs and `REFERENCE`), run if missing."""
+    """The directory of the cached fault-free run of `job` (logs, `REFERENCE`), run if missing."""
     root = Path(root).absolute()
     key = reference_key(job)
     final = root / key
@@ -193,7 +193,7 @@ def mark_reference(run_dir: Path, start_ns: int) -> None:
     """`REFERENCE` in a completed fault-free run's directory: what its ranks showed of the
     trainer (`chaos.comparison.Steps`) and when its last step ended (since `start_ns`)."""
     steps = read_steps(run_dir)
-    ends = [e["ts_ns"] for e in _events(run_dir, STEP_EVENT)]
+    last_ns = steps.last_step_ns
     write_json_atomic(
         run_dir / REFERENCE,
         {
@@ -201,7 +201,7 @@ def mark_reference(run_dir: Path, start_ns: int) -> None:
             "step_source": steps.step_source,
             "backend": steps.backend,
             "deadline_s": steps.deadline_s,
-            "last_step_s": (max(ends) - start_ns) / 1e9 if ends else None,
+            "last_step_s": None if last_ns is None else (last_ns - start_ns) / 1e9,
         },
     )
 
@@ -210,11 +210,6 @@ def reference_summary(directory: Path) -> dict[str, Any]:
     """The `REFERENCE` of a completed fault-free run (`mark_reference`)."""
     summary: dict[str, Any] = json.loads((directory / REFERENCE).read_text())
     return summary
-
-
-def _events(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    logs = read_logs(run_dir)
-    return [e for e in (logs.events() if logs is not None else []) if e.get("event") == name]
 
 
 def check_against_reference(job: Job, plan: Plan, reference: Path, timeout_s: float | None = None) -> None:
@@ -657,7 +652,7 @@ def _reproducible(
 
 
 def _losses(steps: Steps) -> list[float]:
-    """The reference's loss per step, as the timeline shows the faulted run's: its lowest rank's last."""
+    """The reference's loss per step as the timeline shows the faulted run's: its lowest rank's."""
     if not steps.records:
         return []
     lineage = final_lineage(steps.records[min(steps.records)])
@@ -688,7 +683,8 @@ def _comparison_evidence(steps: Steps, job: Job, placed: bool) -> dict[str, str]
 
 
 def _reproducibility() -> dict[str, str]:
-    """How the ranks were made to compute the same bits in every run (`chaos.harness.REPRODUCIBLE_ENV`,
+    """How the ranks were made to compute the same bits in every run
+    (`chaos.harness.REPRODUCIBLE_ENV`,
     `chaos.entry`), as the report records it."""
     return {
         **{name: os.environ.get(name, value) for name, value in REPRODUCIBLE_ENV.items()},

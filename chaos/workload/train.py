@@ -360,7 +360,8 @@ def train_step(
     preemption: Preemption | None = None,
 ) -> StepResult:
     """One step on this rank's batch. A SIGTERM `preemption` noted by the end of its backward
-    (it may come at the step's start, where chaos holds a rank for it) asks the job to stop after it."""
+    (it may come at the step's start, where chaos holds a rank for it) asks the job to stop
+    after it."""
     batch = batch_for(data_cfg, step, comm.rank).to(device)
     block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
     with commlib.context(phase="forward"):
