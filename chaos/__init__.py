@@ -6,14 +6,16 @@
 
 or, from a shell, ``python -m chaos run`` (see ``chaos/__main__.py``).
 
-`run` launches the trainer under torchrun with restarts allowed (`chaos.harness`),
-injects the plan's faults (`chaos.plan`; from outside with signals, or from inside the
-ranks through commlib's hooks: `chaos.inject`), then compares the run with a fault-free
-reference of the same config (`chaos.verify`) and writes ``report.json`` and
-``report.png`` in the run directory (`chaos.report`).
+`run` runs (or finds cached) a fault-free reference of the job and checks the plan against
+what it showed of the trainer (`chaos.verify`), launches the trainer under torchrun with
+restarts allowed (`chaos.harness`; each rank through `chaos.entry`, which records its steps:
+`chaos.probe`), injects the plan's faults (`chaos.plan`; from outside with signals, or from
+inside the ranks through commlib's hooks: `chaos.inject`), then compares the run with the
+reference step by step (`chaos.verify`) and writes ``report.json`` and ``report.png`` in the
+run directory (`chaos.report`). Any trainer runs unmodified: docs/own-trainer.md.
 
-Ranks import `chaos.inject` and `chaos.results`; this package's own import stays light so
-they do not pay for the harness, psutil or matplotlib.
+Ranks import `chaos.entry`, `chaos.inject` and `chaos.probe`; this package's own import stays
+light so they do not pay for the harness, psutil or matplotlib.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def run(
     node_rank: int | None = None,
     rdzv_id: str | None = None,
     max_restarts: int | None = None,
+    digest_every: int = 1,
     reference_dir: str | os.PathLike[str] | None = None,
     verify: bool = True,
     png: bool = True,
@@ -60,11 +63,13 @@ def run(
     30-step run (`chaos.harness.DEFAULT_TRAINER_ARGS`).
     `reference_dir`: where fault-free references are cached by config (default
     ``<run_dir>/../.reference``); `verify=False` skips the reference and the bitwise checks.
+    `digest_every`: every how many steps the ranks digest their state (`chaos.probe`).
     `timeout_s` bounds each of the faulted and the reference runs; the job is stopped
     when it expires. Returns the `Report`; `report.passed` is the verdict. A bad value (of the
     plan, a directory that cannot be made, the reference trainer's arguments or the devices
     they need here) raises before anything starts: `chaos.plan.PlanError`, or ValueError
-    naming the value.
+    naming the value; so does, before the faulted run starts, a plan whose faults could not
+    fire in the trainer as its fault-free run showed it (`chaos.verify.check_against_reference`).
 
     With `rdzv_endpoint`, this process is the harness of one node (`node_rank`) of a
     multi-node job with rendezvous id `rdzv_id`, whose nodes share `run_dir` (`chaos.multinode`):
@@ -102,6 +107,7 @@ def run(
         rdzv_endpoint=rdzv_endpoint,
         node_rank=node_rank,
         rdzv_id=rdzv_id,
+        digest_every=digest_every,
     )
     plan = plan.resolve(job.world_size)
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
@@ -118,11 +124,21 @@ def run(
             timeout_s=timeout_s,
             progress=progress,
         )
-    outcome = harness.run_job(job, plan, run_dir, timeout_s=timeout_s, progress=progress)
+    harness.check_plan(job, plan, timeout_s)  # what needs no reference is refused before it runs
     root = None
+    reference: Path | verifier.ReferenceRunError | None = None
     if verify:
         root = Path(reference_dir) if reference_dir is not None else run_dir.absolute().parent / ".reference"
-    report = verifier.verify(job, plan, outcome, reference_root=root, timeout_s=timeout_s, progress=progress)
+        try:
+            reference = verifier.ensure_reference(job, root, timeout_s=timeout_s, progress=progress)
+        except verifier.ReferenceRunError as exc:
+            reference = exc  # the verdict says why there is no bitwise check
+        else:
+            verifier.check_against_reference(job, plan, reference, timeout_s)
+    outcome = harness.run_job(job, plan, run_dir, timeout_s=timeout_s, progress=progress)
+    report = verifier.verify(
+        job, plan, outcome, reference_root=root, timeout_s=timeout_s, progress=progress, reference=reference
+    )
     report.write(run_dir, png=png)
     return report
 

@@ -5,7 +5,8 @@ run as a Slurm job, one harness per node (`chaos.slurm.batch`).
     python -m chaos run --fault kill:rank=1,step=5 --fault hang:rank=0,step=9 -- --steps 12
     python -m chaos run --plan plan.yaml --nproc-per-node 4
     python -m chaos run --soak 20 --seed 7                # 20 faults drawn from seed 7 (chaos.soak)
-    python -m chaos run --trainer my_train.py --fault kill:rank=1,after_s=20 -- --results {run_dir}/results.json
+    python -m chaos run --trainer my_train.py --fault kill:rank=1,step=20 -- --its-own-args
+                                                          # any trainer, unmodified
 
 One machine of a multi-node job runs its node's harness; node 0 gives the verdict once every
 node is done (`chaos.multinode`)::
@@ -158,6 +159,13 @@ def _job_options(r: argparse.ArgumentParser) -> None:
         default=None,
         help="cache of fault-free references (default: <runs>/.reference)",
     )
+    r.add_argument(
+        "--digest-every",
+        type=count("--digest-every", low=1, high=LARGEST_INDEX),
+        default=1,
+        metavar="K",
+        help="digest each rank's parameters and optimizer state every K steps (losses and data: every step)",
+    )
     r.add_argument("--no-verify", action="store_true", help="skip the reference run and the bitwise checks")
     r.add_argument("--no-png", action="store_true", help="do not draw report.png")
 
@@ -275,6 +283,7 @@ def _plan(args: argparse.Namespace, trainer_args: list[str]) -> tuple[Plan, list
 def _run(args: argparse.Namespace, job: Job, plan: Plan, trainer_args: list[str]) -> int:
     import chaos
     from chaos.multinode import Stopped
+    from chaos.plan import PlanError
 
     try:
         report = chaos.run(
@@ -290,11 +299,15 @@ def _run(args: argparse.Namespace, job: Job, plan: Plan, trainer_args: list[str]
             node_rank=args.node_rank,
             rdzv_id=args.rdzv_id,
             max_restarts=args.max_restarts,
+            digest_every=args.digest_every,
             reference_dir=args.reference_dir,
             verify=not args.no_verify,
             png=not args.no_png,
             progress=_progress,
         )
+    except PlanError as exc:  # what the trainer's fault-free run showed the plan cannot do
+        print(f"\nchaos: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nchaos: interrupted; the job was stopped", file=sys.stderr)
         return 130

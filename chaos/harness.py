@@ -1,7 +1,8 @@
 """The harness: run a job under torchrun, break it as the plan says, and clean up after it.
 
 `run_job(job, plan, run_dir)` launches ``python -m torch.distributed.run`` (the command lines
-of `chaos.job`, which also owns what a `Job` is: one agent, or
+of `chaos.job`, which also owns what a `Job` is: every worker starts the trainer through
+`chaos.entry`, in the run's working directory ``{run_dir}/work``; one agent, or
 one agent per node when ``nnodes > 1`` runs on this machine, or with ``rdzv_endpoint`` the
 agent of one node of a multi-node job whose nodes each have a harness, `chaos.multinode`,
 joining their shared run directory) with ``--max-restarts``
@@ -9,8 +10,8 @@ from the plan, and then watches it until every agent exits or the harness's own 
 passes, polling:
 
 - the ranks' commlib logs (``{run_dir}/logs/rank{R}.jsonl``): ``chaos.step`` (a rank
-  starting a step; written by the in-rank injector), ``train.step`` (a step completed) and
-  typed errors;
+  starting a step) and ``train.step`` (a step completed), both written by the step probe
+  (`chaos.probe`), and typed errors;
 - the plan's external faults (`chaos.external`): ``kill``, ``hang``, ``sigterm``,
   ``disk_full``, the network faults and the Slurm faults, fired at the worker of their rank
   (when it runs here), held and released;
@@ -36,6 +37,11 @@ in its node's namespace (``ip netns exec``), on a rendezvous at node 0's address
 127.0.0.1, with gloo bound to the node's device (``GLOO_SOCKET_IFNAME``); namespaces and
 devices are removed after the run, whatever its end.
 
+Every rank's environment makes its numbers the same in every run of the job
+(`REPRODUCIBLE_ENV`: MKL's code path and thread count, cuBLAS's workspace; set before torch
+loads, unless the caller's environment sets them), and says where ``chaos run`` was started
+(`chaos.entry.LAUNCH_DIR_ENV`: a trainer module is imported from there).
+
 The harness's own events (launches, firings, releases, its end) go to
 ``{run_dir}/harness.jsonl`` (``harness{N}.jsonl`` for node N of a multi-node job) in the
 ranks' log format, each with the attempt number of its launch's first ranks (`first_attempt`:
@@ -59,11 +65,14 @@ from typing import Any
 
 from chaos.cleanup import Guard
 from chaos.disk import SmallDisk
+from chaos.entry import LAUNCH_DIR_ENV
 from chaos.external import TYPED_ERRORS, ExternalFaults
+from chaos.files import publish
 from chaos.inject import PLAN_ENV, START_ENV, STATE_ENV
-from chaos.job import REFERENCE_TRAINER, Job, free_port, torchrun_commands
+from chaos.job import REFERENCE_TRAINER, WORK_DIR, Job, free_port, torchrun_commands
 from chaos.net import DEVICE, Network
 from chaos.plan import FaultType, Ledger, Plan, PlanError, check_network, check_run
+from chaos.probe import DIGEST_EVERY_ENV
 from chaos.processes import JobProcesses, send
 from chaos.progress import Progress
 from commlib.attempt import MAX_RESTARTS_ENV, NODES_ENV, launch_base
@@ -108,6 +117,10 @@ def default_trainer_args(trainer: str) -> tuple[str, ...]:
 
 
 RUN_DIR_ENV = "CHAOS_RUN_DIR"
+# MKL picks its code path and its thread count per call otherwise: on a loaded machine one step
+# computed twice in a process differed in its last bits (tests/fsdp/test_shard.py's modes test,
+# 3 of 51 runs two at a time). cuBLAS is deterministic only with a fixed workspace.
+REPRODUCIBLE_ENV = {"MKL_CBWR": "COMPATIBLE", "MKL_DYNAMIC": "FALSE", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 JOURNAL = "harness.jsonl"
 STOP_GRACE_S = 30.0  # SIGTERM'd from outside: how long the job has to stop by itself (torchrun's own wait)
 POLL_S = 0.02
@@ -155,20 +168,33 @@ def first_attempt(job: Job, plan: Plan) -> int:
     return launch_base({**os.environ, MAX_RESTARTS_ENV: str(plan.restarts), NODES_ENV: str(job.nnodes)})
 
 
-def check_plan(job: Job, plan: Plan, timeout_s: float | None = None, *, notice_s: int | None = None) -> None:
+def check_plan(
+    job: Job,
+    plan: Plan,
+    timeout_s: float | None = None,
+    *,
+    notice_s: int | None = None,
+    steps: int | None = None,
+    deadline_s: float | None = None,
+) -> None:
     """What of the plan depends on the job beyond its world size (`Plan.resolve`): its triggers and
     stragglers against the run's steps, deadline and `timeout_s` (`chaos.plan.check_run`), its network
     faults' topology and lengths (`chaos.plan.check_network`), its Slurm faults against the Slurm job
     it runs in, or, with `notice_s` (its ``--signal`` notice), is submitted as (`chaos.slurm.faults.check`).
-    Raises PlanError naming the fault. The reference trainer's arguments are checked by its own
-    parser and, where the job launches here (no `notice_s`), its devices against this machine's
-    (`chaos.workload.arguments.check_devices`): ValueError naming the argument."""
+    Raises PlanError naming the fault. The reference trainer's steps and deadline are read by its
+    own parser, which checks its arguments, and, where the job launches here (no `notice_s`), its
+    devices against this machine's (`chaos.workload.arguments.check_devices`): ValueError naming
+    the argument. Another trainer's `steps` and `deadline_s` are what its fault-free run showed
+    (`chaos.verify.check_against_reference`), or unknown (None): what depends on them is not
+    checked."""
     args = _reference_args(job)
     if args is not None and notice_s is None:
         from chaos.workload.arguments import check_devices
 
         check_devices(args, job.nproc_per_node)
-    steps, deadline = (None, None) if args is None else (args.steps, float(args.timeout))
+    deadline = deadline_s
+    if args is not None:
+        steps, deadline = args.steps, float(args.timeout)
     check_run(plan, steps=steps, deadline_s=deadline, timeout_s=timeout_s)
     if any(f.type.network for f in plan.faults):
         check_network(
@@ -231,7 +257,7 @@ def run_job(
     check_plan(job, plan, timeout_s)  # before anything starts
     _prepare(job, plan, run_dir)
     start_ns = time.time_ns()
-    env = _environment(plan, run_dir, start_ns, inject)
+    env = _environment(job, plan, run_dir, start_ns, inject)
     stop = _OutsideStop(job.rdzv_endpoint is not None)
     with stop, Guard(run_dir) as guard, _fault_resources(job, plan, run_dir, guard) as (disk, network):
         notes = event_log(run_dir / journal_name(job), pid=os.getpid(), first_attempt=first_attempt(job, plan))
@@ -258,7 +284,7 @@ def run_job(
         try:
             for n, cmd in enumerate(torchrun_commands(job, plan.restarts, run_dir, network)):
                 node = n if job.node_rank is None else job.node_rank
-                agent = processes.launch(cmd, env, run_dir / f"torchrun{node}.log")
+                agent = processes.launch(cmd, env, run_dir / f"torchrun{node}.log", cwd=run_dir / WORK_DIR)
                 notes.info("harness.launch", node=node, agent_pid=agent.pid, cmd=cmd)
             deadline = time.monotonic() + timeout_s
             while processes.running():
@@ -325,7 +351,7 @@ def _prepare(job: Job, plan: Plan, run_dir: Path) -> None:
             f"run_job: expected a new or empty run directory; found {run_dir} holding "
             f"{sorted(p.name for p in run_dir.iterdir())[:5]}"
         )
-    for sub in ("logs", "ckpt", "chaos_state"):
+    for sub in ("logs", "ckpt", "chaos_state", WORK_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     plan.save(run_dir / "plan.json")
     (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2) + "\n")
@@ -336,37 +362,34 @@ def _join(job: Job, plan: Plan, run_dir: Path) -> None:
     others, and the same nodes again in a requeued Slurm job, join it. It must hold the same job
     (its rendezvous id too: another job's, or a run that went on without this node, is refused)
     and the same plan, and no verdict yet."""
-    for sub in ("logs", "ckpt", "chaos_state"):
+    for sub in ("logs", "ckpt", "chaos_state", WORK_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     shared = {**job.to_dict(), "node_rank": None, "rdzv_endpoint": None}  # the head may move on a requeue
     for name, data in (("job.json", shared), ("plan.json", plan.to_dict())):
         path = run_dir / name
-        text = json.dumps(data, indent=2) + "\n"
-        partial = run_dir / f".{name}.{os.getpid()}"
-        partial.write_text(text)
-        try:
-            os.link(partial, path)  # whole or absent, and never over a peer's
-        except FileExistsError:
+        if not publish(path, json.dumps(data, indent=2) + "\n"):  # a peer's came first
             found = json.loads(path.read_text())
             if found != data:
                 differ = sorted(k for k in data.keys() | found.keys() if data.get(k) != found.get(k))
                 raise ValueError(
                     f"run_job: expected {path} to be this job's, to join it; found another "
                     f"({differ[0]}: {found.get(differ[0])!r} there, {data.get(differ[0])!r} here)"
-                ) from None
-        finally:
-            partial.unlink()
+                )
     if (run_dir / "report.json").exists():
         raise ValueError(
             f"run_job: expected a multi-node run still going on in {run_dir}; found its verdict written (report.json)"
         )
 
 
-def _environment(plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict[str, str]:
-    """The agents' environment: where the ranks log, the run, the ledger, the start time, and
-    (with `inject`) the plan for the in-rank injector."""
+def _environment(job: Job, plan: Plan, run_dir: Path, start_ns: int, inject: bool) -> dict[str, str]:
+    """The agents' environment: reproducible numbers, where the ranks log, the run, the ledger,
+    the start time, where the harness was started, how often the probe digests, and (with
+    `inject`) the plan for the in-rank injector."""
     env = {
+        **REPRODUCIBLE_ENV,
         **os.environ,
+        LAUNCH_DIR_ENV: os.getcwd(),
+        DIGEST_EVERY_ENV: str(job.digest_every),
         LOG_DIR_ENV: str(run_dir / "logs"),
         RUN_DIR_ENV: str(run_dir),
         STATE_ENV: str(run_dir / "chaos_state"),
@@ -392,7 +415,7 @@ def _fault_resources(
     with contextlib.ExitStack() as undo:
         disk = network = None
         if any(f.type is FaultType.DISK_FULL for f in plan.faults):
-            disk = SmallDisk(run_dir / "ckpt")
+            disk = SmallDisk(job.checkpoint_dir(run_dir))
             guard.note_mount(disk.directory)
             disk.mount()  # raises DiskFullUnavailable, saying why, before anything starts
             undo.callback(disk.unmount)

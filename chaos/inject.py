@@ -36,10 +36,11 @@ acts at the first collective from there on that passes its op/comm/phase filters
 and friends happen mid-step), or at the next staged checkpoint for
 ``kill_during_checkpoint``. A ``seq`` trigger acts at that collective. Before acting, the
 firing is claimed in the run's `Ledger` (so counts hold across restarts) and a
-``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``:
-the harness fires its step-triggered external faults when it reads that line, and the rank
-waits there for them (see `Injector._await_external`), so they land at the step's start; for
-a ``preempt`` or ``time_limit`` every rank waits there for the SIGTERM that stops the job
+``chaos.fault`` event goes to the rank's log. Every step start is logged as ``chaos.step``
+(`on_step_start`, with or without an injector): the harness fires its step-triggered
+external faults when it reads that line, and the rank waits there for them (see
+`Injector._await_external`), so they land at the step's start; for a ``preempt`` or
+``time_limit`` every rank waits there for the SIGTERM that stops the job
 (`Injector._await_stop`), so the job stops after that very step.
 """
 
@@ -51,6 +52,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,30 @@ class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws out of a collective."""
 
 
+# The one registry this module owns: the injector of this process (`install_from_env`).
+_INSTALLED: list[Injector] = []
+
+
+def installed() -> Injector | None:
+    """The injector `install_from_env` installed in this process, if any."""
+    return _INSTALLED[-1] if _INSTALLED else None
+
+
+def on_step_start(step: int) -> None:
+    """A step starts in this rank: ``chaos.step`` in its log, and the injector's faults of the
+    step armed."""
+    injector = installed()
+    if injector is not None:
+        injector.on_step_start(step)
+    else:
+        _log_step(step)
+
+
+def _log_step(step: int) -> None:
+    # The harness triggers its external faults (kill, hang at step S) on this line.
+    commlib.get_logger().info("chaos.step", step=step)
+
+
 class Injector:
     """The faults of one plan that target this rank."""
 
@@ -91,12 +117,12 @@ class Injector:
         rank: int,
         ledger: Ledger,
         start_ns: int,
-        attempt: int,
+        attempt: int | None = None,
         *,
         external_wait_s: float = EXTERNAL_WAIT_S,
     ) -> None:
         self.rank = rank
-        self.attempt = attempt
+        self._attempt = attempt
         self._ledger = ledger
         self._start_ns = start_ns
         self._faults = [(i, f) for i, f in enumerate(plan.faults) if f.rank == rank and not f.type.external]
@@ -115,16 +141,24 @@ class Injector:
         # Stragglers slow from an earlier attempt on stay slow in this one.
         self._slow = {i for i, f in self._faults if f.type is FaultType.STRAGGLER and ledger.fired(i)}
         self.step: int | None = None
+        self.on_step_failed: Callable[[], None] | None = None
         self._handle = commlib.register_pre_hook(self._pre_hook)
+
+    @property
+    def attempt(self) -> int:
+        """This rank's attempt: as given, or else commlib's (`attempt_number`), read at each use,
+        since the ranks agree on it in the trainer's first communicator, after this is made."""
+        return self._attempt if self._attempt is not None else attempt_number()
 
     def close(self) -> None:
         self._handle.remove()
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
 
     # -- the trainer's calls -----------------------------------------------------------
     def on_step_start(self, step: int) -> None:
         self.step = step
-        # The harness triggers its external faults (kill, hang at step S) on this line.
-        commlib.get_logger().info("chaos.step", step=step)
+        _log_step(step)
         elapsed = (time.time_ns() - self._start_ns) / 1e9
         for i, f in self._faults:
             if f.trigger.kind is TriggerKind.SEQ or i in self._armed:
@@ -222,6 +256,9 @@ class Injector:
 
     # -- the hook ----------------------------------------------------------------------
     def _pre_hook(self, call: Collective) -> None:
+        # Peers wait for a step-triggered kill or hang at most half the deadline: learned here
+        # where the trainer's communicators were made after the injector.
+        self.external_wait_s = min(self.external_wait_s, call.deadline_s / 2)
         for i, f in self._faults:
             if not f.type.in_collective:
                 continue
@@ -238,6 +275,8 @@ class Injector:
             if self._fire(i, f, step, op=call.op.value, seq=call.seq, comm=call.comm, phase=call.context.get("phase")):
                 if f.type is FaultType.STRAGGLER:
                     self._slow.add(i)
+                if f.type in (FaultType.RAISE, FaultType.CORRUPT) and self.on_step_failed is not None:
+                    self.on_step_failed()
                 _act(f, call, self.rank, step)
 
     def _fire(self, index: int, fault: Fault, step: Any, **where: Any) -> bool:
@@ -322,7 +361,8 @@ def _flip_bytes(path: Path, offset: int, n: int) -> None:
 
 
 def install_from_env(comm: commlib.Communicator | None = None, rank: int | None = None) -> Injector | None:
-    """The injector for this rank when the harness set ``CHAOS_PLAN``, else None.
+    """The injector for this rank when the harness set ``CHAOS_PLAN`` (`installed` from then on),
+    else None.
 
     The plan's rank of this process: `rank` where given (a replica group's rank in the whole
     job, `chaos.workload.replica`), else `comm`'s world rank, else ``RANK`` from the environment.
@@ -335,7 +375,6 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
         rank = comm.world_rank if comm is not None else settings.integer(os.environ.get("RANK", ""), "RANK", low=0)
     state = os.environ.get(STATE_ENV) or os.path.join(os.path.dirname(os.path.abspath(path)), "chaos_state")
     start_ns = settings.env_integer(START_ENV, time.time_ns(), low=0)
-    attempt = attempt_number()
     wait_s = EXTERNAL_WAIT_S if comm is None else min(EXTERNAL_WAIT_S, comm.timeout / 2)
     if comm is not None:
         for i, f in enumerate(plan.faults):
@@ -345,4 +384,6 @@ def install_from_env(comm: commlib.Communicator | None = None, rank: int | None 
                     f"collective deadline ({comm.timeout * 1000:g} ms), so that it slows the job "
                     f"without failing it; found ms={f.ms:g} (use delay to go past the deadline)"
                 )
-    return Injector(plan, rank, Ledger(state), start_ns, attempt, external_wait_s=wait_s)
+    injector = Injector(plan, rank, Ledger(state), start_ns, external_wait_s=wait_s)
+    _INSTALLED.append(injector)
+    return injector

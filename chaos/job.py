@@ -2,7 +2,9 @@
 ranks per node, its rendezvous), and the torchrun command line of each agent this machine runs.
 
 `chaos.harness` launches these commands and watches the job; a job is plain data, checked
-when it is made (`Job.__post_init__`), so a bad one is refused before anything starts.
+when it is made (`Job.__post_init__`), so a bad one is refused before anything starts. Every
+worker runs the trainer through `chaos.entry`, in the run's working directory (`WORK_DIR`):
+the trainer's relative paths (its checkpoints, its logs) are that run's own.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from chaos.net import Network
-from chaos.options import MOST_NODES, MOST_PER_NODE
+from chaos.options import LARGEST_INDEX, MOST_NODES, MOST_PER_NODE
 from commlib import settings
 
 REFERENCE_TRAINER = "chaos.workload.train"
+ENTRY = "chaos.entry"
+WORK_DIR = "work"  # under the run directory: the trainer's working directory
 RDZV_PORT = 29400  # in node 0's own namespace nothing else listens
 
 
@@ -29,9 +33,9 @@ class Job:
     """What to launch. `trainer` is a module name (run with ``-m``) or a script path.
 
     `trainer_args` may contain ``{run_dir}``, replaced by the run directory. For the
-    reference trainer the harness adds ``--log-dir``, ``--ckpt-dir`` and ``--results``
-    in the run directory, and ``--backend`` (and ``--device cuda`` for nccl) unless the
-    arguments already name them.
+    reference trainer the harness adds ``--log-dir`` and ``--ckpt-dir`` in the run directory,
+    and ``--backend`` (and ``--device cuda`` for nccl) unless the arguments already name them.
+    `digest_every`: every how many steps each rank digests its state (`chaos.probe`).
     With `rdzv_endpoint` this machine runs one node (`node_rank`) of a multi-node job;
     without it, all `nnodes` nodes run here, on a c10d rendezvous on 127.0.0.1 (or, for a plan
     with a network fault, each node in a network namespace of its own: `chaos.net`).
@@ -46,10 +50,12 @@ class Job:
     rdzv_backend: str = "c10d"
     rdzv_id: str | None = None
     node_rank: int | None = None
+    digest_every: int = 1
 
     def __post_init__(self) -> None:
         for name, most in (("nproc_per_node", MOST_PER_NODE), ("nnodes", MOST_NODES)):
             settings.integer(getattr(self, name), f"Job.{name}", low=1, high=most)
+        settings.integer(self.digest_every, "Job.digest_every", low=1, high=LARGEST_INDEX)
         if self.local_nodes * self.nproc_per_node > MOST_PER_NODE:
             raise ValueError(
                 f"Job: expected at most {MOST_PER_NODE} ranks on this machine; found {self.local_nodes} "
@@ -95,22 +101,25 @@ class Job:
         return self.trainer.endswith(".py") or os.sep in self.trainer
 
     def trainer_argv(self, run_dir: Path) -> list[str]:
-        argv = [self.trainer] if self.is_script else ["-m", self.trainer]
+        """The trainer and its arguments as `chaos.entry` takes them (``-m MODULE``, a script)."""
+        argv = [os.path.abspath(self.trainer)] if self.is_script else ["-m", self.trainer]
         argv += [a.replace("{run_dir}", str(run_dir)) for a in self.trainer_args]
         if self.is_reference_trainer:
-            argv += [
-                "--log-dir",
-                str(run_dir / "logs"),
-                "--ckpt-dir",
-                str(run_dir / "ckpt"),
-                "--results",
-                str(run_dir / "results.json"),
-            ]
+            argv += ["--log-dir", str(run_dir / "logs"), "--ckpt-dir", str(self.checkpoint_dir(run_dir))]
             if not _has_flag(self.trainer_args, "--backend"):
                 argv += ["--backend", self.backend]
             if self.backend == "nccl" and not _has_flag(self.trainer_args, "--device"):
                 argv += ["--device", "cuda"]
         return argv
+
+    def worker_argv(self, run_dir: Path) -> list[str]:
+        """What each torchrun worker runs: the trainer through `chaos.entry`."""
+        return ["-m", ENTRY, *self.trainer_argv(run_dir)]
+
+    def checkpoint_dir(self, run_dir: Path) -> Path:
+        """Where the trainer's checkpoints go: the reference trainer's ``--ckpt-dir``; another
+        trainer's, wherever it puts them in its working directory."""
+        return run_dir / "ckpt" if self.is_reference_trainer else run_dir / WORK_DIR
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "trainer_args": list(self.trainer_args), "world_size": self.world_size}
@@ -162,7 +171,7 @@ def torchrun_commands(job: Job, max_restarts: int, run_dir: Path, network: Netwo
             str(torchrun_errors_dir(run_dir, node)),
         ]
 
-    trainer = job.trainer_argv(run_dir)
+    trainer = job.worker_argv(run_dir)
     if job.rdzv_endpoint is not None:  # one node of a multi-node job
         # Node 0 hosts the rendezvous store: said outright, as nodes sharing a machine (or a
         # loopback endpoint) would each take themselves for its host.

@@ -35,6 +35,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from chaos.comparison import read_steps
+from chaos.files import write_atomic
 from chaos.harness import Job, JobOutcome, first_attempt, journal_name, run_job
 from chaos.plan import Plan
 from chaos.report import Report
@@ -163,7 +165,7 @@ def _reference(
     (module docstring). Node 0 decides, and gets the cached reference's directory (None where
     there is none: the verdict says why); `ok`: its own job completed (a failed job is verified
     without a reference)."""
-    from chaos.verify import RESULTS, locked, reference_key
+    from chaos.verify import REFERENCE, locked, mark_reference, reference_key
 
     root = Path(root).absolute()
     if node != 0:
@@ -179,23 +181,26 @@ def _reference(
         decision = {
             "first_attempt": first,
             "key": key,
-            "run": ok and not (final / RESULTS).is_file(),
+            "run": ok and not (final / REFERENCE).is_file(),
             "work": str(work),
         }
-        partial = run_dir / f".{DECISION}.{os.getpid()}"
-        partial.write_text(json.dumps(decision) + "\n")
-        os.replace(partial, run_dir / DECISION)
-        if decision["run"] and _run_reference(job, work, timeout_s, progress) and (work / RESULTS).is_file():
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(work, final)
-    return final if (final / RESULTS).is_file() else None
+        write_atomic(run_dir / DECISION, json.dumps(decision) + "\n")
+        if decision["run"]:
+            started = _run_reference(job, work, timeout_s, progress)
+            if started is not None and read_steps(work).records:
+                mark_reference(work, started)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(work, final)
+    return final if (final / REFERENCE).is_file() else None
 
 
-def _run_reference(job: Job, work: Path, timeout_s: float, progress: Callable[[str], None] | None) -> bool:
-    """This node's part of the fault-free job of the same shape, in `work`; whether it completed."""
+def _run_reference(job: Job, work: Path, timeout_s: float, progress: Callable[[str], None] | None) -> int | None:
+    """This node's part of the fault-free job of the same shape, in `work`; when it was launched
+    (wall clock ns) where it completed, else None."""
     shown = None if progress is None else (lambda line: progress(f"fault-free reference: {line}"))
     reference = replace(job, rdzv_id=f"{job.rdzv_id}-reference")
-    return run_job(reference, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False).ok
+    outcome = run_job(reference, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
+    return outcome.start_ns if outcome.ok else None
 
 
 def _wait_for_decision(path: Path, first: int, timeout_s: float = PEER_WAIT_S) -> dict[str, Any] | None:

@@ -311,8 +311,8 @@ def check_run(plan: Plan, *, steps: int | None, deadline_s: float | None, timeou
         if steps is not None and t.kind is TriggerKind.STEP and not 1 <= t.value <= steps:
             raise PlanError(
                 f"{where}.step",
-                f"expected a step the run reaches (from 1, at most {steps}, its "
-                f"--steps); found {int(t.value)}, where the fault would never fire",
+                f"expected a step the run reaches (from 1, at most {steps}, its last "
+                f"step); found {int(t.value)}, where the fault would never fire",
             )
         if timeout_s is not None and t.kind is TriggerKind.AFTER_S and t.value >= timeout_s:
             raise PlanError(

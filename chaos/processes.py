@@ -64,11 +64,15 @@ class JobProcesses:
         # A worker's environment is fixed once it has exec'd: read it once.
         self._identities: dict[psutil.Process, tuple[int, int]] = {}
 
-    def launch(self, cmd: list[str], env: Mapping[str, str], output: Path) -> subprocess.Popen[bytes]:
-        """Start one agent, its output appended to `output`, carrying the token, stopped when the harness dies."""
+    def launch(
+        self, cmd: list[str], env: Mapping[str, str], output: Path, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start one agent (in `cwd`), its output appended to `output`, carrying the token, stopped
+        when the harness dies."""
         with open(output, "ab") as out:
             agent = subprocess.Popen(
                 cmd,
+                cwd=cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**env, JOB_ENV: self.token},

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ class FaultResult:
     requeued_after_s: float | None = None  # the same: to the job's next launch (Slurm ran it again)
     lost_ranks: list[int] | None = None  # node_loss: the ranks the node held in the attempt it broke
     last_checkpoint: int | None = None  # node_loss: the last checkpoint committed before it (0: none)
+    verdicts: dict[str, bool] = field(default_factory=dict)  # the checks about this firing
 
 
 @dataclass
@@ -71,10 +74,15 @@ class Report:
     bitwise_reason: str | None = None  # why the bitwise check could not run
     problems: list[str] = field(default_factory=list)  # what each failed check found
     notes: list[str] = field(default_factory=list)  # worth knowing, though no check failed on it
+    evidence: dict[str, str] = field(default_factory=dict)  # check -> what its verdict rests on
     attempts: list[dict[str, Any]] = field(default_factory=list)  # the doctor's findings
     diagnosis_error: str | None = None
     reference_dir: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None  # what the ranks' default process group ran over, as recorded
+    step_source: str | None = None  # "optimizer" (its own step count) or "count" (each process's)
+    # How both runs were made to compute the same bits (`chaos.verify`).
+    reproducibility: dict[str, str] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     exit_codes: list[int | None] = field(default_factory=list)
     timed_out: bool = False
@@ -109,43 +117,92 @@ class Report:
         verdict = "PASSED" if self.passed else "FAILED"
         held = sum(self.checks.values())
         job = self.job
+        backend = self.backend or job.get("backend")
         lines = [
             f"chaos run {self.run_dir}: {verdict} ({held}/{len(self.checks)} checks held)",
-            f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({job.get('backend')}), "
-            f"{self.steps_done} steps, {self.restarts} restarts, {self.duration_s:.1f} s"
+            f"  job: {job.get('trainer')} on {job.get('world_size')} ranks ({backend}), "
+            f"{self.steps_done} steps, {self.restarts} restart{'' if self.restarts == 1 else 's'}, "
+            f"{self.duration_s:.1f} s"
             + (f", cold start to first step {self.cold_start_s:.1f} s" if self.cold_start_s else ""),
         ]
         if self.timed_out:
             lines.append("  the harness's timeout expired: the job was stopped")
         lines.append(f"  faults ({len(self.faults)} fired):")
+        later = sorted(f.injected_ts_ns for f in self.faults)
         for f in self.faults:
-            lines.append(f"    {_describe(f)}")
-            if f.diagnosis:
-                lines.append(
-                    f"      doctor, attempt {f.attempt}: {f.diagnosis.get('status')}, culprits "
-                    f"{f.diagnosis.get('culprits')}"
+            lines += _wrapped(_describe(f), "    ", "      ")
+            for name, ok in f.verdicts.items():
+                lines.append(f"      [{'ok' if ok else 'FAILED'}] {name}")
+            problem = _problem_of(f, next((t for t in later if t > f.injected_ts_ns), None))
+            if problem is not None:
+                lines += _wrapped(
+                    f"doctor, attempt {f.attempt}: {problem.get('kind')} {problem.get('ranks')}: "
+                    f"{problem.get('message', '')}",
+                    "      ",
+                    "        ",
                 )
-                for p in f.diagnosis.get("problems", [])[:2]:
-                    lines.append(f"        {p.get('kind')} {p.get('ranks')}: {p.get('message', '')[:140]}")
         if self.diagnosis_error:
-            lines.append(f"  doctor: {self.diagnosis_error}")
+            lines += _wrapped(f"doctor: {self.diagnosis_error}", "  ", "    ")
         lines.append("  checks:")
         for name, ok in self.checks.items():
             lines.append(f"    [{'ok' if ok else 'FAILED'}] {name}")
+            if name in self.evidence:
+                lines += _wrapped(f"evidence: {self.evidence[name]}", "        ", "        ")
         for p in self.problems:
-            lines.append(f"    - {p}")
+            lines += _wrapped(f"- {p}", "    ", "      ")
         for n in self.notes:
-            lines.append(f"  note: {n}")
+            lines += _wrapped(f"note: {n}", "  ", "    ")
+        if self.reproducibility:
+            made = ", ".join(f"{k}={v}" for k, v in self.reproducibility.items() if k.isupper())
+            lines += _wrapped(
+                f"reproducible numbers: {made}; {self.reproducibility.get('deterministic_algorithms')}", "  ", "    "
+            )
         if not self.bitwise_verified:
             lines += [
                 "  " + "!" * 78,
-                f"  !! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}",
+                *_wrapped(f"!! BITWISE CHECK NOT PERFORMED: {self.bitwise_reason}", "  ", "  !!   "),
                 "  !! `passed` covers only the checks above; recovery was NOT proven bitwise-exact.",
                 "  " + "!" * 78,
             ]
         written = [Path(self.run_dir) / name for name in ("report.json", "report.png")]
         lines.append(f"  report: {', '.join(str(p) for p in written if p.is_file()) or 'not written yet'}")
         return "\n".join(lines)
+
+
+SUMMARY_WIDTH = 120  # a summary line wraps at a word boundary past this
+
+
+def _wrapped(text: str, first: str, later: str) -> list[str]:
+    """`text` as lines of at most `SUMMARY_WIDTH` columns, its own line breaks kept (a longer
+    word stands alone, never cut)."""
+    lines: list[str] = []
+    for paragraph in text.splitlines() or [""]:
+        lines += textwrap.wrap(
+            paragraph,
+            SUMMARY_WIDTH,
+            initial_indent=later if lines else first,
+            subsequent_indent=later,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [(later if lines else first).rstrip()]
+    return lines
+
+
+PROBLEM_LEAD_S = 1.0  # a problem may show this long before its fault's firing was noted
+
+
+def _problem_of(f: FaultResult, next_fault_ns: int | None) -> dict[str, Any] | None:
+    """The doctor's problem about this firing: of its attempt's problems (an attempt may hold
+    several faults), the first that showed from its firing to the next one, preferring one that
+    names the faulted rank; None where none did (a fault no collective saw: a corrupted input
+    the trainer caught)."""
+    since, until = f.injected_ts_ns - PROBLEM_LEAD_S * 1e9, next_fault_ns if next_fault_ns is not None else math.inf
+    timed = sorted(
+        (p for p in (f.diagnosis or {}).get("problems") or [] if since <= (p.get("ts_ns") or since) < until),
+        key=lambda p: p.get("ts_ns") or since,
+    )
+    named = [p for p in timed if f.rank in (p.get("ranks") or [])]
+    return (named or timed or [None])[0]
 
 
 def _describe(f: FaultResult) -> str:
@@ -230,7 +287,7 @@ def plot(report: Report, path: Path) -> None:
             ax_loss.axvline(f.resumed_from + 0.5, color="green", ls="--", lw=1)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
-    ax_loss.set_title("loss per step (red: fault step, green: resumed after checkpoint)")
+    ax_loss.set_title("loss per step, lowest rank (red: a fault's step, green: the step a recovery resumed from)")
     if ax_loss.get_legend_handles_labels()[0]:
         ax_loss.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: a soak's attempts are many
 
@@ -268,7 +325,11 @@ def plot(report: Report, path: Path) -> None:
     ax_time.set_title("faulted run over time")
     if ax_time.get_legend_handles_labels()[0]:
         ax_time.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.suptitle(f"chaos run: {'PASSED' if report.passed else 'FAILED'}")
+    job = report.job
+    fig.suptitle(
+        f"chaos run: {'PASSED' if report.passed else 'FAILED'}: {job.get('trainer')} on {job.get('world_size')} "
+        f"ranks ({report.backend or job.get('backend')}), {report.steps_done} steps, {report.restarts} restarts"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -6,11 +6,13 @@ the ledger, all on the wall clock of this machine, and gives per firing: detecti
 to the first typed error on a survivor -- for ``corrupt`` on any rank, since the corrupted
 rank itself only finds out through the finite check -- or to the torchrun agent acting on
 the failed worker, whichever comes first), restart (fault to the first line of a process
-started after it), first completed step after the fault, the checkpoint step resumed from,
-and the steps executed again; and how the job recovered (``recovery``: "restart" when
-processes started after the fault, "in_job" when the same processes logged
-``recovery.in_job``, so one attempt may hold several faults). `diagnose` gives the doctor's
-findings per attempt, which `chaos.verify` attaches to the firings and judges.
+started after it), first completed step after the fault, the step resumed from (the first
+step the ranks started after it, ``chaos.step`` of the step probe, minus one: the step of the
+checkpoint loaded, or of the state rolled back to), and the steps executed again; and how the
+job recovered (``recovery``: "restart" when processes started after the fault, "in_job" when
+the same processes logged ``recovery.in_job``, so one attempt may hold several faults).
+`diagnose` gives the doctor's findings per attempt, which `chaos.verify` attaches to the
+firings and judges.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ def analyze(
     run_dir = Path(run_dir)
     events = logs.events() if logs is not None else []
     procs = _first_events(events)
-    steps = [e for e in events if e.get("event") == "train.step"]
+    # The first optimizer's steps (a trainer may have several, each stepping every step).
+    steps = [e for e in events if e.get("event") == "train.step" and e.get("opt", 0) == 0]
     lowest = min((int(e["rank"]) for e in steps), default=0)
     lead = [e for e in steps if e.get("rank") == lowest]
+    starts = [e for e in events if e.get("event") == "chaos.step"]
     notes = journal(run_dir)
     releases = {(n["index"], n["target_pid"]): n for n in notes if n.get("event") == "chaos.release"}
     launches = [n["ts_ns"] for n in notes if n.get("event") == "harness.launch"]
@@ -160,8 +164,8 @@ def analyze(
             r.recovery = "restart"
             r.restart_after_s = (min(procs[p] for p in new) - f.ts_ns) / 1e9
             after = [e for e in lead if _who(e) in new]
-            resume = next((e for e in events if _who(e) in new and e.get("event") == "ckpt.resume"), None)
-            r.resumed_from = int(resume["step"]) if resume is not None else (0 if after else None)
+            started = next((e for e in starts if _who(e) in new), None)
+            r.resumed_from = int(started["step"]) - 1 if started is not None else None
             r.fallback_reason = fallback.get("reason") if fallback is not None else None
             again = {int(e["step"]) for e in lead if _who(e) in new}
         else:
@@ -173,16 +177,16 @@ def analyze(
                     for e in rollbacks
                     if e.get("epoch") == r.epoch and _who(e) in old and f.ts_ns <= e["ts_ns"] < until
                 ]
-                starts = [
+                entered = [
                     e
                     for e in recovery_starts
                     if e.get("epoch") == r.epoch and _who(e) in old and f.ts_ns <= e["ts_ns"] < until
                 ]
-                if backs:
+                if backs and entered:
                     # From the last rank entering recovery (once every rank knows) to the last one rolled back.
-                    if starts:
-                        r.in_job_recovery_s = (max(e["ts_ns"] for e in backs) - max(e["ts_ns"] for e in starts)) / 1e9
-                    r.resumed_from = int(backs[0]["restored_step"])
+                    r.in_job_recovery_s = (max(e["ts_ns"] for e in backs) - max(e["ts_ns"] for e in entered)) / 1e9
+                started = next((e for e in starts if _who(e) in old and recovered["ts_ns"] <= e["ts_ns"] < until), None)
+                r.resumed_from = int(started["step"]) - 1 if started is not None else None
             again = {int(e["step"]) for e in lead if f.ts_ns < e["ts_ns"] < until}
         if after:
             r.first_step_after_s = (after[0]["ts_ns"] - f.ts_ns) / 1e9
@@ -199,7 +203,6 @@ def analyze(
             "step": int(e["step"]),
             "loss": e.get("loss"),
             "attempt": int(e.get("attempt", 0)),
-            "epoch": int(e.get("epoch", 0)),
         }
         for e in lead
     ]

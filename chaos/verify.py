@@ -2,18 +2,26 @@
 
 - `ensure_reference` runs the job without faults once per configuration and caches it
   under ``{root}/{key}/`` (`reference_key`: trainer, its arguments, world size, backend,
-  torch version, the trainer's source files and every ``.py`` file of commlib,
-  fsdp_overlap and chaos, so that no code change is verified against a reference the old
-  code computed); concurrent callers (parallel tests) wait on a file lock instead of
-  computing it twice.
+  digest interval, torch version, the trainer's source files and every ``.py`` file of
+  commlib, fsdp_overlap and chaos, so that no code change is verified against a reference
+  the old code computed); concurrent callers (parallel tests) wait on a file lock instead of
+  computing it twice. Its ``reference.json`` sums up what the run showed of the trainer (its
+  steps, how they are counted, what it communicates over, when its last step ended).
+- `check_against_reference` refuses, before the faulted run launches, a plan whose faults
+  could not fire in the trainer as its fault-free run showed it: a ``step`` trigger in a
+  trainer whose optimizer keeps no step count, or past its last step; an in-rank fault in a
+  trainer whose collectives do not run over commlib; an ``after_s`` at or past its last step.
 - `verify` gives the verdict (a `chaos.report.Report`): the job completed, every planned
   fault fired, a step completed after each, each kind of fault's own guarantee held
   (`_FAULT_CHECKS`: a torn checkpoint never loaded, a straggler named by the doctor, a
-  short partition survived, ...), and the run equals its reference bitwise.
+  short partition survived, ...), and the run computed what its reference did, step by step,
+  bitwise. Where it did not, a second fault-free run says first whether the trainer is
+  reproducible at all (``reproducible``), so that a trainer's own nondeterminism is never
+  blamed on the recovery.
 
-What it judges comes from `chaos.comparison` (the bitwise comparison of the results files)
-and `chaos.timings` (each firing's detection, restart and recovery, measured from the logs,
-and the doctor's diagnosis of each attempt).
+What it judges comes from `chaos.comparison` (the runs' step records, compared) and
+`chaos.timings` (each firing's detection, restart and recovery, measured from the logs, and
+the doctor's diagnosis of each attempt). The report says which evidence each check rests on.
 """
 
 from __future__ import annotations
@@ -32,15 +40,24 @@ from typing import Any
 
 import torch
 
-from chaos.comparison import compare
+from chaos.comparison import Comparison, Steps, compare, final_lineage, read_steps
 from chaos.fault import FaultType, TriggerKind
-from chaos.harness import RECOVERY_ONLY_FLAGS, Job, JobOutcome, run_job, trainer_deadline
-from chaos.plan import PartitionOutcome, Plan, partition_outcome
+from chaos.files import work_directory, write_json_atomic
+from chaos.harness import (
+    RECOVERY_ONLY_FLAGS,
+    REPRODUCIBLE_ENV,
+    Job,
+    JobOutcome,
+    check_plan,
+    run_job,
+    trainer_deadline,
+)
+from chaos.plan import PartitionOutcome, Plan, PlanError, partition_outcome
 from chaos.report import FaultResult, Report
-from chaos.results import read_results
 from chaos.timings import analyze, diagnose, read_logs
 
-RESULTS = "results.json"
+REFERENCE = "reference.json"  # in a completed reference's directory (`mark_reference`)
+AGAIN = "again"  # in a reference's directory: the second fault-free run of it (`verify`)
 
 
 class ReferenceRunError(RuntimeError):
@@ -66,6 +83,7 @@ def reference_key(job: Job, package_roots: Sequence[Path] | None = None) -> str:
         "trainer_args": args,
         "world_size": job.world_size,
         "backend": job.backend,
+        "digest_every": job.digest_every,
         "torch": torch.__version__,
         "sources": _trainer_digest(job),
         "libraries": sources_digest(roots),
@@ -133,32 +151,104 @@ def locked(path: Path) -> Iterator[None]:
 def ensure_reference(
     job: Job, root: str | os.PathLike[str], *, timeout_s: float = 600.0, progress: Callable[[str], None] | None = None
 ) -> Path:
-    """The directory of the cached fault-free run of `job` (with its results file), run if missing."""
+    """The directory of the cached fault-free run of `job` (logs, `REFERENCE`), run if missing."""
     root = Path(root).absolute()
     key = reference_key(job)
     final = root / key
     with locked(root / f"{key}.lock"):
-        if (final / RESULTS).is_file():
+        if (final / REFERENCE).is_file():
             return final
-        work = root / f"{key}.tmp-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
         if job.rdzv_endpoint is not None:  # its nodes run it together (chaos.multinode), or it failed
             raise ReferenceRunError(
                 f"the fault-free reference of this multi-node job is not in {final}: its "
                 f"nodes' run of it failed (see {root}/{key}.tmp-*)"
             )
-        shown = None if progress is None else (lambda line: progress(f"fault-free reference: {line}"))
-        outcome = run_job(job, Plan(), work, timeout_s=timeout_s, progress=shown, inject=False)
-        if not outcome.ok or not (work / RESULTS).is_file():
-            why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
-            results = "with" if (work / RESULTS).is_file() else "without"
-            raise ReferenceRunError(
-                f"the fault-free reference run {why} {results} a results file; "
-                f"see {work}/torchrun0.log and {work}/logs{_why_failed(work)}"
-            )
+        work = work_directory(root, f"{key}.tmp-")
+        fault_free_run(job, work, timeout_s=timeout_s, progress=progress, what="fault-free reference")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(work, final)
     return final
+
+
+def fault_free_run(
+    job: Job, run_dir: Path, *, timeout_s: float, progress: Callable[[str], None] | None, what: str
+) -> JobOutcome:
+    """Run `job` without faults in `run_dir` and mark it (`mark_reference`); ReferenceRunError
+    where it did not complete or its ranks recorded no step."""
+    shown = None if progress is None else (lambda line: progress(f"{what}: {line}"))
+    outcome = run_job(job, Plan(), run_dir, timeout_s=timeout_s, progress=shown, inject=False)
+    steps = read_steps(run_dir)
+    if not outcome.ok or not steps.records:
+        why = "timed out" if outcome.timed_out else f"agents exited {outcome.exit_codes}"
+        recorded = "with" if steps.records else "without"
+        raise ReferenceRunError(
+            f"the {what} run {why} {recorded} an optimizer step recorded by its ranks; "
+            f"see {run_dir}/torchrun0.log and {run_dir}/logs{_why_failed(run_dir)}"
+        )
+    mark_reference(run_dir, outcome.start_ns)
+    return outcome
+
+
+def mark_reference(run_dir: Path, start_ns: int) -> None:
+    """`REFERENCE` in a completed fault-free run's directory: what its ranks showed of the
+    trainer (`chaos.comparison.Steps`) and when its last step ended (since `start_ns`)."""
+    steps = read_steps(run_dir)
+    last_ns = steps.last_step_ns
+    write_json_atomic(
+        run_dir / REFERENCE,
+        {
+            "last_step": steps.last_step,
+            "step_source": steps.step_source,
+            "backend": steps.backend,
+            "deadline_s": steps.deadline_s,
+            "last_step_s": None if last_ns is None else (last_ns - start_ns) / 1e9,
+        },
+    )
+
+
+def reference_summary(directory: Path) -> dict[str, Any]:
+    """The `REFERENCE` of a completed fault-free run (`mark_reference`)."""
+    summary: dict[str, Any] = json.loads((directory / REFERENCE).read_text())
+    return summary
+
+
+def check_against_reference(job: Job, plan: Plan, reference: Path, timeout_s: float | None = None) -> None:
+    """Refuse a plan whose faults could not fire in the trainer as its fault-free run (in
+    `reference`) showed it: PlanError naming the fault's field and why (module docstring)."""
+    seen = reference_summary(reference)
+    last_step, last_step_s = seen["last_step"], seen["last_step_s"]
+    over_commlib = str(seen.get("backend") or "").startswith("commlib")
+    for i, f in enumerate(plan.faults):
+        kind = f.trigger.kind
+        if kind is TriggerKind.STEP and seen["step_source"] != "optimizer":
+            raise PlanError(
+                f"faults[{i}].step",
+                "expected a trainer whose optimizer keeps its own step count (Adam, AdamW and the like), "
+                "from which a restarted process counts on; found one that keeps none (its fault-free run's "
+                "steps were counted per process): a step trigger would count a restarted process's steps "
+                "from 1 again. Use after_s or seq",
+            )
+        if (f.type.in_collective or kind is TriggerKind.SEQ) and not over_commlib:
+            raise PlanError(
+                f"faults[{i}].type",
+                f"a {f.type} fault acts inside commlib's collectives; expected the trainer's default process "
+                f'group on commlib\'s backend (init_process_group(backend="commlib")); found its fault-free '
+                f"run on {seen.get('backend') or 'no process group'}",
+            )
+        if kind is TriggerKind.AFTER_S and last_step_s is not None and f.trigger.value >= last_step_s:
+            raise PlanError(
+                f"faults[{i}].after_s",
+                f"expected a time before the trainer's last step, {last_step_s:.1f} s after its launch in its "
+                f"fault-free run; found {f.trigger.value:g}, when the job would have finished",
+            )
+        if f.type in (FaultType.KILL_DURING_CHECKPOINT, FaultType.CORRUPT_CHECKPOINT) and not job.is_reference_trainer:
+            raise PlanError(
+                f"faults[{i}].type",
+                f"a {f.type} fault acts at the moment a checkpoint is staged or committed, which only a "
+                f"trainer that says so can show (the reference trainer's checkpointer calls "
+                f"chaos.inject's on_checkpoint_staged and on_checkpoint_committed); found {job.trainer}",
+            )
+    check_plan(job, plan, timeout_s, steps=last_step, deadline_s=seen.get("deadline_s"))
 
 
 def _why_failed(run_dir: Path) -> str:
@@ -193,11 +283,6 @@ def names_straggler(finding: dict[str, Any] | None, rank: int) -> bool:
     )
 
 
-def load_results(directory: Path) -> dict[str, Any] | None:
-    path = directory / RESULTS
-    return read_results(path) if path.is_file() else None
-
-
 @dataclass(frozen=True)
 class _FaultCheck:
     """A check that holds for every fault of some kinds: `holds(fault)`; `found(fault)` says how it did not."""
@@ -208,6 +293,16 @@ class _FaultCheck:
     expected: str
     found: Callable[[FaultResult], str]
     doctor: bool = False  # its verdict rests on the doctor's diagnosis
+
+    @property
+    def evidence(self) -> str:
+        """What its verdict rests on, as the report says it."""
+        if self.doctor:
+            return "the doctor's diagnosis of the attempt each fault broke (the ranks' commlib logs)"
+        return (
+            "each firing's timings from the ranks' logs: the step each later attempt started from (chaos.step), "
+            "the steps run again, the launches"
+        )
 
 
 def _survived(f: FaultResult) -> bool:
@@ -388,19 +483,21 @@ def verify(
     reference_root: str | os.PathLike[str] | None,
     timeout_s: float = 600.0,
     progress: Callable[[str], None] | None = None,
-    reference: Path | None = None,
+    reference: Path | ReferenceRunError | None = None,
 ) -> Report:
     """Every check of a finished run, as a `Report` (not yet written to disk).
 
     `reference_root` None skips the reference (and so the bitwise checks). `reference`: the
-    cached reference already chosen (a multi-node job's nodes ran or found it: `chaos.multinode`).
+    cached reference already chosen (`chaos.run` ran it first; a multi-node job's nodes ran or
+    found it: `chaos.multinode`), or why it could not be run.
     """
     run_dir = outcome.run_dir
     logs = read_logs(run_dir)
     faults, timeline = analyze(run_dir, outcome, logs)
     attempts, diagnosis_error = diagnose(run_dir, logs)
     by_attempt = {a.get("attempt"): a for a in attempts}
-    deadline_s = trainer_deadline(job)
+    mine = read_steps(run_dir)
+    deadline_s = trainer_deadline(job) or mine.deadline_s
     for f in faults:
         f.diagnosis = by_attempt.get(f.attempt)
         duration_s = plan.faults[f.index].duration_s
@@ -408,6 +505,7 @@ def verify(
             f.expected = partition_outcome(duration_s, deadline_s)
 
     checks: dict[str, bool] = {"job_completed": outcome.ok}
+    evidence = {"job_completed": "the exit status of every torchrun agent"}
     problems: list[str] = []
     if not outcome.ok:
         why = (
@@ -428,11 +526,15 @@ def verify(
     ]
     if plan.faults:
         checks["faults_injected"] = not unfired
+        evidence["faults_injected"] = "the firings claimed in the run's ledger (chaos_state)"
         if unfired:
             problems.append(f"faults_injected: expected every planned fault to fire; never fired: {unfired}")
     if faults:
         stuck = [f for f in faults if f.first_step_after_s is None]
+        for f in faults:
+            f.verdicts["recovered"] = f.first_step_after_s is not None
         checks["recovered"] = not stuck
+        evidence["recovered"] = "a train.step record (an optimizer step) after each firing"
         if stuck:
             problems.append(
                 "recovered: expected a completed step after every fault; none after "
@@ -443,8 +545,11 @@ def verify(
         chosen = [f for f in faults if f.type in check.kinds]
         if not chosen:
             continue
-        failing = [f for f in chosen if not check.holds(f)]
+        for f in chosen:
+            f.verdicts[check.name] = check.holds(f)
+        failing = [f for f in chosen if not f.verdicts[check.name]]
         checks[check.name] = not failing
+        evidence[check.name] = check.evidence
         if failing:
             problems.append(
                 f"{check.name}: expected {check.expected}; found "
@@ -452,33 +557,45 @@ def verify(
                 + (doctor_note if check.doctor else "")
             )
 
-    mine = load_results(run_dir)
     reference_dir: Path | None = None
     reference_losses: list[float] = []
     reason = None
-    if mine is None:
+    if not mine.records:
         reason = (
-            f"the job did not finish, so it wrote no results file ({run_dir / RESULTS})"
+            "the job did not finish, and its ranks recorded no optimizer step"
             if not outcome.ok
-            else f"the trainer wrote no results file ({run_dir / RESULTS}); write one with "
-            f"chaos.results.write_results (pass --results {{run_dir}}/{RESULTS})"
+            else "the trainer ran no optimizer step that chaos could see (torch.optim's step hooks): "
+            "there is nothing to compare"
         )
     elif reference_root is None:
         reason = "no reference run was asked for"
     else:
         try:
+            if isinstance(reference, ReferenceRunError):
+                raise reference
             reference_dir = reference or ensure_reference(job, reference_root, timeout_s=timeout_s, progress=progress)
         except ReferenceRunError as exc:
             reason = str(exc)
             checks["reference_run"] = False
             problems.append(f"reference_run: {exc}")
         else:
-            reference_results = load_results(reference_dir)
-            assert reference_results is not None
-            reference_losses = list(reference_results["losses"])
-            comparison = compare(mine, reference_results)
+            theirs = read_steps(reference_dir)
+            reference_losses = _losses(theirs)
+            placed = mine.step_source == "optimizer" or outcome.restarts == 0
+            comparison = compare(mine, theirs, placed=placed)
+            again = None if comparison.equal else _reproducible(job, reference_dir, theirs, timeout_s, progress)
+            if again is not None:
+                checks["reproducible"] = again.equal
+                evidence["reproducible"] = "a second fault-free run of the same job, compared with the first"
+                if not again.equal:
+                    problems.append(
+                        "reproducible: expected two fault-free runs of the trainer to compute the same steps "
+                        f"bitwise; found {again.first_difference or '; '.join(again.problems)}: the differences "
+                        "below may be the trainer's own, not the recovery's"
+                    )
             checks.update(comparison.checks)
             problems += comparison.problems
+            evidence.update(_comparison_evidence(mine, job, placed))
 
     notes = []
     if outcome.restarts > len(faults):
@@ -495,10 +612,14 @@ def verify(
         bitwise_reason=reason,
         problems=problems,
         notes=notes,
+        evidence=evidence,
         attempts=attempts,
         diagnosis_error=diagnosis_error,
         reference_dir=str(reference_dir) if reference_dir else None,
         job=job.to_dict(),
+        backend=mine.backend,
+        step_source=mine.step_source,
+        reproducibility=_reproducibility(),
         plan=plan.to_dict(),
         exit_codes=outcome.exit_codes,
         timed_out=outcome.timed_out,
@@ -509,3 +630,63 @@ def verify(
         timeline=timeline,
         reference_losses=reference_losses,
     )
+
+
+def _reproducible(
+    job: Job, reference: Path, steps: Steps, timeout_s: float, progress: Callable[[str], None] | None
+) -> Comparison | None:
+    """A second fault-free run of `job` against its reference (`steps`, in `reference`): cached
+    beside it (`AGAIN`), since whether a configuration is reproducible is the configuration's.
+    None for a multi-node job, whose every node would have to run it."""
+    if job.rdzv_endpoint is not None:
+        return None
+    again = reference / AGAIN
+    with locked(reference.parent / f"{reference.name}.lock"):
+        if not (again / REFERENCE).is_file():
+            shutil.rmtree(again, ignore_errors=True)
+            try:
+                fault_free_run(job, again, timeout_s=timeout_s, progress=progress, what="second fault-free run")
+            except ReferenceRunError as exc:
+                return Comparison({"reproducible": False}, [str(exc)])
+    return compare(read_steps(again), steps)
+
+
+def _losses(steps: Steps) -> list[float]:
+    """The reference's loss per step as the timeline shows the faulted run's: its lowest rank's."""
+    if not steps.records:
+        return []
+    lineage = final_lineage(steps.records[min(steps.records)])
+    return [float.fromhex(r.losses[-1]) if r.losses else float("nan") for r in lineage]
+
+
+def _comparison_evidence(steps: Steps, job: Job, placed: bool) -> dict[str, str]:
+    counted = (
+        "numbered by the optimizer's own step count (state['step'], restored with it on resume)"
+        if steps.step_source == "optimizer"
+        else "numbered by each process's count of its optimizer steps"
+    )
+    ranks = len({rank for rank, _ in steps.records})
+    every = "every step" if job.digest_every == 1 else f"every {job.digest_every} steps"
+    if not placed:
+        return {
+            "state_bitwise": f"sha256 of each rank's parameters and optimizer state after its last step, on {ranks} "
+            f"rank(s); the steps of a restarted process ({counted}) cannot be placed, so no step is compared"
+        }
+    return {
+        "steps_exact": f"the train.step record each of {ranks} rank(s) logged after every optimizer step, {counted}: "
+        "the final lineage is the steps the last state descends from",
+        "losses_bitwise": "every scalar a backward ran from in each step (torch.autograd.backward), as float.hex",
+        "steps_bitwise": "sha256 of the data each step drew (its outermost modules' inputs) and, "
+        f"{every}, of the parameters and optimizer state after it (each rank's local shards)",
+        "state_bitwise": "sha256 of each rank's parameters and optimizer state after the last step it digested",
+    }
+
+
+def _reproducibility() -> dict[str, str]:
+    """How the ranks were made to compute the same bits in every run
+    (`chaos.harness.REPRODUCIBLE_ENV`,
+    `chaos.entry`), as the report records it."""
+    return {
+        **{name: os.environ.get(name, value) for name, value in REPRODUCIBLE_ENV.items()},
+        "deterministic_algorithms": "torch.use_deterministic_algorithms(True, warn_only=True) in every rank",
+    }

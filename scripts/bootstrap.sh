@@ -6,7 +6,7 @@
 #
 # numpy goes in with torch, before anything imports torch: torch does not require numpy, but
 # imports it at start ("Failed to initialize NumPy" when it is missing) and needs it for
-# Tensor.numpy() (chaos.results' digests) and, from 2.14, the object collectives.
+# Tensor.numpy() (chaos.probe's digests) and, from 2.14, the object collectives.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

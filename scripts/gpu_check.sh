@@ -35,10 +35,11 @@ timeout 180 "$py" scripts/bench_gpu.py --rounds 3 || failed+=(commlib)
 echo "== trainer on CUDA"
 if [ "$has_fused_loss" = 1 ]; then
   out="$(mktemp -d)"
-  timeout 40 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 -m chaos.workload.train \
-    --device cuda --backend nccl --steps 5 --ckpt-every 5 --ckpt-dir "$out/ckpt" --results "$out/results.json" \
-    --log-dir "$out/logs" && "$py" -c "import json,sys; r=json.load(open(sys.argv[1])); print('losses', r['losses'])" \
-    "$out/results.json" || failed+=(trainer)
+  timeout 50 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 -m chaos.entry -m chaos.workload.train \
+    --device cuda --backend nccl --steps 5 --ckpt-every 5 --ckpt-dir "$out/ckpt" --log-dir "$out/logs" \
+    && "$py" -c "import sys, pathlib; from chaos.comparison import read_steps; \
+steps = read_steps(pathlib.Path(sys.argv[1])); print('losses', [r.losses for r in steps.records[(0, 0)]])" \
+    "$out" || failed+=(trainer)
 else
   echo "NOT RUN: the trainer needs torch.nn.LinearCrossEntropyLoss (torch >= 2.13); found torch $("$py" -c 'import torch; print(torch.__version__)')"
   not_run+=("the trainer on CUDA")

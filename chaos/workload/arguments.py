@@ -61,7 +61,6 @@ def _parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> ar
         help="checkpoint every N steps; 0: never",
     )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (shared by all ranks); none: no checkpoints")
-    p.add_argument("--results", default=None, help="results JSON written by rank 0 at the end")
     p.add_argument(
         "--seed",
         type=count("--seed", low=0, high=LARGEST_INDEX),

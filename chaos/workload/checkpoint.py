@@ -5,7 +5,7 @@ This module owns the checkpoint directory of the reference trainer:
     {ckpt_dir}/
       step000010/                 a complete checkpoint (the state after step 10)
         .metadata, __R_0.distcp   torch.distributed.checkpoint (DCP): {"model", "optim"}
-        trainer.json              rank 0: step, loss history, step history, lineage config
+        trainer.json              rank 0: step, lineage config
         rng/rank{R}.pt            each rank's RNG states (torch CPU; CUDA when present)
         COMPLETE.json             the marker: {"format", "step", "files": {path: sha256}}
       .staging-step000020-a1/     being written by attempt 1, or torn by a kill
@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import commlib
-from chaos.results import fsync_dir, write_json_atomic
+from chaos.files import fsync_dir, write_json_atomic
 
 MARKER = "COMPLETE.json"
 TRAINER_STATE = "trainer.json"
@@ -186,8 +186,8 @@ class TrainState:
     """What a run needs besides model and optimizer to continue exactly where it stopped."""
 
     step: int = 0  # steps completed; the next step trains on batch_for(data, step + 1, rank)
-    losses: list[float] = field(default_factory=list)  # global mean loss of steps 1..step
-    history: list[dict[str, int]] = field(default_factory=list)  # {"step", "attempt"} per step applied
+    # In replica mode (`chaos.workload.replica`): torchft's Manager state at that step (its step count).
+    manager: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,7 +216,7 @@ class Snapshot:
                 }
             )
         return cls(
-            state=TrainState(step=state.step, losses=list(state.losses), history=[dict(h) for h in state.history]),
+            state=TrainState(step=state.step),
             params=[_local(p).detach().clone() for p in model.parameters()],
             buffers=[_local(b).detach().clone() for b in model.buffers()],
             optim=optim,
@@ -250,9 +250,7 @@ class Snapshot:
                     else:
                         live_state[k] = v
         _set_rng_state(self.rng)
-        return TrainState(
-            step=self.state.step, losses=list(self.state.losses), history=[dict(h) for h in self.state.history]
-        )
+        return TrainState(step=self.state.step)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -321,9 +319,7 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
         _set_rng_state(torch.load(directory / "rng" / f"rank{self.comm.rank}.pt", weights_only=True))
         self._committed = [step]
-        state = TrainState(
-            step=saved["step"], losses=[float.fromhex(x) for x in saved["losses_hex"]], history=saved["history"]
-        )
+        state = TrainState(step=saved["step"], manager=saved.get("manager", {}))
         commlib.get_logger().info("ckpt.resume", step=step, path=str(directory))
         return state
 
@@ -340,12 +336,7 @@ class Checkpointer:
         if self.comm.rank == 0:
             write_json_atomic(
                 staging / TRAINER_STATE,
-                {
-                    "step": state.step,
-                    "losses_hex": [x.hex() for x in state.losses],
-                    "history": state.history,
-                    "lineage": self.lineage,
-                },
+                {"step": state.step, "manager": state.manager, "lineage": self.lineage},
             )
         if self.on_staged is not None:
             self.on_staged(state.step)

@@ -73,9 +73,9 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 import commlib
 import fsdp_overlap
+from chaos.files import fsync_dir
 from chaos.inject import Injector, install_from_env
 from chaos.options import LONGEST_S, option
-from chaos.results import fsync_dir
 from chaos.workload import train
 from chaos.workload.arguments import RefusingParser
 from chaos.workload.checkpoint import (
@@ -600,7 +600,7 @@ class GroupCheckpoints:
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manager_state: dict[str, int]) -> None:
         """The state after a committed step, with the Manager's (torchft's step count: a resume needs it)."""
-        self.checkpointer.save(model, optimizer, TrainState(step=manager_state["step"], history=[manager_state]))
+        self.checkpointer.save(model, optimizer, TrainState(step=manager_state["step"], manager=manager_state))
 
     def catch_up(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, manager: Any, first: bool) -> bool:
         """After a quorum (collective over the group): load the newest complete checkpoint of any group
@@ -612,7 +612,7 @@ class GroupCheckpoints:
         log = commlib.get_logger()
         if int(choice.item()) > step:
             state = self.checkpointer.resume(model, optimizer)
-            manager.load_state_dict(state.history[-1])
+            manager.load_state_dict(state.manager)
             log.warning("replica.resume", step=state.step, from_replica=source, digest=digest(model, optimizer))
             return True
         if first and step == 0:

@@ -1,15 +1,20 @@
 """The reference trainer: every chaos test and benchmark runs this under torchrun.
 
-    torchrun --nproc-per-node 2 -m chaos.workload.train --steps 20 --ckpt-every 5 \\
-        --ckpt-dir runs/ckpt --results runs/results.json --log-dir runs/logs
+    torchrun --nproc-per-node 2 -m chaos.entry -m chaos.workload.train --steps 20 --ckpt-every 5 \\
+        --ckpt-dir runs/ckpt --log-dir runs/logs
 
 Its command line is `chaos.workload.arguments`'s. It builds the transformer of
 `chaos.workload.model` from `--seed`, shards it with
 `fsdp_overlap.shard`, trains it with AdamW on the synthetic batches of
 `chaos.workload.data`, checkpoints every `--ckpt-every` steps through
-`chaos.workload.checkpoint`, resumes from the latest complete checkpoint on start, and
-writes the results file of `chaos.results` at the end. Every step logs `train.step` into
-the rank's commlib log; every collective runs inside `commlib.context(step, phase)`.
+`chaos.workload.checkpoint`, and resumes from the latest complete checkpoint on start. Every
+step logs `train.metrics` (the loss averaged over ranks, tokens, step time, recovery epoch)
+into the rank's commlib log; every collective runs inside `commlib.context(step, phase)`.
+
+It knows nothing of how chaos counts and verifies its steps: under chaos it runs through
+`chaos.entry` like any trainer, whose step probe records each optimizer step (`chaos.probe`).
+It only tells an installed injector (`chaos.inject.installed`) when its checkpoints are staged
+and committed, for the faults that aim at those moments.
 
 On CPU, training is bitwise deterministic: the same config gives bitwise-equal losses and
 final state, and so does a run resumed from any of its checkpoints. That is the property
@@ -25,7 +30,7 @@ taken after every `--snapshot-every` steps and after every checkpoint) and goes 
 same process. Where recovery fails (a rank gone or not joining within
 `--recovery-join-timeout`, more than `--max-in-job-recoveries`), it logs
 `train.recovery_fallback` and exits with the original error's code below, and torchrun
-restarts the job (DCP resume). Each step's `train.step` event carries the recovery `epoch`.
+restarts the job (DCP resume). Each step's `train.metrics` event carries the recovery `epoch`.
 
 Preemption: SIGTERM (what a scheduler sends before it takes the node back) is noted by a
 handler and acted on at the end of the step in progress, by every rank together: the
@@ -61,8 +66,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import commlib
 import fsdp_overlap
-from chaos.inject import install_from_env
-from chaos.results import write_results
+from chaos import inject
 
 # check_args, check_devices and ArgumentsRefused are public here too: a launcher checks a job by the trainer it runs.
 from chaos.workload.arguments import ArgumentsRefused as ArgumentsRefused
@@ -180,8 +184,7 @@ def train(
         "world_size": comm.size,
     }
 
-    # Installed first, so that a fault planned at any collective sequence number can fire.
-    injector = install_from_env(comm)
+    injector = inject.installed()  # chaos.entry's, under chaos
 
     set_deterministic()
     # Ranks compile FlexAttention at different speeds (a cold inductor cache takes minutes
@@ -222,18 +225,13 @@ def train(
         step = state.step + 1
         try:
             with commlib.context(step=step):
-                if injector is not None:
-                    injector.on_step_start(step)
                 start = time.perf_counter()
-                result = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device, preemption.requested)
-                loss = result.loss
+                result = train_step(model, optimizer, comm, model_cfg, data_cfg, step, device, preemption)
                 state.step = step
-                state.losses.append(loss)
-                state.history.append({"step": step, "attempt": attempt})
                 log.info(
-                    "train.step",
+                    "train.metrics",
                     step=step,
-                    loss=loss,
+                    loss=result.loss,
                     tokens=tokens,
                     step_time_s=time.perf_counter() - start,
                     epoch=recovery.epoch if recovery is not None else 0,
@@ -264,15 +262,6 @@ def train(
             with preemption.undeferred():
                 comm, state = _recover_in_job(exc, recovery, model, optimizer, snapshot, checkpointer, step)
 
-    if args.results is not None:
-        write_results(
-            args.results,
-            losses=state.losses,
-            model=model,
-            optimizer=optimizer,
-            steps=args.steps,
-            extra={"history": state.history, "config": {**config, **vars(args)}},
-        )
     log.info("train.done", steps=args.steps)
     return comm, False
 
@@ -368,9 +357,11 @@ def train_step(
     data_cfg: DataConfig,
     step: int,
     device: torch.device,
-    stop: bool = False,
+    preemption: Preemption | None = None,
 ) -> StepResult:
-    """One step on this rank's batch; `stop`: this rank asks the job to stop after it."""
+    """One step on this rank's batch. A SIGTERM `preemption` noted by the end of its backward
+    (it may come at the step's start, where chaos holds a rank for it) asks the job to stop
+    after it."""
     batch = batch_for(data_cfg, step, comm.rank).to(device)
     block_mask = build_block_mask(model_cfg, batch.doc_ids, device)
     with commlib.context(phase="forward"):
@@ -378,6 +369,7 @@ def train_step(
     with commlib.context(phase="backward"):
         loss.backward()
     with commlib.context(phase="optimizer"):
+        stop = preemption is not None and preemption.requested
         result = check_finite_and_average(comm, step, loss, model, stop)
         # On a GPU engine a collective of this step that failed on the device raises only
         # here (its outputs are garbage): before they reach the weights, so the step rolls back.
@@ -455,5 +447,5 @@ if __name__ == "__main__":
     # the progress board's thread returning from a store call into the finalizing
     # interpreter, now stopped at exit (commlib/record/board.py); other threads of torch's
     # may do the same. Everything this process owes is on disk by now: logs are written line
-    # by line with os.write, results and checkpoints atomically.
+    # by line with os.write, checkpoints atomically.
     os._exit(code)

@@ -29,7 +29,7 @@ def test_straggler_corrupted_checkpoint_and_preemption(passing_run):
     report, run_dir = passing_run([f"straggler:rank=1,ms={STRAGGLER_MS},step=2", "corrupt_checkpoint:step=4",
                                    "sigterm:rank=0,step=6"],
                                   {"straggler_named", "corrupt_checkpoint_not_loaded", "preempted_cleanly",
-                                   "losses_bitwise", "history_exact", "state_bitwise"})
+                                   "losses_bitwise", "steps_exact", "state_bitwise"})
     slow, corrupted, preempted = report.faults
     assert report.restarts == 2
 

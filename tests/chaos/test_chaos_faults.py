@@ -24,7 +24,7 @@ def _run(tmp_path, faults, tiny_args, reference_dir, leftovers, **kwargs):
                        **kwargs)
     assert report.passed, report.summary()
     assert report.bitwise_verified
-    assert {"job_completed", "faults_injected", "recovered", "losses_bitwise", "history_exact",
+    assert {"job_completed", "faults_injected", "recovered", "losses_bitwise", "steps_exact",
             "state_bitwise"} <= set(report.checks)
     assert leftovers(run_dir) == []
     for f in report.faults:

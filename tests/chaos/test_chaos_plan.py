@@ -193,8 +193,8 @@ def test_cli_rejects_a_bad_plan_before_starting_anything(tmp_path, capsys):
     (["--fault", "kill:rank=1,after_s=-2"], "--fault kill:rank=1,after_s=-2.after_s",
      "expected after_s to be a finite number of seconds in [0, 604800]; found -2"),
     (["--fault", "hang:rank=1,after_s=900"], "faults[0].after_s", "before the job's timeout of 900 s"),
-    (["--fault", "kill:rank=1,step=31"], "faults[0].step", "at most 30, its --steps); found 31"),
-    (["--fault", "kill:rank=1,step=0"], "faults[0].step", "(from 1, at most 30, its --steps); found 0"),
+    (["--fault", "kill:rank=1,step=31"], "faults[0].step", "at most 30, its last step); found 31"),
+    (["--fault", "kill:rank=1,step=0"], "faults[0].step", "(from 1, at most 30, its last step); found 0"),
     (["--fault", "kill:rank=1,step=5", "--", "--steps", "4"], "faults[0].step", "at most 4"),
 ])
 def test_cli_refuses_a_fault_that_never_fires_or_never_finishes(tmp_path, capsys, args, field, words):

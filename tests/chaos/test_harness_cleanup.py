@@ -90,7 +90,7 @@ def _scrub(run_dir: Path, leftovers, names: list[str]) -> None:
         except ProcessLookupError:
             pass
     sweep()
-    unmount(run_dir / "ckpt")
+    unmount(run_dir / "work")
     for name in names:
         delete_namespace(name)
 
@@ -105,20 +105,20 @@ def test_a_killed_harness_leaves_no_process_mount_or_namespace(tmp_path, leftove
         [made] = [n for n in journal(run_dir) if n["event"] == "harness.network"]
         names = made["namespaces"]
         tag = names[0].split("-")[2]
-        assert _mounted(run_dir / "ckpt") and set(names) <= set(namespaces()) and leftovers(run_dir)
+        assert _mounted(run_dir / "work") and set(names) <= set(namespaces()) and leftovers(run_dir)
         harness.send_signal(signal.SIGKILL)
         harness.wait()
 
         def gone() -> bool:
             links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-            return not (leftovers(run_dir) or _mounted(run_dir / "ckpt") or set(names) & set(namespaces())
+            return not (leftovers(run_dir) or _mounted(run_dir / "work") or set(names) & set(namespaces())
                         or f"cn{tag}" in links or _records(harness.pid))
 
         took = _until(gone, BOUND_S)
         print(f"everything gone {took:.1f} s after the SIGKILL")
         [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
         assert cleaned["by"] == "supervisor" and cleaned["harness_pid"] == harness.pid, cleaned
-        assert cleaned["mounts"] == [str(run_dir / "ckpt")] and sorted(cleaned["namespaces"]) == sorted(names)
+        assert cleaned["mounts"] == [str(run_dir / "work")] and sorted(cleaned["namespaces"]) == sorted(names)
     finally:
         harness.kill()
         _scrub(run_dir, leftovers, names)
@@ -143,9 +143,9 @@ def test_a_harness_killed_with_its_supervisor_is_swept_at_the_next_start(tmp_pat
         with Guard(tmp_path / "next"):
             # A neighbour's sweep that began first holds the record's lock while it cleans: this
             # Guard's own sweep then leaves the record to it (a run's suite failed at once here).
-            _until(lambda: not _mounted(run_dir / "ckpt") and not _records(harness.pid), BOUND_S)
+            _until(lambda: not _mounted(run_dir / "work") and not _records(harness.pid), BOUND_S)
         [cleaned] = [json.loads(line) for line in (run_dir / LOG).read_text().splitlines()]
-        assert cleaned["by"].startswith("sweep by ") and cleaned["mounts"] == [str(run_dir / "ckpt")], cleaned
+        assert cleaned["by"].startswith("sweep by ") and cleaned["mounts"] == [str(run_dir / "work")], cleaned
     finally:
         harness.kill()
         _scrub(run_dir, leftovers, [])

@@ -27,3 +27,30 @@ def test_the_summary_lists_the_files_the_report_wrote(tmp_path) -> None:
     report.write(tmp_path, png=False)
     last = report.summary().splitlines()[-1]
     assert last == f"  report: {tmp_path / 'report.json'}", last
+
+
+def test_the_summary_cuts_no_word_and_shows_each_fault_its_own_verdicts_and_problem(tmp_path) -> None:
+    """A summary line past the width wraps at a word, never inside one; each fault shows the checks
+    about it and the doctor's problem of its own window (its attempt holds the other fault's too),
+    and the job line says what the ranks ran over."""
+    s = 1_000_000_000
+    delay, kill = _fault("delay", 0, 10.0), _fault("kill", 1, 20.0)
+    delay.injected_ts_ns, kill.injected_ts_ns = 10 * s, 20 * s
+    word = "x" * 150  # longer than a line: it stands alone, whole
+    attempt = {"problems": [
+        {"kind": "timeout", "ranks": [0], "ts_ns": 11 * s, "message": "all_reduce #7 timed out " + "on rank 1 " * 20},
+        {"kind": "dead_rank", "ranks": [1], "ts_ns": 20 * s, "message": f"rank 1 stopped logging {word} end"},
+    ]}
+    delay.diagnosis, kill.diagnosis = attempt, attempt
+    delay.verdicts, kill.verdicts = {"recovered": True, "diagnosis_names_faulted_rank": False}, {"recovered": True}
+    report = Report(passed=False, checks={"job_completed": True}, bitwise_verified=True, run_dir=str(tmp_path),
+                    faults=[delay, kill], problems=["steps_exact: expected " + "step " * 60 + "once each"],
+                    job={"trainer": "my.train", "world_size": 2, "backend": "gloo"}, backend="commlib over gloo")
+    lines = report.summary().splitlines()
+    text = report.summary()
+    assert "my.train on 2 ranks (commlib over gloo)" in lines[1]
+    assert all(len(line) <= 120 or line.strip() == word for line in lines), [len(line) for line in lines]
+    assert word in [line.strip() for line in lines] and all(w in text.split() for w in ("step", "once", "each", "end"))
+    at_delay, at_kill = text.index("delay rank 0"), text.index("kill rank 1")
+    assert at_delay < text.index("[FAILED] diagnosis_names_faulted_rank") < text.index("timeout [0]") < at_kill
+    assert text.index("dead_rank [1]") > at_kill and text.count("timeout [0]") == 1

@@ -106,7 +106,7 @@ def test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in
     assert done.returncode == 0 and report["passed"], done.stdout + done.stderr
     assert report["bitwise_verified"], report["bitwise_reason"]
     assert {"preempted_cleanly", "requeued", "lost_node_resumed", "lost_node_named", "losses_bitwise",
-            "history_exact", "state_bitwise"} <= set(report["checks"])
+            "steps_exact", "state_bitwise"} <= set(report["checks"])
     by_type = {}
     for f in report["faults"]:
         by_type.setdefault(f["type"], []).append(f)

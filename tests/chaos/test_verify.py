@@ -1,13 +1,14 @@
-"""The proof can fail: `chaos.verify.compare` on results files that differ from the reference
-by the least amount each check exists for, and the reference cache key's coverage of the
-code that computes the numbers.
+"""The proof can fail: `chaos.comparison.compare` on step records that differ from the
+reference's by the least amount each check exists for, the lineage the final state descends
+from, what the first difference is said to point to, and the reference cache key's coverage
+of the code that computes the numbers.
 
-Each results file is a real one: a small model trained with Adam, digested and written by
-`chaos.results.write_results`, read back by `read_results`, so a one-ulp difference has to
-survive the file format as well as the comparison.
+The records are real: a small model trained in this process under the step probe
+(`chaos.probe`), logged and read back (`read_steps`); the digests' own sensitivity to one ulp
+is tests/chaos/test_probe.py's.
 """
 
-import copy
+import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -16,58 +17,43 @@ import pytest
 import torch
 
 import chaos.verify as verify
+from chaos.comparison import Steps, StepRecord, compare, final_lineage, read_steps
 from chaos.harness import Job, JobOutcome
-from chaos.results import read_results, write_results
-from chaos.verify import RESULTS, compare, ensure_reference, package_dirs, reference_key, sources_digest
+from chaos.probe import StepProbe
+from chaos.verify import REFERENCE, ensure_reference, package_dirs, reference_key, sources_digest
+from commlib.observe import log
 
 STEPS = 5
-CHECKS = {"losses_bitwise", "history_exact", "state_bitwise"}
+CHECKS = {"steps_exact", "losses_bitwise", "steps_bitwise", "state_bitwise"}
 TOY = str(Path(__file__).with_name("toy_trainer.py"))
 
 
-def _train() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float]]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(1, STEPS + 1):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(8, 4, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), x[:, :3] * 3.0)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return model, optimizer, losses
+def _train(run_dir: Path) -> Steps:
+    """Five Adam steps of a small model under the probe, logged to `run_dir`/logs, read back."""
+    log.configure(0, 1, run_dir / "logs")
+    probe = StepProbe().install()
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        for step in range(1, STEPS + 1):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            torch.nn.functional.mse_loss(model(x), x[:, :3] * 3.0).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        probe.remove()
+        log.release()
+    return read_steps(run_dir)
 
 
-def _history(steps):
-    return [{"step": s, "attempt": 0 if s <= 2 else 1} for s in steps]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Steps:
+    return _train(tmp_path_factory.mktemp("reference"))
 
 
-def _results(path: Path, *, losses=None, history=None, tweak=None) -> dict:
-    """The results file of a training run, as the verifier reads it; `tweak(model, optimizer)`
-    changes the final state before it is digested."""
-    model, optimizer, trained = _train()
-    if tweak is not None:
-        with torch.no_grad():
-            tweak(model, optimizer)
-    losses = trained if losses is None else losses
-    history = _history(range(1, STEPS + 1)) if history is None else history
-    write_results(path, losses=losses, model=model, optimizer=optimizer, steps=len(losses),
-                  extra={"history": history})
-    return read_results(path)
-
-
-@pytest.fixture
-def reference(tmp_path):
-    return _results(tmp_path / "reference.json")
-
-
-def _one_ulp_up(t: torch.Tensor) -> None:
-    """The first element of `t` moved to the next representable value."""
-    flat = t.view(-1)
-    flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=t.dtype))
+def _with(steps: Steps, records: list[StepRecord]) -> Steps:
+    return Steps({(0, 0): records}, steps.probes)
 
 
 def _assert_only_failed(comparison, failed: set[str]) -> None:
@@ -78,107 +64,85 @@ def _assert_only_failed(comparison, failed: set[str]) -> None:
 
 
 def test_the_same_run_twice_is_equal(tmp_path, reference):
-    # The control: two separate trainings of one config are bitwise the same run.
-    again = _results(tmp_path / "again.json")
-    comparison = compare(again, reference)
+    """The control: two separate trainings of one config are bitwise the same run."""
+    comparison = compare(_train(tmp_path), reference)
     assert comparison.equal, comparison.problems
     assert comparison.checks == dict.fromkeys(CHECKS, True) and comparison.problems == []
-    assert len(set(reference["losses"])) == STEPS  # a run that learns: no two steps alike
+    [records] = reference.records.values()
+    assert [r.step for r in records] == [1, 2, 3, 4, 5] and len({r.losses for r in records}) == STEPS
+    assert all(r.params and r.optim and r.data and r.rng for r in records)
 
 
-@pytest.mark.parametrize("direction", [math.inf, -math.inf], ids=["up", "down"])
-def test_one_loss_one_ulp_off_is_not_equal(tmp_path, reference, direction):
-    losses = list(reference["losses"])
-    losses[2] = math.nextafter(losses[2], direction)
-    faulted = _results(tmp_path / "faulted.json", losses=losses)
-    assert faulted["losses"][2] == losses[2] != reference["losses"][2]  # the file kept the ulp
-    assert abs(faulted["losses"][2] - reference["losses"][2]) == math.ulp(reference["losses"][2])
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"losses_bitwise"})
-    assert "1 step(s) differ" in comparison.problems[0] and "index 2" in comparison.problems[0]
+@pytest.mark.parametrize("direction", [float("inf"), float("-inf")], ids=["up", "down"])
+def test_one_loss_one_ulp_off_is_not_equal(reference, direction):
+    """Step 3's loss a ulp away, everything else the reference's: named, as a loss."""
+    records = list(reference.records[(0, 0)])
+    loss = float.fromhex(records[2].losses[0])
+    records[2] = dataclasses.replace(records[2], losses=(math.nextafter(loss, direction).hex(),))
+    comparison = compare(_with(reference, records), reference)
+    _assert_only_failed(comparison, {"losses_bitwise", "steps_bitwise"})
+    assert comparison.first_difference.startswith("step 3 on rank 0 differs from the reference's: its loss;")
 
 
-def test_a_doubled_step_is_not_equal(tmp_path, reference):
-    # Step 3 applied twice (e.g. re-run after a restart without rolling back): its loss and
-    # its history entry appear twice.
-    losses = reference["losses"][:3] + reference["losses"][2:]
-    steps = [1, 2, 3, 3, 4, 5]
-    faulted = _results(tmp_path / "faulted.json", losses=losses, history=_history(steps))
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"losses_bitwise", "history_exact"})
-    assert f"expected {STEPS} steps" in comparison.problems[0] and "found 6" in comparison.problems[0]
-    assert "doubled [3], missing []" in comparison.problems[-1]
+def test_a_step_applied_twice_is_not_equal(reference):
+    """Step 3's update applied twice: the optimizer counts one step more, and step 4 drew step 3's data."""
+    ref = reference.records[(0, 0)]
+    doubled = [*ref[:3], dataclasses.replace(ref[2], step=4), *(dataclasses.replace(r, step=r.step + 1)
+                                                               for r in ref[3:])]
+    comparison = compare(_with(reference, doubled), reference)
+    _assert_only_failed(comparison, {"steps_exact", "losses_bitwise", "steps_bitwise", "state_bitwise"})
+    assert "beyond the reference [6]" in comparison.problems[1]
+    assert comparison.first_difference.startswith("step 4 on rank 0 differs from the reference's: its data,")
 
 
-def test_a_missing_step_is_not_equal(tmp_path, reference):
-    losses = reference["losses"][:2] + reference["losses"][3:]
-    faulted = _results(tmp_path / "faulted.json", losses=losses, history=_history([1, 2, 4, 5]))
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"losses_bitwise", "history_exact"})
-    assert "doubled [], missing [3]" in comparison.problems[-1]
+def test_a_skipped_step_is_not_equal(reference):
+    ref = reference.records[(0, 0)]
+    comparison = compare(_with(reference, [*ref[:2], *ref[3:]]), reference)
+    _assert_only_failed(comparison, {"steps_exact"})
+    assert "descending from steps [1-2, 4-5], missing [3]" in comparison.problems[0]
 
 
-@pytest.mark.parametrize("steps", [[1, 2, 3, 3, 5], [1, 2, 4, 3, 5]], ids=["doubled-for-missing", "reordered"])
-def test_a_wrong_history_alone_is_not_equal(tmp_path, reference, steps):
-    # Every loss and the final state as in the reference: the history check must catch it on its own.
-    faulted = _results(tmp_path / "faulted.json", history=_history(steps))
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"history_exact"})
+def test_a_final_state_one_digest_off_is_not_equal(reference):
+    ref = reference.records[(0, 0)]
+    last = dataclasses.replace(ref[-1], optim="0" * 32)
+    comparison = compare(_with(reference, [*ref[:-1], last]), reference)
+    _assert_only_failed(comparison, {"steps_bitwise", "state_bitwise"})
+    assert "found step 5's optimizer state differing" in comparison.problems[-1]
+    assert "the parameters are equal but the optimizer state differs" in comparison.first_difference
 
 
-def test_a_missing_history_is_not_equal(tmp_path, reference):
-    faulted = dict(reference)
-    del faulted["history"]
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"history_exact"})
+def test_the_lineage_takes_each_steps_execution_the_final_state_descends_from(reference):
+    """Steps run again after a restart (attempt 1 from step 2) or a rollback replace the ones lost;
+    an attempt resumed from an older checkpoint descends from the older attempt's steps."""
+    ref = reference.records[(0, 0)]
+    again = [dataclasses.replace(r, attempt=1, pid=2) for r in ref[2:]]
+    run = [*ref[:4], *again]  # attempt 0 ran 1-4, attempt 1 resumed from 2 and ran 3-5
+    assert final_lineage(run) == [*ref[:2], *again]
+    assert compare(_with(reference, run), reference).equal
+    broken = [*ref[:4], dataclasses.replace(again[0], losses=("0x1p+0",)), *again[1:]]
+    comparison = compare(_with(reference, broken), reference)
+    assert comparison.first_difference.startswith(
+        "step 3 on rank 0 (the first step after attempt 1 resumed from step 2) differs from the reference's: its loss;")
 
 
-def test_one_model_tensor_one_ulp_off_is_not_equal(tmp_path, reference):
-    faulted = _results(tmp_path / "faulted.json", tweak=lambda model, optimizer: _one_ulp_up(model.weight))
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"state_bitwise"})
-    assert "1 tensor(s) differ: ['model.weight']" in comparison.problems[0]
+@pytest.mark.parametrize("changed, words", [
+    (dict(rng="f" * 32, data="e" * 32), "torch's RNG state at its start differs too"),
+    (dict(data="e" * 32), "it drew other data from the same torch RNG state"),
+    (dict(losses=("0x1p+0",)), "the same data gave another loss"),
+    (dict(params="d" * 32), "the same data and loss gave other parameters"),
+])
+def test_the_first_difference_says_what_it_points_to(reference, changed, words):
+    ref = reference.records[(0, 0)]
+    comparison = compare(_with(reference, [*ref[:1], dataclasses.replace(ref[1], **changed), *ref[2:]]), reference)
+    assert comparison.first_difference.startswith("step 2 on rank 0 differs") and words in comparison.first_difference
 
 
-def _adam_state(name):
-    def tweak(model, optimizer):
-        param = dict(model.named_parameters())[name.split(".")[0]]
-        state = optimizer.state[param]
-        key = name.split(".")[1]
-        if key == "step":
-            state["step"] += 1  # one update more
-        else:
-            _one_ulp_up(state[key])
-    return tweak
-
-
-def _learning_rate(model, optimizer):
-    optimizer.param_groups[0]["lr"] = math.nextafter(optimizer.param_groups[0]["lr"], math.inf)
-
-
-@pytest.mark.parametrize("tweak, differing", [
-    (_adam_state("weight.exp_avg"), "optim.state.weight.exp_avg"),
-    (_adam_state("bias.exp_avg_sq"), "optim.state.bias.exp_avg_sq"),
-    (_adam_state("bias.step"), "optim.state.bias.step"),
-    (_learning_rate, "optim.param_groups"),
-], ids=["exp_avg", "exp_avg_sq", "step", "lr"])
-def test_optimizer_state_differing_is_not_equal(tmp_path, reference, tweak, differing):
-    # The model itself is the reference's: only the optimizer state would make the next step differ.
-    faulted = _results(tmp_path / "faulted.json", tweak=tweak)
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"state_bitwise"})
-    assert f"1 tensor(s) differ: [{differing!r}]" in comparison.problems[0]
-    assert {k: v for k, v in faulted["state_digest"]["tensors"].items() if k.startswith("model.")} == \
-        {k: v for k, v in reference["state_digest"]["tensors"].items() if k.startswith("model.")}
-
-
-def test_a_state_digest_without_a_tensor_is_not_equal(reference):
-    faulted = copy.deepcopy(reference)
-    del faulted["state_digest"]["tensors"]["optim.state.weight.exp_avg"]
-    faulted["state_digest"]["total"] = "0" * 64
-    comparison = compare(faulted, reference)
-    _assert_only_failed(comparison, {"state_bitwise"})
-    assert "optim.state.weight.exp_avg" in comparison.problems[0]
+def test_without_the_optimizers_step_count_only_the_final_state_is_compared(reference):
+    """Steps counted per process cannot be placed after a restart: the last state alone is compared."""
+    ref = reference.records[(0, 0)]
+    counted_again = [*ref[:3], *(dataclasses.replace(r, step=r.step - 2, pid=2) for r in ref[2:])]
+    comparison = compare(_with(reference, counted_again), reference, placed=False)
+    assert comparison.checks == {"state_bitwise": True} and comparison.equal
 
 
 # -- the reference cache key ------------------------------------------------------------------
@@ -237,24 +201,26 @@ def test_added_removed_and_renamed_files_change_the_digest(library_copy):
 
 def test_ensure_reference_recomputes_after_a_library_edit(tmp_path, library_copy, monkeypatch):
     """A reference cached before a code change is not reused after it: the harness is asked
-    for a new fault-free run (stood in for here by writing its results file)."""
+    for a new fault-free run (stood in for here by one that only notes it ran)."""
     runs = []
 
     def fake_run_job(job, plan, run_dir, **kwargs):
         runs.append(Path(run_dir))
-        Path(run_dir).mkdir(parents=True)
-        (Path(run_dir) / RESULTS).write_text(f"run {len(runs)}\n")
+        Path(run_dir).mkdir(parents=True, exist_ok=True)  # made empty for it (chaos.files.work_directory)
+        (Path(run_dir) / "run.txt").write_text(f"run {len(runs)}\n")
         return JobOutcome(Path(run_dir), 0, 0, [0])
 
     monkeypatch.setattr(verify, "package_dirs", lambda: library_copy)
     monkeypatch.setattr(verify, "run_job", fake_run_job)
+    monkeypatch.setattr(verify, "read_steps", lambda run_dir: Steps({(0, 0): [None]}))  # one step recorded
+    monkeypatch.setattr(verify, "mark_reference", lambda run_dir, start_ns: (run_dir / REFERENCE).write_text("{}"))
     job, root = Job(trainer=TOY), tmp_path / "references"
     first = ensure_reference(job, root)
     assert len(runs) == 1 and ensure_reference(job, root) == first and len(runs) == 1  # cached
     path = library_copy[1] / "comms.py"
     path.write_text(path.read_text() + "\n# a change\n")
     second = ensure_reference(job, root)
-    assert len(runs) == 2 and second != first and (second / RESULTS).read_text() == "run 2\n"
+    assert len(runs) == 2 and second != first and (second / "run.txt").read_text() == "run 2\n"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == sorted([first.name, second.name])
     assert second.name == reference_key(job, library_copy)
 

@@ -223,7 +223,15 @@ def test_two_ranks() -> None:
         _check_async_flags(out["async flags"])
 
 
-def test_modes_bitwise_equal_4_ranks() -> None:
+def test_modes_bitwise_equal_4_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every mode's losses, gradients and parameters bitwise plain FSDP2's, on 4 ranks. MKL's code
+    path and thread count are fixed in the ranks' environment before torch loads (chaos's
+    `REPRODUCIBLE_ENV`, which `testing.run` honours by spawning them): MKL otherwise picks them
+    per call, and under load one mode's step differed from another's in its last bits."""
+    from chaos.harness import REPRODUCIBLE_ENV
+
+    for name in ("MKL_CBWR", "MKL_DYNAMIC"):
+        monkeypatch.setenv(name, REPRODUCIBLE_ENV[name])
     steps = 2
     for out in testing.run(_train_every_mode, 4, timeout=600, args=(steps,)):
         _check_every_mode(out, steps)

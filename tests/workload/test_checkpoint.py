@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_train import torchrun_train  # the one launcher of the trainer in tests
 
-from chaos.results import read_results
+from chaos.comparison import read_steps
 from chaos.workload.checkpoint import (
     MARKER,
     clean_staging,
@@ -116,16 +117,17 @@ def test_torchrun_resume_skips_torn_and_corrupt_checkpoints(tmp_path: Path) -> N
     """Checkpoints at steps 1 and 2; then step 2 gets a flipped byte, a step 3 without marker
     and a torn staging dir appear. The rerun must skip 3 and 2, remove the staging dir,
     resume from 1, and recompute step 2 bitwise as the first run did."""
-    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
-    torchrun_train(tmp_path, "--steps", "2", "--ckpt-every", "1", "--ckpt-dir", ckpt,
-                   "--results", tmp_path / "first.json")
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "second" / "logs"
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+    torchrun_train(tmp_path / "first", "--steps", "2", "--ckpt-every", "1", "--ckpt-dir", ckpt,
+                   "--log-dir", tmp_path / "first" / "logs")
     shutil.copytree(ckpt / step_dir_name(2), ckpt / step_dir_name(3))
     (ckpt / step_dir_name(3) / MARKER).unlink()
     _flip_byte(ckpt / step_dir_name(2) / "__1_0.distcp")
     shutil.copytree(ckpt / step_dir_name(1), ckpt / staging_dir_name(4, 0))
 
-    torchrun_train(tmp_path, "--steps", "3", "--ckpt-every", "0", "--ckpt-dir", ckpt,
-                   "--results", tmp_path / "second.json", "--log-dir", logs)
+    torchrun_train(tmp_path / "second", "--steps", "3", "--ckpt-every", "0", "--ckpt-dir", ckpt, "--log-dir", logs)
 
     events = list(read_events(logs / "rank0.jsonl"))
     skipped = [(e["step"], e["reason"]) for e in events if e["event"] == "ckpt.skipped"]
@@ -137,6 +139,9 @@ def test_torchrun_resume_skips_torn_and_corrupt_checkpoints(tmp_path: Path) -> N
     assert [e["path"] for e in events if e["event"] == "ckpt.staging_removed"] == [
         str(ckpt / staging_dir_name(4, 0))]
     assert not (ckpt / staging_dir_name(4, 0)).exists()
-    first, second = read_results(tmp_path / "first.json"), read_results(tmp_path / "second.json")
-    assert second["losses_hex"][:2] == first["losses_hex"]
-    assert [h["step"] for h in second["history"]] == [1, 2, 3]
+    # Step 2 computed again from checkpoint 1 is step 2 of the first run, bitwise, on every rank.
+    first, second = read_steps(tmp_path / "first"), read_steps(tmp_path / "second")
+    for rank in (0, 1):
+        assert [r.step for r in second.records[(rank, 0)]] == [2, 3]
+        assert second.records[(rank, 0)][0] == dataclasses.replace(first.records[(rank, 0)][1],
+                                                                  pid=second.records[(rank, 0)][0].pid)

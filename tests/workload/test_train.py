@@ -1,4 +1,5 @@
-"""The reference trainer under real torchrun (2 ranks, gloo, tiny model), and its results file.
+"""The reference trainer under real torchrun (2 ranks, gloo, tiny model), started as chaos
+starts every trainer (`chaos.entry`, whose step probe records each optimizer step).
 
 `torchrun_train` is also what test_checkpoint.py launches the trainer with. Two launches
 giving the same bits, a resume equal to the uninterrupted run and a NaN stopped before the
@@ -8,8 +9,6 @@ test_chaos_faults.py's `corrupt` is the NaN), so they are not launched again her
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
 import subprocess
@@ -19,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from chaos.results import read_results, state_digest, write_results
+from chaos.comparison import compare, read_steps
 from commlib.observe.events import read_events
 
 # The tiniest config FlexAttention and FSDP2 take: each launch is dominated by process
@@ -34,10 +32,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def torchrun_train(workdir: Path, *args: object, extra_env: dict[str, str] | None = None,
                    torchrun_args: tuple[str, ...] = (), timeout: float = 240.0) -> None:
-    """Run `torchrun --standalone --nproc-per-node 2 -m chaos.workload.train TINY args`; it must exit 0."""
+    """Run `torchrun --standalone --nproc-per-node 2 -m chaos.entry -m chaos.workload.train TINY args`;
+    it must exit 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(workdir / "torchrun"),  # its error files: not a /tmp directory left behind
-           *torchrun_args, "-m", "chaos.workload.train", *TINY, *map(str, args)]
+           *torchrun_args, "-m", "chaos.entry", "-m", "chaos.workload.train", *TINY, *map(str, args)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHAOS_", "TORCHELASTIC_", "COMMLIB_"))}
     # The ranks import this tree, whatever the editable install maps.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -61,13 +60,7 @@ def reference(once: Callable[[str, Callable[[Path], Any]], tuple[Path, Any]]) ->
 
 
 def _reference(run: Path) -> None:
-    torchrun_train(run, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", run / "ckpt",
-                   "--results", run / "results.json", "--log-dir", run / "logs")
-
-
-def _same_training(a: dict, b: dict) -> None:
-    assert a["losses_hex"] == b["losses_hex"]
-    assert a["state_digest"] == b["state_digest"]
+    torchrun_train(run, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", run / "ckpt", "--log-dir", run / "logs")
 
 
 STANDIN = REPO / "tests" / "torchcomms_standin"
@@ -77,25 +70,30 @@ def test_torchcomms_engine_trains_fsdp2_and_dcp_like_gloo(reference: Path, tmp_p
     """`--backend torchcomms`: the default group's engine is torchcomms (the stand-in here), so
     plain FSDP2's and DCP's collectives run on it, through commlib, to the same bits."""
     torchrun_train(tmp_path, "--steps", "4", "--ckpt-every", "2", "--ckpt-dir", tmp_path / "ckpt",
-                   "--results", tmp_path / "results.json", "--log-dir", tmp_path / "logs", "--backend", "torchcomms",
+                   "--log-dir", tmp_path / "logs", "--backend", "torchcomms",
                    extra_env={"PYTHONPATH": os.pathsep.join([str(REPO), str(STANDIN)])})
-    _same_training(read_results(reference / "results.json"), read_results(tmp_path / "results.json"))
+    comparison = compare(read_steps(tmp_path), read_steps(reference))
+    assert comparison.equal, comparison.problems
     starts = [e for e in read_events(tmp_path / "logs" / "rank0.jsonl") if e["event"] == "collective.start"]
     ops = {e["op"] for e in starts}
     assert {"all_gather_single", "reduce_scatter_single", "gather", "scatter", "broadcast"} <= ops  # FSDP2, DCP
     assert {e["backend"] for e in starts} == {"torchcomms:gloo"}
 
 
-def test_log_has_train_step_events(reference: Path) -> None:
-    results = read_results(reference / "results.json")
-    assert results["steps"] == 4 and len(results["losses"]) == 4 and all(math.isfinite(x) for x in results["losses"])
-    assert len(results["state_digest"]["tensors"]) > 16  # model and optimizer tensors
+def test_log_has_each_steps_record_and_metrics(reference: Path) -> None:
+    """The probe's record of every optimizer step (its loss the one the rank's backward ran
+    from) beside the trainer's own metrics (the loss averaged over ranks)."""
+    steps = read_steps(reference)
+    assert (steps.step_source, steps.backend, steps.last_step) == ("optimizer", "commlib over gloo", 4)
+    records = {rank: steps.records[(rank, 0)] for rank in (0, 1)}
     for rank in (0, 1):
         events = list(read_events(reference / "logs" / f"rank{rank}.jsonl"))
-        steps = [e for e in events if e["event"] == "train.step"]
-        assert [e["step"] for e in steps] == [1, 2, 3, 4]
-        assert [e["loss"] for e in steps] == results["losses"]  # the global mean, the same on every rank
-        for e in steps:
+        assert [r.step for r in records[rank]] == [1, 2, 3, 4]
+        assert all(r.params and r.optim and r.data and len(r.losses) == 1 for r in records[rank])
+        metrics = [e for e in events if e["event"] == "train.metrics"]
+        assert [e["step"] for e in metrics] == [1, 2, 3, 4]
+        for e, r0, r1 in zip(metrics, records[0], records[1], strict=True):
+            assert e["loss"] == (float.fromhex(r0.losses[0]) + float.fromhex(r1.losses[0])) / 2
             assert e["tokens"] == 2 * 64 * 1 and e["step_time_s"] > 0
             assert (e["rank"], e["size"], e["attempt"]) == (rank, 2, 0)
         phases = {e.get("phase") for e in events if e["event"] == "collective.start" and "step" in e}
@@ -103,60 +101,6 @@ def test_log_has_train_step_events(reference: Path) -> None:
         assert [(e["event"], e["step"]) for e in events if e["event"] in ("ckpt.start", "ckpt.end")] == [
             ("ckpt.start", 2), ("ckpt.end", 2), ("ckpt.start", 4), ("ckpt.end", 4)]
     assert sorted(p.name for p in (reference / "ckpt").iterdir()) == ["step000002", "step000004"]
-
-
-# -- results file (single process) --------------------------------------------------------
-
-def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(5, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def test_results_round_trip_exactly(tmp_path: Path) -> None:
-    model, optimizer = _trained()
-    losses = [0.1, 1 / 3, float("nan"), float("inf"), 2.0 ** -1074]
-    write_results(tmp_path / "r.json", losses=losses, model=model, optimizer=optimizer, steps=5,
-                  extra={"history": [{"step": 1, "attempt": 0}]})
-    raw = json.loads((tmp_path / "r.json").read_text())  # strict JSON: no NaN literal
-    assert raw["losses"][2:4] == [None, None]
-    results = read_results(tmp_path / "r.json")
-    assert [x.hex() for x in results["losses"]] == [x.hex() for x in losses]
-    assert results["steps"] == 5 and results["history"] == [{"step": 1, "attempt": 0}]
-    assert results["state_digest"] == state_digest(model, optimizer)
-    assert sorted(results["state_digest"]["tensors"])[:3] == ["model.0.bias", "model.0.weight", "model.1.bias"]
-    assert "optim.state.0.weight.exp_avg_sq" in results["state_digest"]["tensors"]
-
-
-def test_digest_sees_one_ulp_and_optimizer_state() -> None:
-    model, optimizer = _trained()
-    before = state_digest(model, optimizer)
-    assert before == state_digest(*_trained())
-    with torch.no_grad():
-        w = model[0].weight
-        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(float("inf")))
-    assert state_digest(model, optimizer)["total"] != before["total"]
-    model, optimizer = _trained()
-    optimizer.state[model[1].bias]["step"] += 1
-    after = state_digest(model, optimizer)
-    changed = [k for k in before["tensors"] if before["tensors"][k] != after["tensors"][k]]
-    assert changed == ["optim.state.1.bias.step"]
-
-
-def test_results_bad_input(tmp_path: Path) -> None:
-    model, optimizer = _trained()
-    with pytest.raises(ValueError, match=r"expected one loss per step \(3\); found 2"):
-        write_results(tmp_path / "r.json", losses=[1.0, 2.0], model=model, optimizer=optimizer, steps=3)
-    with pytest.raises(ValueError, match="expected extra keys other than"):
-        write_results(tmp_path / "r.json", losses=[], model=model, optimizer=optimizer, steps=0,
-                      extra={"losses": []})
-    assert not (tmp_path / "r.json").exists()
-    (tmp_path / "other.json").write_text('{"format": 99}')
-    with pytest.raises(ValueError, match="expected a results file of format 1"):
-        read_results(tmp_path / "other.json")
 
 
 @pytest.mark.parametrize("argv, words", [
