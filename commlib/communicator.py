@@ -191,7 +191,8 @@ class Communicator:
         self._failure_reported = threading.Event()  # set once it has (`_refuse_if_dead` waits for it)
         self._news_reader: threading.Thread | None = None  # reads peers' abort announcements (`waiting_on_peers`)
         self._end_lock = threading.Lock()  # one end at a time: its marking dead, its engine's abort
-        self._engine_abort: threading.Thread | None = None  # started once (`_abort_engine`)
+        self._engine_aborted = False  # its abort has begun (`_abort_engine`): once only
+        self._engine_abort: threading.Thread | None = None  # a stream-ordered engine's abort, on its own thread
         self._barrier_tensor: torch.Tensor | None = None  # what a stream-ordered barrier all-reduces
         # Before the board, whose publisher would outlive a failed creation.
         agree_on_settings(store, name, self.rank, self.size, timeout, check_consistency)
@@ -1006,11 +1007,10 @@ class Communicator:
         """Abort the engine once: at once on a CPU engine; on a stream-ordered one in a thread of
         its own (its abort waits for the device to drain: ncclCommAbort)."""
         with self._end_lock:
-            if self._engine_abort is not None:
+            if self._engine_aborted:
                 return
-            if self._in_flight is None:
-                self._engine_abort = threading.current_thread()
-            else:
+            self._engine_aborted = True
+            if self._in_flight is not None:
                 self._engine_abort = threading.Thread(
                     target=self._abort_engine_now, name=f"commlib-abort-{self.name}", daemon=True
                 )

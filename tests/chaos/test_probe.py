@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from chaos.comparison import read_steps
 from chaos.probe import StepProbe, optim_digest, params_digest
-from commlib.observe import log
+from commlib.record import log
 from commlib.observe.events import read_events
 
 

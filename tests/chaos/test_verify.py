@@ -21,7 +21,7 @@ from chaos.comparison import Steps, StepRecord, compare, final_lineage, read_ste
 from chaos.harness import Job, JobOutcome
 from chaos.probe import StepProbe
 from chaos.verify import REFERENCE, ensure_reference, package_dirs, reference_key, sources_digest
-from commlib.observe import log
+from commlib.record import log
 
 STEPS = 5
 CHECKS = {"steps_exact", "losses_bitwise", "steps_bitwise", "state_bitwise"}
