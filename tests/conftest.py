@@ -18,7 +18,7 @@ os.environ.setdefault("TORCHCOMM_TIMEOUT_SECONDS", "60")
 
 # The tests that hold a worker longest (chaos runs with restarts, the Slurm job, FSDP and
 # trainer launches), heaviest first, by their time in a full run (`./scripts/test.sh
-# --durations=0`, four workers: docs/testing.md). The test command hands tests out one at a
+# --durations=0`, cores + 2 workers: docs/testing.md). The test command hands tests out one at a
 # time (`--maxschedchunk 1`) in collection order, so collecting these first starts the longest
 # at once on every worker and leaves the short ones to fill in at the end, instead of one
 # worker still running a long test when the others are done (the wall time is the latest

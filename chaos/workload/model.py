@@ -187,7 +187,7 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     Two of inductor's options are set for this function alone. Both concern CPU kernels only,
     and both cut what a warm start costs: every torchrun restart after a fault starts each
     rank afresh, and before inductor looks in its warm cache it would run two child
-    processes, about 1 s of CPU per rank (0.9 s less per start: scripts/bench_rank_start.py,
+    processes, about 1 s of CPU per rank (1.2 s less per start: scripts/bench_rank_start.py,
     docs/measurements.md):
     - ``cpp_cache_precompile_headers``: off, so that the C++ preprocessor is not run over
       inductor's whole prefix header (to key a precompiled header) at every start. A cold
