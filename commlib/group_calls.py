@@ -2,16 +2,17 @@
 
 A c10d collective method takes tensor lists and an option object and returns a c10d `Work`
 (or None for a call it completed); commlib's take single tensors and keywords and return a
-commlib `Work`. The helpers here translate, once per call: the one tensor of a list
-(`one_tensor`), an op's own deadline (`deadline_of`) and reduction (`reduction_of`, remembered
-per kind) from c10d's options, what goes back to torch (`handed_back`, `CommlibWork`), and the
-copies back into a caller's non-contiguous tensors (`restaged`, `copy_back`).
+commlib `Work`. The process group translates each call in one method (its `_issue`); the
+helpers here are what its methods share beside it: the one tensor of a list (`one_tensor`),
+an op's reduction from c10d's options (`reduction_of`, looked up per kind), the Work handed
+back to torch (`CommlibWork`, `coalesced`), and the copies back into a caller's
+non-contiguous tensors (`restaged`, `copy_back`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -19,13 +20,19 @@ import torch
 import torch.distributed as dist
 
 from commlib.communicator import Work
-from commlib.ops import PremulSum, Reduction, to_reduction
+from commlib.ops import Reduction, to_reduction
 
 
 class CommlibWork(dist.Work):
-    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
+    """A c10d `Work` over one or more commlib `Work`s (or, for a coalesced method, over the c10d
+    Works of its ops: `coalesced`); `wait` is theirs (deadline and all)."""
 
-    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: Sequence[Work | CommlibWork | None],
+        result: list[torch.Tensor],
+        finish: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self._works = works
         self._result = result
@@ -43,14 +50,14 @@ class CommlibWork(dist.Work):
         # c10d spells "no timeout" as timedelta(0): the op's own deadline applies then.
         limit = timeout if timeout else None
         for work in self._works:
-            work.wait(limit)
+            work.wait(limit)  # type: ignore[union-attr]  # only asynchronous calls hand back a Work
         if self._finish is not None:
             self._finish()
             self._finish = None
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return all(w.is_completed() for w in self._works)  # type: ignore[union-attr]
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -65,6 +72,14 @@ class CommlibWork(dist.Work):
         return future
 
 
+def coalesced(
+    async_op: bool, works: list[CommlibWork | None], result: list[torch.Tensor]
+) -> CommlibWork | None:
+    """What a coalesced method hands back to c10d, its ops issued one by one: one Work over
+    theirs when the caller asked for one, else None (they completed)."""
+    return CommlibWork(works, result) if async_op else None
+
+
 def copy_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for original, copy in copies:
         original.copy_(copy)
@@ -75,53 +90,20 @@ def strided(tensors: list[torch.Tensor]) -> bool:
     return not all(t.is_contiguous() for t in tensors)
 
 
-_NO_TIMEOUT = timedelta(0)  # c10d's options say "unset" with a negative timeout
-
-
-def deadline_of(opts: Any) -> float | None:
-    """An op's own timeout from c10d's options; None (the communicator's default) when unset."""
-    timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and timeout > _NO_TIMEOUT:
-        return timeout.total_seconds()
-    return None
-
-
-# A memo, not a registry: c10d reduction -> commlib reduction, filled as reductions are met.
-_REDUCTIONS: dict[Any, Reduction] = {}
+# c10d's `ReduceOp` hashes to its kind's number (`RedOpType`'s value, PREMUL_SUM's too), so a dict
+# of the plain kinds by hash turns it into commlib's reduction without comparing two ReduceOps,
+# which pybind does by trying its overloads (about 20 times the lookup). Made from the hashes
+# themselves, and only where they tell every kind apart.
+_PLAIN_KINDS = [kind for name, kind in dist.ReduceOp.RedOpType.__members__.items() if name != "PREMUL_SUM"]
+_BY_HASH: dict[int, Reduction] = {hash(dist.ReduceOp(kind)): to_reduction(kind) for kind in _PLAIN_KINDS}
+if len(_BY_HASH) < len(_PLAIN_KINDS) or hash(dist._make_nccl_premul_sum(1.0)) in _BY_HASH:
+    _BY_HASH.clear()
 
 
 def reduction_of(opts: Any) -> Reduction:
-    """`to_reduction(opts.reduceOp)`, remembered per kind of reduction.
-
-    A c10d `ReduceOp` hashes and compares by its kind alone (reading `.op` would cost more
-    than the lookup), so PREMUL_SUM, whose factor varies, is never remembered.
-    """
+    """`to_reduction(opts.reduceOp)`, looked up by the ReduceOp's hash for a plain kind."""
     op = opts.reduceOp
-    reduction = _REDUCTIONS.get(op)
-    if reduction is None:
-        reduction = to_reduction(op)
-        if not isinstance(reduction, PremulSum):
-            _REDUCTIONS[op] = reduction
-    return reduction
-
-
-def handed_back(
-    async_op: bool, works: list[Work | None], result: list[torch.Tensor], finish: Any = None
-) -> CommlibWork | None:
-    """What a collective method returns to c10d: a Work when the caller asked for one.
-
-    c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
-    `async_op=False`) and take None as "the backend completed it" (torch's convention for
-    backends that complete synchronously). So a synchronous call is issued to the
-    Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
-    `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
-    Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
-    """
-    if async_op:
-        return CommlibWork(works, result, finish)  # type: ignore[arg-type]
-    if finish is not None:
-        finish()
-    return None
+    return _BY_HASH.get(hash(op)) or to_reduction(op)
 
 
 def one_tensor(tensors: list[Any], what: str) -> Any:
