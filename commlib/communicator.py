@@ -307,7 +307,14 @@ class Communicator:
         async_op: bool = False,
         timeout: Deadline | None = None,
     ) -> Work | None:
-        return self._issue(_REDUCE_SCATTER, async_op, timeout, output=output, input_list=input_list, reduce_op=op)
+        return self._issue(
+            _REDUCE_SCATTER,
+            async_op,
+            timeout,
+            output=output,
+            input_list=input_list,
+            reduce_op=op,
+        )
 
     def reduce_scatter_single(
         self,
@@ -318,7 +325,14 @@ class Communicator:
         async_op: bool = False,
         timeout: Deadline | None = None,
     ) -> Work | None:
-        return self._issue(_REDUCE_SCATTER_SINGLE, async_op, timeout, output=output, input=input, reduce_op=op)
+        return self._issue(
+            _REDUCE_SCATTER_SINGLE,
+            async_op,
+            timeout,
+            output=output,
+            input=input,
+            reduce_op=op,
+        )
 
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, timeout: Deadline | None = None
@@ -334,7 +348,14 @@ class Communicator:
         async_op: bool = False,
         timeout: Deadline | None = None,
     ) -> Work | None:
-        return self._issue(_GATHER, async_op, timeout, output_list=output_list, input=input, root=root)
+        return self._issue(
+            _GATHER,
+            async_op,
+            timeout,
+            output_list=output_list,
+            input=input,
+            root=root,
+        )
 
     def scatter(
         self,
@@ -345,7 +366,14 @@ class Communicator:
         async_op: bool = False,
         timeout: Deadline | None = None,
     ) -> Work | None:
-        return self._issue(_SCATTER, async_op, timeout, output=output, input_list=input_list, root=root)
+        return self._issue(
+            _SCATTER,
+            async_op,
+            timeout,
+            output=output,
+            input_list=input_list,
+            root=root,
+        )
 
     def send(
         self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False, timeout: Deadline | None = None

@@ -73,7 +73,9 @@ class CommlibWork(dist.Work):
 
 
 def coalesced(
-    async_op: bool, works: list[CommlibWork | None], result: list[torch.Tensor]
+    async_op: bool,
+    works: list[CommlibWork | None],
+    result: list[torch.Tensor],
 ) -> CommlibWork | None:
     """What a coalesced method hands back to c10d, its ops issued one by one: one Work over
     theirs when the caller asked for one, else None (they completed)."""
@@ -94,8 +96,8 @@ def strided(tensors: list[torch.Tensor]) -> bool:
 # of the plain kinds by hash turns it into commlib's reduction without comparing two ReduceOps,
 # which pybind does by trying its overloads (about 20 times the lookup). Made from the hashes
 # themselves, and only where they tell every kind apart.
-_PLAIN_KINDS = [kind for name, kind in dist.ReduceOp.RedOpType.__members__.items() if name != "PREMUL_SUM"]
-_BY_HASH: dict[int, Reduction] = {hash(dist.ReduceOp(kind)): to_reduction(kind) for kind in _PLAIN_KINDS}
+_PLAIN_KINDS = [k for n, k in dist.ReduceOp.RedOpType.__members__.items() if n != "PREMUL_SUM"]
+_BY_HASH: dict[int, Reduction] = {hash(dist.ReduceOp(k)): to_reduction(k) for k in _PLAIN_KINDS}
 if len(_BY_HASH) < len(_PLAIN_KINDS) or hash(dist._make_nccl_premul_sum(1.0)) in _BY_HASH:
     _BY_HASH.clear()
 

@@ -300,7 +300,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return engine if engine is not None else super()._get_backend(device)
 
     def _on(self, tensor: torch.Tensor | None) -> Communicator:
-        """The communicator for `tensor`'s device (None: the main one); a group with one takes it for every op."""
+        """The communicator for `tensor`'s device (None: the main one); a group with one
+        communicator takes it for every op."""
         return self._only or self.communicator(None if tensor is None else tensor.device)
 
     # c10d keeps a group's name and description in its registered backends, and a group
@@ -388,7 +389,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t = one_tensor(tensors, "reduce")
         if not t.is_contiguous():
             return restaged(self.reduce, (tensors, opts), writes=(0,))
-        return self._issue(opts, tensors, Communicator.reduce, t, t, opts.rootRank, reduction_of(opts))
+        op = reduction_of(opts)
+        return self._issue(opts, tensors, Communicator.reduce, t, t, opts.rootRank, op)
 
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -436,14 +438,16 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
         if strided([t, *inputs]):
             return restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
-        return self._issue(opts, outputs, Communicator.reduce_scatter, t, t, inputs, reduction_of(opts))
+        op = reduction_of(opts)
+        return self._issue(opts, outputs, Communicator.reduce_scatter, t, t, inputs, op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         if not (output.is_contiguous() and input.is_contiguous()):
             return restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
         op = reduction_of(opts)
-        return self._issue(opts, [output], Communicator.reduce_scatter_single, input, output, input, op)
+        method = Communicator.reduce_scatter_single
+        return self._issue(opts, [output], method, input, output, input, op)
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None

@@ -277,7 +277,8 @@ class C10dBackend:
         opts = None if kind is None else kind()
         if opts is not None:
             opts.timeout = timeout
-            # A stream-ordered engine's synchronous op takes c10d's synchronous path (module docstring).
+            # A stream-ordered engine's synchronous op takes c10d's synchronous path (module
+            # docstring).
             if self.events is not None and not async_op:
                 opts.asyncOp = False
             if reduce_op is not None:

@@ -81,7 +81,7 @@ INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
 _RECV = OpName.RECV  # read on every collective: a module global reads faster than the enum member
 # Every torch dtype's name, read on every collective: `str(dtype)` builds it anew each time.
-_DTYPE_NAMES = {dtype: str(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+_DTYPE_NAMES = {d: str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 MAX_SIZE = 100_000  # entries a communicator's ring may hold
 DEFAULT_DUMPS = 32
 MAX_DUMPS = 10_000
