@@ -2,17 +2,17 @@
 
 A c10d collective method takes tensor lists and an option object and returns a c10d `Work`
 (or None for a call it completed); commlib's take single tensors and keywords and return a
-commlib `Work`. The process group translates each call in one method (its `_issue`); the
-helpers here are what its methods share beside it: the one tensor of a list (`one_tensor`),
-an op's reduction from c10d's options (`reduction_of`, looked up per kind), the Work handed
-back to torch (`CommlibWork`, `coalesced`), and the copies back into a caller's
-non-contiguous tensors (`restaged`, `copy_back`).
+commlib `Work`. The helpers here translate, once per call, beside the process group's reading
+of an op's options (`CommlibProcessGroup._translated`): the one tensor of a list
+(`one_tensor`), an op's reduction (`reduction_of`, looked up per kind), what goes back to
+torch (`handed_back`, `CommlibWork`), and the copies back into a caller's non-contiguous
+tensors (`restaged`, `copy_back`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,12 +24,11 @@ from commlib.ops import Reduction, to_reduction
 
 
 class CommlibWork(dist.Work):
-    """A c10d `Work` over one or more commlib `Work`s (or, for a coalesced method, over the c10d
-    Works of its ops: `coalesced`); `wait` is theirs (deadline and all)."""
+    """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
 
     def __init__(
         self,
-        works: Sequence[Work | CommlibWork | None],
+        works: list[Work],
         result: list[torch.Tensor],
         finish: Callable[[], None] | None = None,
     ) -> None:
@@ -50,14 +49,14 @@ class CommlibWork(dist.Work):
         # c10d spells "no timeout" as timedelta(0): the op's own deadline applies then.
         limit = timeout if timeout else None
         for work in self._works:
-            work.wait(limit)  # type: ignore[union-attr]  # only asynchronous calls hand back a Work
+            work.wait(limit)
         if self._finish is not None:
             self._finish()
             self._finish = None
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)  # type: ignore[union-attr]
+        return all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -70,16 +69,6 @@ class CommlibWork(dist.Work):
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(self._result)
         return future
-
-
-def coalesced(
-    async_op: bool,
-    works: list[CommlibWork | None],
-    result: list[torch.Tensor],
-) -> CommlibWork | None:
-    """What a coalesced method hands back to c10d, its ops issued one by one: one Work over
-    theirs when the caller asked for one, else None (they completed)."""
-    return CommlibWork(works, result) if async_op else None
 
 
 def copy_back(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -106,6 +95,25 @@ def reduction_of(opts: Any) -> Reduction:
     """`to_reduction(opts.reduceOp)`, looked up by the ReduceOp's hash for a plain kind."""
     op = opts.reduceOp
     return _BY_HASH.get(hash(op)) or to_reduction(op)
+
+
+def handed_back(
+    async_op: bool, works: list[Work | None], result: list[torch.Tensor], finish: Any = None
+) -> CommlibWork | None:
+    """What a collective method returns to c10d: a Work when the caller asked for one.
+
+    c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
+    `async_op=False`) and take None as "the backend completed it" (torch's convention for
+    backends that complete synchronously). So a synchronous call is issued to the
+    Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
+    `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
+    Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
+    """
+    if async_op:
+        return CommlibWork(works, result, finish)  # type: ignore[arg-type]
+    if finish is not None:
+        finish()
+    return None
 
 
 def one_tensor(tensors: list[Any], what: str) -> Any:

@@ -10,8 +10,8 @@ collectives, `all_gather_object`, `barrier`) take commlib's one path: validation
 number, hooks, flight recorder, progress board, structured log, and a deadline that raises
 a typed error naming the ranks that did not arrive. This module only translates c10d's
 calling convention (tensor lists, option objects, old and new method names) into
-`Communicator` calls, in one method (`CommlibProcessGroup._issue`); it repeats none of the
-Communicator's work. That translation runs on every collective, so it reads each option
+`Communicator` calls (`CommlibProcessGroup._translated` reads c10d's options of an op); it
+repeats none of the Communicator's work. That translation runs on every collective, so it reads each option
 once and remembers what does not change: the group's one communicator, and the commlib
 reduction of each torch reduction kind.
 
@@ -51,7 +51,7 @@ Limits (see docs/torch-backend.md):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -61,10 +61,10 @@ from torch._C import _distributed_c10d as c10d_opts  # the option objects c10d m
 from torch.distributed.constants import default_pg_timeout
 
 from commlib import attempt, compat
-from commlib.communicator import Communicator, Work
+from commlib.communicator import Communicator
 from commlib.engine_calls import engine_timeout, follow_engine_calls, set_engine_timeout
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
-from commlib.group_calls import CommlibWork, coalesced, one_tensor, reduction_of, restaged, strided
+from commlib.group_calls import CommlibWork, handed_back, one_tensor, reduction_of, restaged, strided
 from commlib.record import flight
 from commlib.record import log as _log
 from commlib.validation import seconds
@@ -299,11 +299,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
         engine = None if comm is None else comm.engine
         return engine if engine is not None else super()._get_backend(device)
 
-    def _on(self, tensor: torch.Tensor | None) -> Communicator:
-        """The communicator for `tensor`'s device (None: the main one); a group with one
-        communicator takes it for every op."""
-        return self._only or self.communicator(None if tensor is None else tensor.device)
-
     # c10d keeps a group's name and description in its registered backends, and a group
     # over torchcomms has none registered: keep them here as well, for Python readers
     # (DeviceMesh reads `group_name` of every dimension's group).
@@ -330,67 +325,50 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- collectives: c10d's calling convention in, Communicator calls out ---------------
-    def _issue(
-        self,
-        opts: Any,
-        result: list[torch.Tensor],
-        method: Callable[..., Work | None],
-        on: torch.Tensor | None,
-        *args: Any,
-        finish: Callable[[], None] | None = None,
-    ) -> CommlibWork | None:
-        """Every collective method's translation: `method(comm, *args)`, a `Communicator` call
-        on the communicator of `on`'s device (None: the group's main one), with `opts`' async_op
-        and the op's own deadline (None where unset: the communicator's); what goes back to c10d
-        is a Work when the caller asked for one, and `finish` runs once the op completed (copies
-        out of a staging buffer). A coalesced method issues each of its ops so (`coalesced`).
-
-        c10d's Python functions say whether they will wait at once (`opts.asyncOp`, False for
-        `async_op=False`) and take None as "the backend completed it" (torch's convention for
-        backends that complete synchronously). So a synchronous call is issued to the
-        Communicator as one, completes on its sync path, and costs no c10d `Work`, no commlib
-        `Work` and no extra wait layer; it is also recorded as what it was, a synchronous call.
-        Callers that leave asyncOp at its default (True; torch's C++ callers do) get a Work.
-        """
-        async_op = opts.asyncOp
+    def _translated(self, opts: Any, on: torch.Tensor | None) -> tuple[Communicator, bool, float | None]:
+        """c10d's options of one op, read once: the communicator of `on`'s device (None: the
+        group's main one), whether the caller asked for a Work (`opts.asyncOp`: `handed_back`),
+        and the op's own deadline (None where unset: the communicator's)."""
         timeout = opts.timeout
-        deadline = timeout.total_seconds() if timeout > _UNSET else None
-        work = method(self._only or self._on(on), *args, async_op=async_op, timeout=deadline)
-        if async_op:
-            return CommlibWork([work], result, finish)
-        if finish is not None:
-            finish()
-        return None
+        comm = self._only or self.communicator(None if on is None else on.device)
+        return comm, opts.asyncOp, timeout.total_seconds() if timeout > _UNSET else None
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceOptions()
         t = one_tensor(tensors, "allreduce")
         if not t.is_contiguous():
             return restaged(self.allreduce, (tensors, opts), writes=(0,))
-        return self._issue(opts, tensors, Communicator.all_reduce, t, t, reduction_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.all_reduce(t, reduction_of(opts), async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
         if strided(tensors):
             return restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
-        op = reduction_of(opts)
-        works = [self._issue(opts, [t], Communicator.all_reduce, t, t, op) for t in tensors]
-        return coalesced(opts.asyncOp, works, tensors)
+        op, async_op, works = reduction_of(opts), opts.asyncOp, []
+        for t in tensors:
+            comm, _, timeout = self._translated(opts, t)
+            works.append(comm.all_reduce(t, op, async_op=async_op, timeout=timeout))
+        return handed_back(async_op, works, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BroadcastOptions()
         t = one_tensor(tensors, "broadcast")
         if not t.is_contiguous():
             return restaged(self.broadcast, (tensors, opts), writes=(0,))
-        return self._issue(opts, tensors, Communicator.broadcast, t, t, opts.rootRank)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.broadcast(t, opts.rootRank, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceOptions()
         t = one_tensor(tensors, "reduce")
         if not t.is_contiguous():
             return restaged(self.reduce, (tensors, opts), writes=(0,))
-        op = reduction_of(opts)
-        return self._issue(opts, tensors, Communicator.reduce, t, t, opts.rootRank, op)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], tensors)
 
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -399,7 +377,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t, outputs = one_tensor(inputs, "allgather"), one_tensor(output_lists, "allgather")
         if strided([t, *outputs]):
             return restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
-        return self._issue(opts, outputs, Communicator.all_gather, t, outputs, t)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.all_gather(outputs, t, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], outputs)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -407,17 +387,19 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         if strided([*inputs, *(o for outs in output_lists for o in outs)]):
             return restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
-        works = [
-            self._issue(opts, outs, Communicator.all_gather, t, outs, t)
-            for outs, t in zip(output_lists, inputs, strict=True)
-        ]
-        return coalesced(opts.asyncOp, works, [o for outs in output_lists for o in outs])
+        async_op, works = opts.asyncOp, []
+        for outs, t in zip(output_lists, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, t)
+            works.append(comm.all_gather(outs, t, async_op=async_op, timeout=timeout))
+        return handed_back(async_op, works, [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
         if not (output.is_contiguous() and input.is_contiguous()):
             return restaged(self.all_gather_single, (output, input, opts), writes=(0,))
-        return self._issue(opts, [output], Communicator.all_gather_single, input, output, input)
+        comm, async_op, timeout = self._translated(opts, input)
+        work = comm.all_gather_single(output, input, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], [output])
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -425,11 +407,11 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.AllgatherOptions()
         if strided([*outputs, *inputs]):
             return restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        works = [
-            self._issue(opts, [o], Communicator.all_gather_single, i, o, i)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return coalesced(opts.asyncOp, works, outputs)
+        async_op, works = opts.asyncOp, []
+        for o, i in zip(outputs, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, i)
+            works.append(comm.all_gather_single(o, i, async_op=async_op, timeout=timeout))
+        return handed_back(async_op, works, outputs)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
@@ -438,16 +420,18 @@ class CommlibProcessGroup(dist.ProcessGroup):
         t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
         if strided([t, *inputs]):
             return restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
-        op = reduction_of(opts)
-        return self._issue(opts, outputs, Communicator.reduce_scatter, t, t, inputs, op)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
         if not (output.is_contiguous() and input.is_contiguous()):
             return restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
+        comm, async_op, timeout = self._translated(opts, input)
         op = reduction_of(opts)
-        method = Communicator.reduce_scatter_single
-        return self._issue(opts, [output], method, input, output, input, op)
+        work = comm.reduce_scatter_single(output, input, op, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], [output])
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -455,12 +439,11 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts = opts or c10d_opts.ReduceScatterOptions()
         if strided([*outputs, *inputs]):
             return restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        op = reduction_of(opts)
-        works = [
-            self._issue(opts, [o], Communicator.reduce_scatter_single, i, o, i, op)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return coalesced(opts.asyncOp, works, outputs)
+        op, async_op, works = reduction_of(opts), opts.asyncOp, []
+        for o, i in zip(outputs, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, i)
+            works.append(comm.reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout))
+        return handed_back(async_op, works, outputs)
 
     def all_to_all_single(
         self,
@@ -483,7 +466,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
             return restaged(
                 self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes, opts), writes=(0,)
             )
-        return self._issue(opts, [output], Communicator.all_to_all_single, input, output, input)
+        comm, async_op, timeout = self._translated(opts, input)
+        work = comm.all_to_all_single(output, input, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], [output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
@@ -496,13 +481,14 @@ class CommlibProcessGroup(dist.ProcessGroup):
         # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
+        comm, async_op, timeout = self._translated(opts, staged_in)
+        work = comm.all_to_all_single(staged_out, staged_in, async_op=async_op, timeout=timeout)
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
                 out.copy_(piece)
 
-        method = Communicator.all_to_all_single
-        return self._issue(opts, outputs, method, staged_in, staged_out, staged_in, finish=copy_out)
+        return handed_back(async_op, [work], outputs, copy_out)
 
     def gather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
@@ -512,7 +498,9 @@ class CommlibProcessGroup(dist.ProcessGroup):
         outputs = one_tensor(output_lists, "gather") if output_lists else None
         if strided([t, *(outputs or [])]):
             return restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
-        return self._issue(opts, outputs or [], Communicator.gather, t, outputs, t, opts.rootRank)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.gather(outputs, t, opts.rootRank, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], outputs or [])
 
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
@@ -522,19 +510,23 @@ class CommlibProcessGroup(dist.ProcessGroup):
         inputs = one_tensor(input_lists, "scatter") if input_lists else None
         if strided([t, *(inputs or [])]):
             return restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
-        return self._issue(opts, outputs, Communicator.scatter, t, t, inputs, opts.rootRank)
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=timeout)
+        return handed_back(async_op, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "send")
         if not t.is_contiguous():
             return restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
-        return CommlibWork([self._on(t).send(t, dst, tag=tag, async_op=True)], tensors)
+        comm = self._only or self.communicator(t.device)
+        return CommlibWork([comm.send(t, dst, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
         if not t.is_contiguous():
             return restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
-        return CommlibWork([self._on(t).recv(t, src, tag=tag, async_op=True)], tensors)
+        comm = self._only or self.communicator(t.device)
+        return CommlibWork([comm.recv(t, src, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(
@@ -543,7 +535,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         )
 
     def barrier(self, opts: Any = None) -> CommlibWork | None:
-        return self._issue(opts or c10d_opts.BarrierOptions(), [], Communicator.barrier, None)
+        comm, async_op, timeout = self._translated(opts or c10d_opts.BarrierOptions(), None)
+        return handed_back(async_op, [comm.barrier(async_op=async_op, timeout=timeout)], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:

@@ -246,7 +246,7 @@ class CallChecker:
         t = call.tensor
         # The common case (one tensor, a plain reduction or none) keyed here, not in `_signature`:
         # this runs on every collective.
-        if type(t) is torch.Tensor and type(call.reduce_op) in _PLAIN_REDUCTIONS:
+        if t is not None and type(t) is torch.Tensor and type(call.reduce_op) in _PLAIN_REDUCTIONS:
             key: tuple[object, ...] | None = (
                 call.op,
                 call.reduce_op,
