@@ -10,10 +10,10 @@ collectives, `all_gather_object`, `barrier`) take commlib's one path: validation
 number, hooks, flight recorder, progress board, structured log, and a deadline that raises
 a typed error naming the ranks that did not arrive. This module only translates c10d's
 calling convention (tensor lists, option objects, old and new method names) into
-`Communicator` calls (`CommlibProcessGroup._translated` reads c10d's options of an op); it
-repeats none of the Communicator's work. That translation runs on every collective, so it reads each option
-once and remembers what does not change: the group's one communicator, and the commlib
-reduction of each torch reduction kind.
+`Communicator` calls (`CommlibProcessGroup._translated` reads an op's c10d options); it
+repeats none of the Communicator's work. That translation runs on every collective, so it
+reads each option once and remembers what does not change: the group's one communicator,
+and the commlib reduction of each torch reduction kind.
 
 The engine communicators under each group, and how they are built, are `commlib.engines`'s
 (`EngineOptions`, `Recipe`); c10d's calling convention (option objects, tensor lists, the
@@ -64,7 +64,14 @@ from commlib import attempt, compat
 from commlib.communicator import Communicator
 from commlib.engine_calls import engine_timeout, follow_engine_calls, set_engine_timeout
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
-from commlib.group_calls import CommlibWork, handed_back, one_tensor, reduction_of, restaged, strided
+from commlib.group_calls import (
+    CommlibWork,
+    handed_back,
+    one_tensor,
+    reduction_of,
+    restaged,
+    strided,
+)
 from commlib.record import flight
 from commlib.record import log as _log
 from commlib.validation import seconds
@@ -325,7 +332,11 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- collectives: c10d's calling convention in, Communicator calls out ---------------
-    def _translated(self, opts: Any, on: torch.Tensor | None) -> tuple[Communicator, bool, float | None]:
+    def _translated(
+        self,
+        opts: Any,
+        on: torch.Tensor | None,
+    ) -> tuple[Communicator, bool, float | None]:
         """c10d's options of one op, read once: the communicator of `on`'s device (None: the
         group's main one), whether the caller asked for a Work (`opts.asyncOp`: `handed_back`),
         and the op's own deadline (None where unset: the communicator's)."""
@@ -421,7 +432,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if strided([t, *inputs]):
             return restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
         comm, async_op, timeout = self._translated(opts, t)
-        work = comm.reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=timeout)
+        op = reduction_of(opts)
+        work = comm.reduce_scatter(t, inputs, op, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
@@ -519,14 +531,16 @@ class CommlibProcessGroup(dist.ProcessGroup):
         if not t.is_contiguous():
             return restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
         comm = self._only or self.communicator(t.device)
-        return CommlibWork([comm.send(t, dst, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
+        work = comm.send(t, dst, tag=tag, async_op=True)
+        return CommlibWork([work], tensors)  # type: ignore[list-item]
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
         if not t.is_contiguous():
             return restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
         comm = self._only or self.communicator(t.device)
-        return CommlibWork([comm.recv(t, src, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
+        work = comm.recv(t, src, tag=tag, async_op=True)
+        return CommlibWork([work], tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(

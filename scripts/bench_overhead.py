@@ -304,7 +304,8 @@ def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dic
         return {"sync": lambda: comm.all_reduce(t),
                 "async issue + wait": lambda: comm.all_reduce(t, async_op=True).wait(),
                 "process group, sync": lambda: group.allreduce([t], _fresh_options(async_op=False)),
-                "process group, async issue + wait": lambda: group.allreduce([t], _fresh_options()).wait(),
+                "process group, async issue + wait":
+                    lambda: group.allreduce([t], _fresh_options()).wait(),
                 "torch's dist.all_reduce over the process group": lambda: dist.all_reduce(t, group=group)}
 
     def measure() -> dict[str, dict[str, float]]:
