@@ -511,7 +511,7 @@ class Communicator:
         # The hot path: every collective runs it, so what is fixed per communicator is computed
         # once and what most calls lack (hooks, a log dir, a dead communicator) costs a test.
         # Named parameters and the Collective's fields in their order, not **fields: packing
-        # and unpacking a dict per call cost more than the rest of this function.
+        # and unpacking a dict per call cost more than building the Collective.
         if async_op is not True and async_op is not False:
             raise TypeError(
                 f"{op} on {self.name!r} rank {self.rank}: expected async_op to be a bool; "

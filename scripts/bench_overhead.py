@@ -29,6 +29,9 @@ rank, real gloo) also counts context switches per call: whether a layer blocks m
 
 `--own-layers` measures whichever commlib is imported, so another checkout's can be measured
 by the same script: `PYTHONPATH=OTHER_CHECKOUT .venv/bin/python scripts/bench_overhead.py --own-layers`.
+The other parts run in ranks forked from a server that imports commlib from the current
+directory first: to measure another checkout with them, run the script from a directory that
+holds none (`cd /tmp && PYTHONPATH=OTHER_CHECKOUT CHECKOUT/.venv/bin/python CHECKOUT/scripts/...`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ process group the caller already has (`commlib.init` over a default group made w
 another backend; its ops go to the group's backend for the device). Either way ops are
 launched through the engine's own methods (`allreduce`, `broadcast`, `_allgather_base`, ...)
 with c10d's option objects, so every op carries its own deadline (`opts.timeout`), longer
-or shorter than the engine's default; an option object is built once per distinct
+or shorter than the engine's default; an option object is built once per distinct op,
 timeout, reduction and root, and reused (`C10dBackend._options`). The three methods torch
 2.13 renamed on ProcessGroup objects are looked up once through `compat.method`.
 
@@ -199,9 +199,8 @@ class C10dBackend:
         reduce_op = call.reduce_op
         finish = None if reduce_op is None or reduce_op is _SUM else self._emulate(call)
         key = (call.op, timeout, reduce_op, call.root, call.async_op)
-        try:
-            opts = self._option_cache[key]
-        except KeyError:
+        opts = self._option_cache.get(key)
+        if opts is None and call.peer is None:  # send and recv take no option object
             opts = self._options(key)
         work = C10dWork(_LAUNCH[call.op](self, call, opts), finish, not self._routed)
         if call.peer is not None and self._peer_lanes is not None:
@@ -264,8 +263,8 @@ class C10dBackend:
         return self.engine.barrier(opts)
 
     def _options(self, key: tuple[Any, ...]) -> Any:
-        """c10d's option object for the calls of `key` (op, timeout, reduction, root, async_op):
-        their timeout, and their reduction and root where the op has them; None for send and recv.
+        """c10d's option object for the collectives of `key` (op, timeout, reduction, root,
+        async_op): their timeout, and their reduction and root where the op has them.
 
         Engines copy what they read of it during the launch, so one object per distinct key is
         built (here) and reused (`launch`): building one costs more than the rest of a launch,
@@ -273,18 +272,15 @@ class C10dBackend:
         done only then.
         """
         op, timeout, reduce_op, root, async_op = key
-        kind = _OPTION_KINDS[op]
-        opts = None if kind is None else kind()
-        if opts is not None:
-            opts.timeout = timeout
-            # A stream-ordered engine's synchronous op takes c10d's synchronous path (module
-            # docstring).
-            if self.events is not None and not async_op:
-                opts.asyncOp = False
-            if reduce_op is not None:
-                opts.reduceOp = self._c10d_reduction(reduce_op)
-            if root is not None:
-                opts.rootRank = root
+        opts = _OPTION_KINDS[op]()
+        opts.timeout = timeout
+        # A stream-ordered engine's synchronous op takes c10d's synchronous path (module docstring).
+        if self.events is not None and not async_op:
+            opts.asyncOp = False
+        if reduce_op is not None:
+            opts.reduceOp = self._c10d_reduction(reduce_op)
+        if root is not None:
+            opts.rootRank = root
         if len(self._option_cache) < _MAX_OPTIONS:
             self._option_cache[key] = opts
         return opts
@@ -399,8 +395,8 @@ class C10dBackend:
             self.engine.shutdown()
 
 
-# The option object each op's engine method takes (None: send and recv take none).
-_OPTION_KINDS: dict[OpName, Callable[[], Any] | None] = {
+# The option object each collective's engine method takes (send and recv take none).
+_OPTION_KINDS: dict[OpName, Callable[[], Any]] = {
     OpName.ALL_REDUCE: c10d_opts.AllreduceOptions,
     OpName.BROADCAST: c10d_opts.BroadcastOptions,
     OpName.REDUCE: c10d_opts.ReduceOptions,
@@ -411,8 +407,6 @@ _OPTION_KINDS: dict[OpName, Callable[[], Any] | None] = {
     OpName.ALL_TO_ALL_SINGLE: c10d_opts.AllToAllOptions,
     OpName.GATHER: c10d_opts.GatherOptions,
     OpName.SCATTER: c10d_opts.ScatterOptions,
-    OpName.SEND: None,
-    OpName.RECV: None,
     OpName.BARRIER: c10d_opts.BarrierOptions,
 }
 _LAUNCH: dict[OpName, Callable[[C10dBackend, Collective, Any], Any]] = {
