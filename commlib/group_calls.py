@@ -2,10 +2,11 @@
 
 A c10d collective method takes tensor lists and an option object and returns a c10d `Work`
 (or None for a call it completed); commlib's take single tensors and keywords and return a
-commlib `Work`. The helpers here translate, once per call: the one tensor of a list
-(`one_tensor`), an op's own deadline (`deadline_of`) and reduction (`reduction_of`, remembered
-per kind) from c10d's options, what goes back to torch (`handed_back`, `CommlibWork`), and the
-copies back into a caller's non-contiguous tensors (`restaged`, `copy_back`).
+commlib `Work`. The helpers here translate, once per call, beside the process group's reading
+of an op's options (`CommlibProcessGroup._translated`): the one tensor of a list
+(`one_tensor`), an op's reduction (`reduction_of`, looked up per kind), what goes back to
+torch (`handed_back`, `CommlibWork`), and the copies back into a caller's non-contiguous
+tensors (`restaged`, `copy_back`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ import torch
 import torch.distributed as dist
 
 from commlib.communicator import Work
-from commlib.ops import PremulSum, Reduction, to_reduction
+from commlib.ops import Reduction, to_reduction
 
 
 class CommlibWork(dist.Work):
     """A c10d `Work` over one or more commlib `Work`s; `wait` is theirs (deadline and all)."""
 
-    def __init__(self, works: list[Work], result: list[torch.Tensor], finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: list[Work],
+        result: list[torch.Tensor],
+        finish: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self._works = works
         self._result = result
@@ -75,34 +81,20 @@ def strided(tensors: list[torch.Tensor]) -> bool:
     return not all(t.is_contiguous() for t in tensors)
 
 
-_NO_TIMEOUT = timedelta(0)  # c10d's options say "unset" with a negative timeout
-
-
-def deadline_of(opts: Any) -> float | None:
-    """An op's own timeout from c10d's options; None (the communicator's default) when unset."""
-    timeout = getattr(opts, "timeout", None)
-    if isinstance(timeout, timedelta) and timeout > _NO_TIMEOUT:
-        return timeout.total_seconds()
-    return None
-
-
-# A memo, not a registry: c10d reduction -> commlib reduction, filled as reductions are met.
-_REDUCTIONS: dict[Any, Reduction] = {}
+# c10d's `ReduceOp` hashes to its kind's number (`RedOpType`'s value, PREMUL_SUM's too), so a dict
+# of the plain kinds by hash turns it into commlib's reduction without comparing two ReduceOps,
+# which pybind does by trying its overloads (about 20 times the lookup). Made from the hashes
+# themselves, and only where they tell every kind apart.
+_PLAIN_KINDS = [k for n, k in dist.ReduceOp.RedOpType.__members__.items() if n != "PREMUL_SUM"]
+_BY_HASH: dict[int, Reduction] = {hash(dist.ReduceOp(k)): to_reduction(k) for k in _PLAIN_KINDS}
+if len(_BY_HASH) < len(_PLAIN_KINDS) or hash(dist._make_nccl_premul_sum(1.0)) in _BY_HASH:
+    _BY_HASH.clear()
 
 
 def reduction_of(opts: Any) -> Reduction:
-    """`to_reduction(opts.reduceOp)`, remembered per kind of reduction.
-
-    A c10d `ReduceOp` hashes and compares by its kind alone (reading `.op` would cost more
-    than the lookup), so PREMUL_SUM, whose factor varies, is never remembered.
-    """
+    """`to_reduction(opts.reduceOp)`, looked up by the ReduceOp's hash for a plain kind."""
     op = opts.reduceOp
-    reduction = _REDUCTIONS.get(op)
-    if reduction is None:
-        reduction = to_reduction(op)
-        if not isinstance(reduction, PremulSum):
-            _REDUCTIONS[op] = reduction
-    return reduction
+    return _BY_HASH.get(hash(op)) or to_reduction(op)
 
 
 def handed_back(

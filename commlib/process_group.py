@@ -10,9 +10,10 @@ collectives, `all_gather_object`, `barrier`) take commlib's one path: validation
 number, hooks, flight recorder, progress board, structured log, and a deadline that raises
 a typed error naming the ranks that did not arrive. This module only translates c10d's
 calling convention (tensor lists, option objects, old and new method names) into
-`Communicator` calls; it repeats none of the Communicator's work. That translation runs
-on every collective, so it reads each option once and remembers what does not change:
-the group's one communicator, and the commlib reduction of each torch reduction kind.
+`Communicator` calls (`CommlibProcessGroup._translated` reads an op's c10d options); it
+repeats none of the Communicator's work. That translation runs on every collective, so it
+reads each option once and remembers what does not change: the group's one communicator,
+and the commlib reduction of each torch reduction kind.
 
 The engine communicators under each group, and how they are built, are `commlib.engines`'s
 (`EngineOptions`, `Recipe`); c10d's calling convention (option objects, tensor lists, the
@@ -65,7 +66,6 @@ from commlib.engine_calls import engine_timeout, follow_engine_calls, set_engine
 from commlib.engines import EngineOptions, Recipe, check_consistency, devices_for
 from commlib.group_calls import (
     CommlibWork,
-    deadline_of,
     handed_back,
     one_tensor,
     reduction_of,
@@ -77,6 +77,7 @@ from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
+_UNSET = timedelta(0)  # c10d's options say "no timeout of the op's own" with a negative one
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
 _DEFAULTS: list[EngineOptions] = []
@@ -305,9 +306,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
         engine = None if comm is None else comm.engine
         return engine if engine is not None else super()._get_backend(device)
 
-    def _on(self, tensor: torch.Tensor) -> Communicator:
-        return self._only if self._only is not None else self.communicator(tensor.device)
-
     # c10d keeps a group's name and description in its registered backends, and a group
     # over torchcomms has none registered: keep them here as well, for Python readers
     # (DeviceMesh reads `group_name` of every dimension's group).
@@ -334,122 +332,129 @@ class CommlibProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # -- collectives: c10d's calling convention in, Communicator calls out ---------------
+    def _translated(
+        self,
+        opts: Any,
+        on: torch.Tensor | None,
+    ) -> tuple[Communicator, bool, float | None]:
+        """c10d's options of one op, read once: the communicator of `on`'s device (None: the
+        group's main one), whether the caller asked for a Work (`opts.asyncOp`: `handed_back`),
+        and the op's own deadline (None where unset: the communicator's)."""
+        timeout = opts.timeout
+        comm = self._only or self.communicator(None if on is None else on.device)
+        return comm, opts.asyncOp, timeout.total_seconds() if timeout > _UNSET else None
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceOptions()
-        async_op = opts.asyncOp
         t = one_tensor(tensors, "allreduce")
         if not t.is_contiguous():
             return restaged(self.allreduce, (tensors, opts), writes=(0,))
-        work = self._on(t).all_reduce(t, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.all_reduce(t, reduction_of(opts), async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllreduceCoalescedOptions()
-        async_op = opts.asyncOp
         if strided(tensors):
             return restaged(self.allreduce_coalesced, (tensors, opts), writes=(0,))
-        op, timeout = reduction_of(opts), deadline_of(opts)
-        works = [self._on(t).all_reduce(t, op, async_op=async_op, timeout=timeout) for t in tensors]
+        op, async_op, works = reduction_of(opts), opts.asyncOp, []
+        for t in tensors:
+            comm, _, timeout = self._translated(opts, t)
+            works.append(comm.all_reduce(t, op, async_op=async_op, timeout=timeout))
         return handed_back(async_op, works, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.BroadcastOptions()
-        async_op = opts.asyncOp
         t = one_tensor(tensors, "broadcast")
         if not t.is_contiguous():
             return restaged(self.broadcast, (tensors, opts), writes=(0,))
-        work = self._on(t).broadcast(t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.broadcast(t, opts.rootRank, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceOptions()
-        async_op = opts.asyncOp
         t = one_tensor(tensors, "reduce")
         if not t.is_contiguous():
             return restaged(self.reduce, (tensors, opts), writes=(0,))
-        work = self._on(t).reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.reduce(t, opts.rootRank, reduction_of(opts), async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], tensors)
 
     def allgather(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        async_op = opts.asyncOp
         t, outputs = one_tensor(inputs, "allgather"), one_tensor(output_lists, "allgather")
         if strided([t, *outputs]):
             return restaged(self.allgather, (output_lists, inputs, opts), writes=(0,))
-        work = self._on(t).all_gather(outputs, t, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.all_gather(outputs, t, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], outputs)
 
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        async_op = opts.asyncOp
         if strided([*inputs, *(o for outs in output_lists for o in outs)]):
             return restaged(self.allgather_coalesced, (output_lists, inputs, opts), writes=(0,))
-        timeout = deadline_of(opts)
-        works = [
-            self._on(t).all_gather(outs, t, async_op=async_op, timeout=timeout)
-            for outs, t in zip(output_lists, inputs, strict=True)
-        ]
+        async_op, works = opts.asyncOp, []
+        for outs, t in zip(output_lists, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, t)
+            works.append(comm.all_gather(outs, t, async_op=async_op, timeout=timeout))
         return handed_back(async_op, works, [o for outs in output_lists for o in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
             return restaged(self.all_gather_single, (output, input, opts), writes=(0,))
-        work = self._on(input).all_gather_single(output, input, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, input)
+        work = comm.all_gather_single(output, input, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], [output])
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllgatherOptions()
-        async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
             return restaged(self.all_gather_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        timeout = deadline_of(opts)
-        works = [
-            self._on(i).all_gather_single(o, i, async_op=async_op, timeout=timeout)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
+        async_op, works = opts.asyncOp, []
+        for o, i in zip(outputs, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, i)
+            works.append(comm.all_gather_single(o, i, async_op=async_op, timeout=timeout))
         return handed_back(async_op, works, outputs)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        async_op = opts.asyncOp
         t, inputs = one_tensor(outputs, "reduce_scatter"), one_tensor(input_lists, "reduce_scatter")
         if strided([t, *inputs]):
             return restaged(self.reduce_scatter, (outputs, input_lists, opts), writes=(0,))
-        work = self._on(t).reduce_scatter(t, inputs, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        op = reduction_of(opts)
+        work = comm.reduce_scatter(t, inputs, op, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        async_op = opts.asyncOp
         if not (output.is_contiguous() and input.is_contiguous()):
             return restaged(self.reduce_scatter_single, (output, input, opts), writes=(0,))
-        work = self._on(input).reduce_scatter_single(
-            output, input, reduction_of(opts), async_op=async_op, timeout=deadline_of(opts)
-        )
+        comm, async_op, timeout = self._translated(opts, input)
+        op = reduction_of(opts)
+        work = comm.reduce_scatter_single(output, input, op, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], [output])
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.ReduceScatterOptions()
-        async_op = opts.asyncOp
         if strided([*outputs, *inputs]):
             return restaged(self.reduce_scatter_single_coalesced, (outputs, inputs, opts), writes=(0,))
-        op, timeout = reduction_of(opts), deadline_of(opts)
-        works = [
-            self._on(i).reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
+        op, async_op, works = reduction_of(opts), opts.asyncOp, []
+        for o, i in zip(outputs, inputs, strict=True):
+            comm, _, timeout = self._translated(opts, i)
+            works.append(comm.reduce_scatter_single(o, i, op, async_op=async_op, timeout=timeout))
         return handed_back(async_op, works, outputs)
 
     def all_to_all_single(
@@ -461,7 +466,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
         opts: Any = None,
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
-        async_op = opts.asyncOp
         n = self.size()
         for role, splits, t in (("output", output_split_sizes, output), ("input", input_split_sizes, input)):
             even = t.shape[0] // n if t.dim() else 0
@@ -474,12 +478,12 @@ class CommlibProcessGroup(dist.ProcessGroup):
             return restaged(
                 self.all_to_all_single, (output, input, output_split_sizes, input_split_sizes, opts), writes=(0,)
             )
-        work = self._on(input).all_to_all_single(output, input, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, input)
+        work = comm.all_to_all_single(output, input, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], [output])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> CommlibWork | None:
         opts = opts or c10d_opts.AllToAllOptions()
-        async_op = opts.asyncOp
         shapes = {tuple(t.shape) for t in [*outputs, *inputs]}
         if len(shapes) > 1:
             raise NotImplementedError(
@@ -489,9 +493,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         # One staged all_to_all_single: the op takes commlib's path once, not once per peer.
         staged_in = torch.stack(inputs)
         staged_out = torch.empty_like(staged_in)
-        work = self._on(staged_in).all_to_all_single(
-            staged_out, staged_in, async_op=async_op, timeout=deadline_of(opts)
-        )
+        comm, async_op, timeout = self._translated(opts, staged_in)
+        work = comm.all_to_all_single(staged_out, staged_in, async_op=async_op, timeout=timeout)
 
         def copy_out() -> None:
             for out, piece in zip(outputs, staged_out.unbind(0), strict=True):
@@ -503,37 +506,41 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.GatherOptions()
-        async_op = opts.asyncOp
         t = one_tensor(inputs, "gather")
         outputs = one_tensor(output_lists, "gather") if output_lists else None
         if strided([t, *(outputs or [])]):
             return restaged(self.gather, (output_lists, inputs, opts), writes=(0,))
-        work = self._on(t).gather(outputs, t, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.gather(outputs, t, opts.rootRank, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], outputs or [])
 
     def scatter(
         self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None
     ) -> CommlibWork | None:
         opts = opts or c10d_opts.ScatterOptions()
-        async_op = opts.asyncOp
         t = one_tensor(outputs, "scatter")
         inputs = one_tensor(input_lists, "scatter") if input_lists else None
         if strided([t, *(inputs or [])]):
             return restaged(self.scatter, (outputs, input_lists, opts), writes=(0,))
-        work = self._on(t).scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=deadline_of(opts))
+        comm, async_op, timeout = self._translated(opts, t)
+        work = comm.scatter(t, inputs, opts.rootRank, async_op=async_op, timeout=timeout)
         return handed_back(async_op, [work], outputs)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "send")
         if not t.is_contiguous():
             return restaged(self.send, (tensors, dst, tag), writes=())  # type: ignore[return-value]
-        return CommlibWork([self._on(t).send(t, dst, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
+        comm = self._only or self.communicator(t.device)
+        work = comm.send(t, dst, tag=tag, async_op=True)
+        return CommlibWork([work], tensors)  # type: ignore[list-item]
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> CommlibWork:
         t = one_tensor(tensors, "recv")
         if not t.is_contiguous():
             return restaged(self.recv, (tensors, src, tag), writes=(0,))  # type: ignore[return-value]
-        return CommlibWork([self._on(t).recv(t, src, tag=tag, async_op=True)], tensors)  # type: ignore[list-item]
+        comm = self._only or self.communicator(t.device)
+        work = comm.recv(t, src, tag=tag, async_op=True)
+        return CommlibWork([work], tensors)  # type: ignore[list-item]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> CommlibWork:
         raise NotImplementedError(
@@ -542,9 +549,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         )
 
     def barrier(self, opts: Any = None) -> CommlibWork | None:
-        opts = opts or c10d_opts.BarrierOptions()
-        async_op = opts.asyncOp
-        return handed_back(async_op, [self.communicator().barrier(async_op=async_op, timeout=deadline_of(opts))], [])
+        comm, async_op, timeout = self._translated(opts or c10d_opts.BarrierOptions(), None)
+        return handed_back(async_op, [comm.barrier(async_op=async_op, timeout=timeout)], [])
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self) -> None:

@@ -241,7 +241,8 @@ class CallChecker:
         self._unsupported = unsupported
         self._passed: set[tuple[object, ...]] = set()
 
-    def __call__(self, call: Collective) -> None:
+    def check(self, call: Collective) -> None:
+        """Raise TypeError/ValueError when `call` is malformed on this rank (`check_call`)."""
         t = call.tensor
         # The common case (one tensor, a plain reduction or none) keyed here, not in `_signature`:
         # this runs on every collective.

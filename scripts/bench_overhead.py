@@ -29,6 +29,9 @@ rank, real gloo) also counts context switches per call: whether a layer blocks m
 
 `--own-layers` measures whichever commlib is imported, so another checkout's can be measured
 by the same script: `PYTHONPATH=OTHER_CHECKOUT .venv/bin/python scripts/bench_overhead.py --own-layers`.
+The other parts run in ranks forked from a server that imports commlib from the current
+directory first: to measure another checkout with them, run the script from a directory that
+holds none (`cd /tmp && PYTHONPATH=OTHER_CHECKOUT CHECKOUT/.venv/bin/python CHECKOUT/scripts/...`).
 """
 
 from __future__ import annotations
@@ -139,19 +142,30 @@ def _switches() -> int:
         return sum(int(line.split(":")[1]) for line in status if "ctxt_switches:" in line)
 
 
+def _fresh_options(async_op: bool = True) -> Any:
+    """The option object torch's `dist.all_reduce` makes for each call (`async_op=False`: a
+    synchronous call's; C++ callers leave it True). Never one object for every call: c10d
+    hands back its reduction as the same Python object each time, so a lookup keyed by it
+    would be found by identity, as no trainer's call is."""
+    opts = c10d_opts.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = async_op
+    return opts
+
+
 def _layers_in_context(comm: commlib.Communicator, rounds: int,
                        calls: int) -> dict[str, tuple[float, float]]:
     """Per layer of the backend path (1 rank, real gloo, 4 KiB all_reduce), outermost last,
     and raw, interleaved in rounds: median CPU us per call, and context switches per call.
 
     The switches say whether a layer makes its thread block and resume more often than raw:
-    where they are equal, what a layer adds in context is CPU work on its own code and data."""
+    where they are equal, what a layer adds in context is CPU work on its own code and data.
+    The process group's layer builds c10d's option object for each call, as torch's
+    `dist.all_reduce` (the next layer) does (`_fresh_options`)."""
     plain = dist.new_group(backend="gloo")
     t = torch.ones(1024)
     engine_opts = c10d_opts.AllreduceOptions()
     engine_opts.timeout = timedelta(seconds=comm.timeout)
-    sync_opts = c10d_opts.AllreduceOptions()
-    sync_opts.asyncOp = False
     first_slice = timedelta(seconds=ABORT_POLL_S)  # what the Communicator's sync wait starts with
     backend = comm._backend  # the bench reaches past the API on purpose: each layer alone
     engine, group = backend.engine, dist.distributed_c10d._get_default_group()
@@ -161,7 +175,8 @@ def _layers_in_context(comm: commlib.Communicator, rounds: int,
         "+ commlib's engine backend (C10dBackend launch + wait)":
             lambda: backend.launch(call, engine_opts.timeout).wait(first_slice),
         "+ Communicator (Communicator.all_reduce)": lambda: comm.all_reduce(t),
-        "+ process group method (CommlibProcessGroup.allreduce)": lambda: group.allreduce([t], sync_opts),
+        "+ process group method (CommlibProcessGroup.allreduce, fresh options)":
+            lambda: group.allreduce([t], _fresh_options(async_op=False)),
         "+ torch's dist.all_reduce (the backend path)": lambda: dist.all_reduce(t),
         "raw: torch's dist.all_reduce on a gloo group": lambda: dist.all_reduce(t, group=plain),
     }
@@ -259,8 +274,6 @@ def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dic
     (removed after; its lines are 2 per call, ~60 MB per path measured).
     """
     t = torch.ones(1024)
-    sync_opts, async_opts = c10d_opts.AllreduceOptions(), c10d_opts.AllreduceOptions()
-    sync_opts.asyncOp = False  # what dist.all_reduce(t) passes; C++ callers leave it True
     evicting = torch.empty(4 << 20, dtype=torch.uint8)
 
     def hot(paths: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -293,8 +306,9 @@ def _own_layers_us(calls: int = 20000, cold_samples: int = 400) -> dict[str, dic
         group = CommlibProcessGroup({"cpu": comm}, 0, 1)
         return {"sync": lambda: comm.all_reduce(t),
                 "async issue + wait": lambda: comm.all_reduce(t, async_op=True).wait(),
-                "process group, sync": lambda: group.allreduce([t], sync_opts),
-                "process group, async issue + wait": lambda: group.allreduce([t], async_opts).wait(),
+                "process group, sync": lambda: group.allreduce([t], _fresh_options(async_op=False)),
+                "process group, async issue + wait":
+                    lambda: group.allreduce([t], _fresh_options()).wait(),
                 "torch's dist.all_reduce over the process group": lambda: dist.all_reduce(t, group=group)}
 
     def measure() -> dict[str, dict[str, float]]:

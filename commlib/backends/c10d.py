@@ -7,7 +7,7 @@ process group the caller already has (`commlib.init` over a default group made w
 another backend; its ops go to the group's backend for the device). Either way ops are
 launched through the engine's own methods (`allreduce`, `broadcast`, `_allgather_base`, ...)
 with c10d's option objects, so every op carries its own deadline (`opts.timeout`), longer
-or shorter than the engine's default; an option object is built once per distinct
+or shorter than the engine's default; an option object is built once per distinct op,
 timeout, reduction and root, and reused (`C10dBackend._options`). The three methods torch
 2.13 renamed on ProcessGroup objects are looked up once through `compat.method`.
 
@@ -120,10 +120,13 @@ class C10dWork:
                 if classify_exception(error) is Failure.TIMEOUT:
                     return False
                 raise error
+        elif self.timed_wait:
+            if not wait_or_time_out(self.work.wait, timeout):
+                return False
         # torchcomms' WorkWrapper raises "wait timeout not supported" for a finite timeout,
         # and its is_completed() only turns True inside wait(): the op's deadline is the
         # timeout launch put in its c10d options, so an untimed wait() ends then.
-        elif not wait_or_time_out(self.work.wait, *((timeout,) if self.timed_wait else ())):
+        elif not wait_or_time_out(self.work.wait):
             return False
         if self.finish is not None:
             self.finish()
@@ -195,7 +198,11 @@ class C10dBackend:
     def launch(self, call: Collective, timeout: timedelta) -> C10dWork:
         reduce_op = call.reduce_op
         finish = None if reduce_op is None or reduce_op is _SUM else self._emulate(call)
-        work = C10dWork(_LAUNCH[call.op](self, call, timeout), finish, not self._routed)
+        key = (call.op, timeout, reduce_op, call.root, call.async_op)
+        opts = self._option_cache.get(key)
+        if opts is None and call.peer is None:  # send and recv take no option object
+            opts = self._options(key)
+        work = C10dWork(_LAUNCH[call.op](self, call, opts), finish, not self._routed)
         if call.peer is not None and self._peer_lanes is not None:
             work.one_piece = self._peer_lanes.wait_for((call.peer, call.tag), work.work, timeout)
         elif self.events is not None and work.work is not None and not self._routed:
@@ -209,84 +216,73 @@ class C10dBackend:
     # One function per op, looked up by op (`_LAUNCH`, below the class): an if-chain over
     # OpName members would read up to a dozen of them per call, and reading an enum member
     # through its class goes through EnumType.__getattr__ (about 100 ns each on Python 3.11).
-    def _launch_all_reduce(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.allreduce([call.tensor], self._options(c10d_opts.AllreduceOptions, call, timeout))
+    # Each takes the option object `_options` made for the call (None for send and recv).
+    def _launch_all_reduce(self, call: Collective, opts: Any) -> Any:
+        return self.engine.allreduce([call.tensor], opts)
 
-    def _launch_broadcast(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.broadcast([call.tensor], self._options(c10d_opts.BroadcastOptions, call, timeout))
+    def _launch_broadcast(self, call: Collective, opts: Any) -> Any:
+        return self.engine.broadcast([call.tensor], opts)
 
-    def _launch_reduce(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.reduce([call.tensor], self._options(c10d_opts.ReduceOptions, call, timeout))
+    def _launch_reduce(self, call: Collective, opts: Any) -> Any:
+        return self.engine.reduce([call.tensor], opts)
 
-    def _launch_all_gather(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.allgather(
-            [call.output_list], [call.input], self._options(c10d_opts.AllgatherOptions, call, timeout)
-        )
+    def _launch_all_gather(self, call: Collective, opts: Any) -> Any:
+        return self.engine.allgather([call.output_list], [call.input], opts)
 
-    def _launch_all_gather_single(self, call: Collective, timeout: timedelta) -> Any:
-        return self._all_gather_single(
-            call.output, call.input, self._options(c10d_opts.AllgatherOptions, call, timeout)
-        )
+    def _launch_all_gather_single(self, call: Collective, opts: Any) -> Any:
+        return self._all_gather_single(call.output, call.input, opts)
 
-    def _launch_reduce_scatter(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.reduce_scatter(
-            [call.output], [call.input_list], self._options(c10d_opts.ReduceScatterOptions, call, timeout)
-        )
+    def _launch_reduce_scatter(self, call: Collective, opts: Any) -> Any:
+        return self.engine.reduce_scatter([call.output], [call.input_list], opts)
 
-    def _launch_reduce_scatter_single(self, call: Collective, timeout: timedelta) -> Any:
+    def _launch_reduce_scatter_single(self, call: Collective, opts: Any) -> Any:
         # torchcomms' gloo (under torch's routing) overwrites the input with the full reduction.
         # reduce_scatter_single always has an input (Communicator's signature).
         source = call.input.clone() if self._routed and self.name == "gloo" else call.input  # type: ignore[union-attr]
-        return self._reduce_scatter_single(
-            call.output, source, self._options(c10d_opts.ReduceScatterOptions, call, timeout)
-        )
+        return self._reduce_scatter_single(call.output, source, opts)
 
-    def _launch_all_to_all_single(self, call: Collective, timeout: timedelta) -> Any:
-        return self._all_to_all_single(
-            call.output, call.input, [], [], self._options(c10d_opts.AllToAllOptions, call, timeout)
-        )
+    def _launch_all_to_all_single(self, call: Collective, opts: Any) -> Any:
+        return self._all_to_all_single(call.output, call.input, [], [], opts)
 
-    def _launch_gather(self, call: Collective, timeout: timedelta) -> Any:
+    def _launch_gather(self, call: Collective, opts: Any) -> Any:
         # torchcomms' wrapper wants one (empty) output list off the root too.
         outputs = [call.output_list] if call.rank == call.root else ([[]] if self._routed else [])
-        return self.engine.gather(outputs, [call.input], self._options(c10d_opts.GatherOptions, call, timeout))
+        return self.engine.gather(outputs, [call.input], opts)
 
-    def _launch_scatter(self, call: Collective, timeout: timedelta) -> Any:
+    def _launch_scatter(self, call: Collective, opts: Any) -> Any:
         inputs = [call.input_list] if call.rank == call.root else []
-        return self.engine.scatter([call.output], inputs, self._options(c10d_opts.ScatterOptions, call, timeout))
+        return self.engine.scatter([call.output], inputs, opts)
 
-    def _launch_send(self, call: Collective, timeout: timedelta) -> Any:
+    def _launch_send(self, call: Collective, opts: Any) -> Any:
         return self.engine.send([call.tensor], call.peer, call.tag)
 
-    def _launch_recv(self, call: Collective, timeout: timedelta) -> Any:
+    def _launch_recv(self, call: Collective, opts: Any) -> Any:
         return self.engine.recv([call.tensor], call.peer, call.tag)
 
-    def _launch_barrier(self, call: Collective, timeout: timedelta) -> Any:
-        return self.engine.barrier(self._options(c10d_opts.BarrierOptions, call, timeout))
+    def _launch_barrier(self, call: Collective, opts: Any) -> Any:
+        return self.engine.barrier(opts)
 
-    def _options(self, kind: Callable[[], Any], call: Collective, timeout: timedelta) -> Any:
-        """c10d's option object of `kind` for `call`: its timeout, and its reduction and root where it has them.
+    def _options(self, key: tuple[Any, ...]) -> Any:
+        """c10d's option object for the collectives of `key` (op, timeout, reduction, root,
+        async_op): their timeout, and their reduction and root where the op has them.
 
-        Engines copy what they read of it during the launch, so one object per distinct
-        combination is built and reused: building one costs more than the rest of a launch,
-        and so does turning a commlib reduction into a c10d one (`_c10d_reduction`), which
-        is done only then.
+        Engines copy what they read of it during the launch, so one object per distinct key is
+        built (here) and reused (`launch`): building one costs more than the rest of a launch,
+        and so does turning a commlib reduction into a c10d one (`_c10d_reduction`), which is
+        done only then.
         """
+        op, timeout, reduce_op, root, async_op = key
+        opts = _OPTION_KINDS[op]()
+        opts.timeout = timeout
         # A stream-ordered engine's synchronous op takes c10d's synchronous path (module docstring).
-        synchronous = self.events is not None and not call.async_op
-        key = (kind, timeout, call.reduce_op, call.root, synchronous)
-        opts = self._option_cache.get(key)
-        if opts is None:
-            opts = kind()
-            opts.timeout = timeout
-            if synchronous:
-                opts.asyncOp = False
-            if call.reduce_op is not None:
-                opts.reduceOp = self._c10d_reduction(call.reduce_op)
-            if call.root is not None:
-                opts.rootRank = call.root
-            if len(self._option_cache) < _MAX_OPTIONS:
-                self._option_cache[key] = opts
+        if self.events is not None and not async_op:
+            opts.asyncOp = False
+        if reduce_op is not None:
+            opts.reduceOp = self._c10d_reduction(reduce_op)
+        if root is not None:
+            opts.rootRank = root
+        if len(self._option_cache) < _MAX_OPTIONS:
+            self._option_cache[key] = opts
         return opts
 
     def _c10d_reduction(self, op: Reduction) -> Any:
@@ -399,7 +395,21 @@ class C10dBackend:
             self.engine.shutdown()
 
 
-_LAUNCH: dict[OpName, Callable[[C10dBackend, Collective, timedelta], Any]] = {
+# The option object each collective's engine method takes (send and recv take none).
+_OPTION_KINDS: dict[OpName, Callable[[], Any]] = {
+    OpName.ALL_REDUCE: c10d_opts.AllreduceOptions,
+    OpName.BROADCAST: c10d_opts.BroadcastOptions,
+    OpName.REDUCE: c10d_opts.ReduceOptions,
+    OpName.ALL_GATHER: c10d_opts.AllgatherOptions,
+    OpName.ALL_GATHER_SINGLE: c10d_opts.AllgatherOptions,
+    OpName.REDUCE_SCATTER: c10d_opts.ReduceScatterOptions,
+    OpName.REDUCE_SCATTER_SINGLE: c10d_opts.ReduceScatterOptions,
+    OpName.ALL_TO_ALL_SINGLE: c10d_opts.AllToAllOptions,
+    OpName.GATHER: c10d_opts.GatherOptions,
+    OpName.SCATTER: c10d_opts.ScatterOptions,
+    OpName.BARRIER: c10d_opts.BarrierOptions,
+}
+_LAUNCH: dict[OpName, Callable[[C10dBackend, Collective, Any], Any]] = {
     OpName.ALL_REDUCE: C10dBackend._launch_all_reduce,
     OpName.BROADCAST: C10dBackend._launch_broadcast,
     OpName.REDUCE: C10dBackend._launch_reduce,

@@ -49,7 +49,6 @@ import atexit
 import contextlib
 import enum
 import faulthandler
-import functools
 import itertools
 import json
 import os
@@ -81,6 +80,8 @@ DUMPS_ENV = "COMMLIB_FLIGHT_DUMPS"
 INTERVAL_ENV = "COMMLIB_FLIGHT_DUMP_INTERVAL_S"
 DEFAULT_SIZE = 2000
 _RECV = OpName.RECV  # read on every collective: a module global reads faster than the enum member
+# Every torch dtype's name, read on every collective: `str(dtype)` builds it anew each time.
+_DTYPE_NAMES = {d: str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 MAX_SIZE = 100_000  # entries a communicator's ring may hold
 DEFAULT_DUMPS = 32
 MAX_DUMPS = 10_000
@@ -160,12 +161,12 @@ class FlightRecorder:
         t = call.tensor
         dtype: str | None
         if t is not None:  # the common case: one tensor, no list to build and scan
-            shapes, dtype = [t.shape], _dtype_name(t.dtype)
+            shapes, dtype = [t.shape], _DTYPE_NAMES.get(t.dtype) or str(t.dtype)
             nbytes = t.nbytes if call.op is not _RECV else 0  # `Collective.nbytes`, without its call
         else:
             tensors = call.tensors()
             shapes = [x.shape for x in tensors]
-            dtype = _dtype_name(tensors[0].dtype) if tensors else None
+            dtype = str(tensors[0].dtype) if tensors else None
             nbytes = call.nbytes()
         context = call.context
         step, phase = (context.get("step"), context.get("phase")) if context else (None, None)
@@ -262,11 +263,6 @@ def dump_budget() -> tuple[int, float]:
     keep = settings.env_integer(DUMPS_ENV, DEFAULT_DUMPS, low=1, high=MAX_DUMPS)
     interval = settings.env_number(INTERVAL_ENV, DEFAULT_INTERVAL_S, low=0, high=MAX_INTERVAL_S, unit="seconds")
     return keep, interval
-
-
-@functools.cache
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype)
 
 
 def _copy(items: Any) -> list[Any]:
