@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from commlib.attempt import attempt_number
-from commlib.record.flight import STACKS_SIGNAL
+from commlib.record.files import STACKS_SIGNAL
 
 TERM_GRACE_S = 5.0
 # What the harness gives a hung job's ranks to write their stacks and flight dumps before it

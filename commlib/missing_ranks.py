@@ -14,7 +14,7 @@ from typing import Any
 
 from commlib.members import Members
 from commlib.record.board import HOST, STALE_AFTER_S, BoardEntry, process_gone, process_start_time, stale_after_s
-from commlib.record.flight import STACKS_SIGNAL
+from commlib.record.files import STACKS_SIGNAL
 
 NAMED_ONE_BY_ONE = 8  # ranks a timeout's message names one by one; beyond, it says them in groups
 

@@ -28,10 +28,10 @@ os.environ.setdefault("TORCHCOMM_TIMEOUT_SECONDS", "60")
 # pytest no longer reads).
 HEAVY_FIRST = (
     "tests/chaos/test_slurm.py::test_a_requeued_job_preempted_out_of_time_and_losing_a_node_with_restarts_in_between",
-    "tests/chaos/test_soak.py::test_three_drawn_faults_in_one_run_recover_bitwise",
+    "tests/chaos/test_soak.py::test_two_drawn_faults_in_one_run_recover_bitwise",
     "tests/chaos/test_own_trainers.py::test_a_users_trainer_recovers_bitwise_from_a_kill_a_hang_a_delay_and_a_preemption",
     "tests/chaos/test_chaos_faults.py::test_timeouts_name_the_faulted_rank_and_recover_bitwise",
-    "tests/chaos/test_multinode.py::test_two_harnesses_recover_from_kills_on_either_node_and_a_hang",
+    "tests/chaos/test_multinode.py::test_two_harnesses_recover_from_restarts_begun_on_either_node",
     "tests/chaos/test_chaos_faults.py::test_process_deaths_recover_bitwise",
     "tests/chaos/test_chaos_faults.py::test_in_rank_errors_recover_bitwise",
     "tests/chaos/test_chaos_cluster_faults.py::test_straggler_corrupted_checkpoint_and_preemption",

@@ -1,6 +1,6 @@
 """The stacks a rank's `faulthandler` wrote on SIGUSR2 (``stacks_{host}_{pid}.txt``), read back.
 
-`commlib.record.flight` registers faulthandler on SIGUSR2 (`flight.STACKS_SIGNAL`), which writes, without needing
+`commlib.record.flight` registers faulthandler on SIGUSR2 (`files.STACKS_SIGNAL`), which writes, without needing
 the GIL, one block per thread::
 
     Thread 0x00007f... (most recent call first):

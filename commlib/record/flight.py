@@ -72,7 +72,7 @@ from commlib import settings
 from commlib.attempt import attempt_number
 from commlib.ops import PLAIN_NAMES, Collective, OpName
 from commlib.record import log as _log
-from commlib.record.files import SIGUSR1_REASON, safe_host, stacks_file_name
+from commlib.record.files import SIGUSR1_REASON, STACKS_SIGNAL, safe_host, stacks_file_name
 
 SIZE_ENV = "COMMLIB_FLIGHT_RECORDER_SIZE"
 STACKS_ENV = "COMMLIB_FLIGHT_RECORDER_STACKS"
@@ -405,9 +405,6 @@ def release() -> None:
         _INSTALLED.pop().undo()
         install_sigusr1.installed = False  # type: ignore[attr-defined]
     _log.release()
-
-
-STACKS_SIGNAL = signal.SIGUSR2
 
 
 class _StackFile:

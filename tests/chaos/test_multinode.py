@@ -9,11 +9,12 @@ nodes start their workers again for the new rendezvous round without counting on
   is busy (tests/chaos/restart_probe.py), and only rank 1's node counts a restart. The second
   round completes, its two ranks on one attempt with their nodes' restart counts 0 and 1;
 - two harnesses as two nodes (``python -m chaos run --nnodes 2 --node-rank N --rdzv-endpoint``,
-  one run directory, one rank per node): rank 1 killed, then rank 0, then rank 1 hung (stopped:
-  rank 0 times out, and only rank 0's node counts that restart; rank 1's agent starts its rank
-  again for the new round). The job recovers by restart each time and passes bitwise; each
-  fault fired once; the logs, the ledger and the doctor see one attempt per round, the same on
-  both ranks.
+  one run directory, one rank per node): rank 1 killed (only rank 1's node counts that
+  restart), then rank 1 hung (stopped: rank 0 times out, and only rank 0's node counts that
+  restart; rank 1's agent starts its rank again for the new round), so a restart begins on
+  each node. The job recovers by restart each time and passes bitwise; each fault fired once;
+  the logs, the ledger and the doctor see one attempt per round, the same on both ranks. (A
+  kill of rank 0 across two harnesses is the Slurm test's.)
 """
 
 import contextlib
@@ -73,12 +74,12 @@ def test_plain_torchrun_restarts_begun_on_one_node_with_commlib_init_and_the_com
                     os.kill(pid, signal.SIGKILL)
 
 
-def test_two_harnesses_recover_from_kills_on_either_node_and_a_hang(tmp_path, tiny_args, reference_dir, leftovers):
+def test_two_harnesses_recover_from_restarts_begun_on_either_node(tmp_path, tiny_args, reference_dir, leftovers):
     """Two harnesses on this machine, one per node, one run directory: each fault fires once;
     one verdict, bitwise."""
     run_dir = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
-    faults = ["kill:rank=1,step=3", "kill:rank=0,step=5", "hang:rank=1,step=7,duration_s=15"]
+    faults = ["kill:rank=1,step=3", "hang:rank=1,step=5,duration_s=15"]
     nodes = [subprocess.Popen([sys.executable, "-m", "chaos", "run", "--nnodes", "2", "--nproc-per-node", str(NPROC),
                                "--node-rank", str(n), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-harnesses",
                                "--run-dir", str(run_dir), "--reference-dir", str(reference_dir), "--no-png",
@@ -91,16 +92,16 @@ def test_two_harnesses_recover_from_kills_on_either_node_and_a_hang(tmp_path, ti
     assert "node 1's part of the job is done" in outs[1] and "PASSED" in outs[0]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["passed"] and report["bitwise_verified"], outs[0]
-    assert [(f["type"], f["rank"]) for f in report["faults"]] == [("kill", 1), ("kill", 0), ("hang", 1)]
+    assert [(f["type"], f["rank"]) for f in report["faults"]] == [("kill", 1), ("hang", 1)]
 
     # Fired once each (by the harness of the node that ran the rank then: the rendezvous, not
     # --node-rank, places the ranks, round by round).
     fired = [e["index"] for n in range(2) for e in read_events(run_dir / f"harness{n}.jsonl")
              if e["event"] == "chaos.fault"]
-    assert sorted(fired) == [0, 1, 2], fired
+    assert sorted(fired) == [0, 1], fired
     # One attempt per round, the same on both ranks; a fault's attempt is its round's.
     attempts = {r: sorted({e["attempt"] for e in read_events(run_dir / "logs" / f"rank{r}.jsonl")}) for r in range(2)}
-    assert attempts[0] == attempts[1] == [0, 1, 2, 3], attempts
-    assert [f.attempt for f in Ledger(run_dir / "chaos_state").firings()] == [0, 1, 2]
-    assert [a["attempt"] for a in report["attempts"]] == [0, 1, 2, 3]
+    assert attempts[0] == attempts[1] == [0, 1, 2], attempts
+    assert [f.attempt for f in Ledger(run_dir / "chaos_state").firings()] == [0, 1]
+    assert [a["attempt"] for a in report["attempts"]] == [0, 1, 2]
     assert leftovers(run_dir) == []

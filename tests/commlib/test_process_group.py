@@ -244,7 +244,10 @@ def test_a_per_call_deadline_shorter_than_the_communicators_is_honoured() -> Non
     """A call's own deadline shorter than the communicator's expires; the late rank is told so."""
     r0, r1 = testing.run_threads(_late_peer_short_deadline, 2, args=(threading.Event(),))
     deadline, elapsed, missing = r0.split(":")
-    assert float(deadline) == 1.0 and float(elapsed) < 1.6 and missing == "[1]"
+    # Its own 1 s, far from the communicator's 30 s (the slack is for the ~5 s stalls this
+    # machine has shown under the full suite, every process at once; the deadline's precision
+    # is tests/commlib/test_failures.py's).
+    assert float(deadline) == 1.0 and 1.0 <= float(elapsed) < 10.0 and missing == "[1]"
     # Rank 1 is the one rank 0 gave up on, not a fellow waiter: told that it is the late one
     # (rank 0's abort reaches it as a closed connection, and the announcement says why).
     failed, message = r1.split(":", 1)

@@ -129,12 +129,17 @@ def _recover_with_a_new_object_each_time(comm):
 def test_a_new_recovery_object_after_each_failure_takes_a_new_epoch_from_the_store():
     for epochs, rebuilds, total, deadline in run(_recover_with_a_new_object_each_time, world_size=2, timeout=90):
         assert epochs == [1, 2] and total == 2.0
-        assert max(rebuilds) < 2.0  # each rebuild within its bound (stale keys would make it time out)
+        # Each rebuild within its bound (stale keys would make it time out, and its recovery
+        # fail), plus the slack REBUILD_BOUND_S keeps for a loaded machine's stalls.
+        assert max(rebuilds) < REBUILD_BOUND_S
         assert deadline == 2.0
 
 
 def _a_rank_fails_in_the_rebuild():
-    rank = init_commlib(2.0)  # every group's deadline: the bound of its rebuild
+    # Created under a deadline a loaded machine's process starts cannot miss; then every group's
+    # deadline set to 2 s: the bound of its rebuild.
+    rank = init_commlib(60.0)
+    dist.group.WORLD.set_timeout(timedelta(seconds=2))
     policy = commlib.RecoveryPolicy(join_timeout_s=30)  # far beyond the rebuild's bound, so the two tell apart
     if rank == 2:  # a bad engine name: rank 2 raises building its communicators
         os.environ["COMMLIB_ENGINE"] = "bogus"
@@ -146,10 +151,11 @@ def _a_rank_fails_in_the_rebuild():
 
 
 # A survivor's failed rebuild ends at the group's 2 s deadline plus at most OUTCOME_GRACE_S; the
-# slack is for a loaded machine's store server, not for commlib: on a CI run of the suite (stop
-# 43) both survivors' cancelled store wait came back 5.0 s late, together (7.02 s in all). What
-# the bound must catch stays far above it: a rebuild held to the join timeout (30 s here) or a
-# wait for the outcome of a dead rank held to the store's own timeout (300 s).
+# slack is for the machine, not for commlib: under the full suite, this 2-core machine stalls
+# every process for about 5 s at times (two tests of two workers were 5.0 s late at the same
+# instant; docs/testing.md). What the bound must catch stays far above it: a rebuild held to the
+# join timeout (30 s here) or a wait for the outcome of a dead rank held to the store's own
+# timeout (300 s).
 REBUILD_BOUND_S = 2.0 + OUTCOME_GRACE_S + 7.0
 
 
@@ -157,7 +163,7 @@ def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
     *survivors, dead = run(_a_rank_fails_in_the_rebuild, world_size=3, backend=None, timeout=90,
                            allow_dead_ranks=True)
     assert dead is None  # rank 2 was killed in the second rebuild
-    for raised, died in survivors:
+    for me, (raised, died) in enumerate(survivors):
         # Named with its own error, once this rank's wait for it ended (the group's 2 s deadline) ...
         outcome = (raised["reason"], raised["epoch"], raised["failed"], raised["missing"])
         assert outcome == ("rebuild", 1, [2], []), raised
@@ -165,9 +171,14 @@ def test_a_rank_that_raises_or_dies_in_the_rebuild_is_named_by_the_survivors():
                 in raised["message"]), raised
         assert "expected COMMLIB_ENGINE to be one of" in raised["message"]  # rank 2's own error, read from the store
         assert 2.0 <= raised["waited_s"] < REBUILD_BOUND_S, raised
-        # ... and, dead, as the one that never finished: a new Recovery object's new epoch.
-        assert (died["reason"], died["epoch"], died["failed"], died["missing"]) == ("rebuild", 2, [], [2]), died
-        assert "ranks [2] never finished theirs (gone, or stuck)" in died["message"], died
+        # ... and, dead, as the one that never finished: a new Recovery object's new epoch. The
+        # other survivor is named beside it only when its own rebuild really ran past this one's
+        # wait for its outcome (a loaded machine's store wait came back 5 s late on one rank).
+        missing = [2] if died["missing"] == [2] else sorted([2, 1 - me])
+        if missing != [2]:
+            assert survivors[1 - me][1]["waited_s"] > died["waited_s"], (died, survivors[1 - me][1])
+        assert (died["reason"], died["epoch"], died["failed"], died["missing"]) == ("rebuild", 2, [], missing), died
+        assert f"ranks {missing} never finished theirs (gone, or stuck)" in died["message"], died
         assert 2.0 <= died["waited_s"] < REBUILD_BOUND_S, died
 
 

@@ -21,7 +21,7 @@ from commlib.missing_ranks import ask_for_stacks
 from commlib.observe import events
 from commlib.record import board as board_mod
 from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard
-from commlib.record.flight import STACKS_SIGNAL
+from commlib.record.files import STACKS_SIGNAL
 from commlib.testing import run
 
 PEER_LATE_S = 5.0  # longer than STALE_AFTER_S: a heartbeat that stops is called stale by then
