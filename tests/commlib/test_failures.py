@@ -258,7 +258,9 @@ def test_a_timeout_inside_the_consistency_check_reports_the_time_waited(
 ) -> None:
     """A deadline that expires inside the consistency check reports the time really waited."""
     r0 = ranks(_rank1_skips_a_checked_collective, 2, args=(transport,), check_consistency=True)[0]
-    assert 1.0 <= r0["elapsed"] < 2.0 and 0.9 <= r0["reported"] <= r0["elapsed"], r0
+    # The upper bound keeps slack for the machine's ~5 s stalls under the full suite
+    # (docs/testing.md), far below what it must catch: the wait held to a longer deadline.
+    assert 1.0 <= r0["elapsed"] < 10.0 and 0.9 <= r0["reported"] <= r0["elapsed"], r0
     # The message states the time it reports (1.0 s, or 1.1 s when the timer's tick runs late).
     assert f"all_reduce #2 on 'world' timed out after {r0['reported']:.1f} s on rank 0" in r0["message"], r0
     assert r0["missing"] == [1]
