@@ -2,9 +2,12 @@
 marked `contract`) threads of the test's process."""
 
 import fcntl
+import json
 import os
 import pickle
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,45 @@ HEAVY_FIRST = (
     "tests/chaos/test_harness_cleanup.py::test_a_second_signal_never_cuts_short_the_stop_of_a_network_fault_run",
     "tests/chaos/test_chaos_cluster_faults.py::test_a_full_disk_fails_the_save_cleanly_and_the_job_goes_on",
 )
+
+
+# The machine's stalls (docs/testing.md, "Flaky tests"): with COMMLIB_TEST_STALL_LOG set (the full
+# suite's `scripts/test.sh` sets it), every pytest process appends to that file each time a
+# thread of its own that sleeps 50 ms wakes more than STALL_S late, and each test that failed,
+# with when it ran. `scripts/stalled_failures.py` reads it to tell whether every failure ran
+# through such a stall.
+STALL_LOG_ENV = "COMMLIB_TEST_STALL_LOG"
+STALL_S = 2.0
+
+
+def _append(path: str, record: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())  # one write: whole among the writers
+    finally:
+        os.close(fd)
+
+
+def _watch_stalls(path: str) -> None:
+    tick = 0.05
+    while True:
+        before = time.time()
+        time.sleep(tick)
+        late = time.time() - before - tick
+        if late > STALL_S:
+            _append(path, {"stall_from": before + tick, "stall_to": before + tick + late, "pid": os.getpid()})
+
+
+def pytest_configure(config):
+    path = os.environ.get(STALL_LOG_ENV)
+    if path:
+        threading.Thread(target=_watch_stalls, args=(path,), name="stall-watch", daemon=True).start()
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(STALL_LOG_ENV)
+    if path and report.failed:
+        _append(path, {"failed": report.nodeid, "from": report.start, "to": report.stop})
 
 
 def pytest_collection_modifyitems(items):
