@@ -50,6 +50,7 @@ Limits (see docs/torch-backend.md):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from collections.abc import Sequence
 from datetime import timedelta
@@ -77,6 +78,19 @@ from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
+# Every engine registered into a c10d ProcessGroup (`_register_engines`), released from Python
+# at interpreter exit, while the interpreter can still hand the GIL to the engines' workers. One
+# per group made (rebuilt engines are not registered): a process that makes groups by the
+# thousand keeps their first engines, threads and connections until it exits.
+_REGISTERED_ENGINES: list[Any] = []
+
+
+@atexit.register
+def _release_registered_engines() -> None:
+    while _REGISTERED_ENGINES:
+        _REGISTERED_ENGINES.pop()  # the last reference, for a group already gone: joins without the GIL
+
+
 _UNSET = timedelta(0)  # c10d's options say "no timeout of the op's own" with a negative one
 # The one registry this module owns: options for groups that torch creates without any
 # (new_group, DeviceMesh), taken from the default group's.
@@ -290,6 +304,15 @@ class CommlibProcessGroup(dist.ProcessGroup):
         `_get_backend`, through every rebuild; C++ callers, which read only the group's name and
         backend type through it, keep the first. The main device's type is the group's default
         backend: torch 2.15 reads the group's name through it.
+
+        A registered engine is also kept until the interpreter exits (`_REGISTERED_ENGINES`): its
+        destructor joins the engine's worker threads, and a worker that is dropping a finished
+        op's tensors needs the GIL. Dropped from Python (pybind's no-GIL destructor, c10d's fix
+        for pytorch#56297) the join is safe; dropped from C++ it is not: when DDP's Reducer is
+        freed with the GIL held (a trainer's model going out of scope after
+        `destroy_process_group`), it releases this group, c10d's ProcessGroup releases the
+        engine it registered, and the join waits for a worker that waits for the GIL (a DDP
+        trainer over commlib hung so at exit; py-spy showed both threads).
         """
         for kind, comm in self._comms.items():
             engine = comm.engine
@@ -297,6 +320,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
                 continue
             backend_type = dist.ProcessGroup.BackendType.NCCL if kind == "cuda" else dist.ProcessGroup.BackendType.GLOO
             self._register_backend(torch.device(kind), backend_type, engine)
+            _REGISTERED_ENGINES.append(engine)
             if kind == next(iter(self._comms)):
                 self._set_default_backend(backend_type)
 
