@@ -78,7 +78,11 @@ from commlib.record import log as _log
 from commlib.validation import seconds
 
 BACKEND_NAME = "commlib"
-# Every engine registered into a c10d ProcessGroup (`_register_engines`), released from Python
+_UNSET = timedelta(0)  # c10d's options say "no timeout of the op's own" with a negative one
+# The two registries this module owns. Options for groups that torch creates without any
+# (new_group, DeviceMesh), taken from the default group's:
+_DEFAULTS: list[EngineOptions] = []
+# and every engine registered into a c10d ProcessGroup (`_register_engines`), released from Python
 # at interpreter exit, while the interpreter can still hand the GIL to the engines' workers. One
 # per group made (rebuilt engines are not registered): a process that makes groups by the
 # thousand keeps their first engines, threads and connections until it exits.
@@ -89,12 +93,6 @@ _REGISTERED_ENGINES: list[Any] = []
 def _release_registered_engines() -> None:
     while _REGISTERED_ENGINES:
         _REGISTERED_ENGINES.pop()  # the last reference, for a group already gone: joins without the GIL
-
-
-_UNSET = timedelta(0)  # c10d's options say "no timeout of the op's own" with a negative one
-# The one registry this module owns: options for groups that torch creates without any
-# (new_group, DeviceMesh), taken from the default group's.
-_DEFAULTS: list[EngineOptions] = []
 
 
 def current(group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> Communicator:
