@@ -1,6 +1,7 @@
 """`python -m chaos.entry` runs a trainer as `python SCRIPT` or `python -m MODULE` would: its
-argv, `__main__`, `sys.path[0]` and exit status; an exception it lets out is logged as
-`train.error` in the rank's log and leaves the process as it would have."""
+argv, `__main__`, `sys.path[0]` and exit status, with the garbage collector on and nothing of its
+own frozen; an exception it lets out is logged as `train.error` in the rank's log and leaves the
+process as it would have."""
 
 import json
 import os
@@ -10,8 +11,11 @@ import sys
 from commlib.observe.events import read_events
 
 SCRIPT = """
+import gc
 import sys
 print(__name__, sys.argv[1:], sys.path[0])
+mine = []
+print(gc.isenabled(), gc.get_freeze_count() > 10_000, any(o is mine for o in gc.get_objects(generation=0)))
 sys.exit(7)
 """
 MODULE = """
@@ -33,7 +37,7 @@ def test_a_script_runs_with_its_argv_main_path_and_exit_status(tmp_path):
     script.write_text(SCRIPT)
     done = _entry(str(script), "--steps", "3", cwd=tmp_path)
     assert done.returncode == 7, done.stderr
-    assert done.stdout.split("\n")[0] == f"__main__ ['--steps', '3'] {script.parent}"
+    assert done.stdout.split("\n")[:2] == [f"__main__ ['--steps', '3'] {script.parent}", "True True True"]
 
 
 def test_a_modules_uncaught_error_is_logged_and_leaves_as_it_would(tmp_path):
