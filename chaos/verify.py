@@ -643,11 +643,15 @@ def _reproducible(
     again = reference / AGAIN
     with locked(reference.parent / f"{reference.name}.lock"):
         if not (again / REFERENCE).is_file():
-            shutil.rmtree(again, ignore_errors=True)
+            # Run in a directory of its own, published once complete, as `ensure_reference` does:
+            # a failed run stays where its error says, not deleted by the next caller's retry.
+            work = work_directory(reference, f"{AGAIN}.tmp-")
             try:
-                fault_free_run(job, again, timeout_s=timeout_s, progress=progress, what="second fault-free run")
+                fault_free_run(job, work, timeout_s=timeout_s, progress=progress, what="second fault-free run")
             except ReferenceRunError as exc:
                 return Comparison({"reproducible": False}, [str(exc)])
+            shutil.rmtree(again, ignore_errors=True)
+            os.replace(work, again)
     return compare(read_steps(again), steps)
 
 

@@ -225,6 +225,31 @@ def test_ensure_reference_recomputes_after_a_library_edit(tmp_path, library_copy
     assert second.name == reference_key(job, library_copy)
 
 
+def test_a_failed_second_fault_free_run_keeps_its_directory_for_its_error(tmp_path, monkeypatch):
+    """The run a failure's message points to is still there after the next caller's retry; the
+    retry that completes is the one published as `again` (the harness stood in for, as above)."""
+    runs = []
+
+    def fake_run_job(job, plan, run_dir, **kwargs):
+        runs.append(Path(run_dir))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / "torchrun0.log").write_text(f"run {len(runs)}\n")
+        return JobOutcome(Path(run_dir), 0, 0, [1 if len(runs) == 1 else 0])
+
+    monkeypatch.setattr(verify, "run_job", fake_run_job)
+    monkeypatch.setattr(verify, "diagnose", lambda run_dir: ([], None))
+    monkeypatch.setattr(verify, "read_steps", lambda run_dir: Steps({(0, 0): [None]}))
+    monkeypatch.setattr(verify, "mark_reference", lambda run_dir, start_ns: (run_dir / REFERENCE).write_text("{}"))
+    monkeypatch.setattr(verify, "compare", lambda theirs, ours: "compared")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    failed = verify._reproducible(Job(trainer=TOY), reference, Steps({}), 60.0, None)
+    assert not failed.equal and f"see {runs[0]}/torchrun0.log" in failed.problems[0], failed.problems
+    assert verify._reproducible(Job(trainer=TOY), reference, Steps({}), 60.0, None) == "compared"
+    assert (runs[0] / "torchrun0.log").read_text() == "run 1\n"  # the failed run, as its error said
+    assert (reference / verify.AGAIN / "torchrun0.log").read_text() == "run 2\n"
+
+
 def _fault(kind, **fields):
     from chaos.report import FaultResult
     base = dict(type=kind, index=0, firing=1, rank=1, step=6, attempt=0, pid=1, node=0, injected_at=1.0,
