@@ -38,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -450,7 +450,9 @@ class Communicator:
         """Tear down at once, without waiting for peers; later calls raise CommAborted.
 
         Peers blocked in one of this communicator's collectives learn of it (see the module
-        docstring) and fail with a PeerFailure naming this rank and `reason`.
+        docstring) and fail with a PeerFailure naming this rank and `reason`. A call of this rank
+        blocked in a CPU engine's wait on another thread raises CommAborted at the end of its
+        wait's slice (`_wait_in_slices`).
         """
         with self._end_lock:
             first = self._dead is None
@@ -616,6 +618,9 @@ class Communicator:
             )
         except Exception as exc:
             raise self._engine_failed(call, entry, exc) from exc
+        if finished is None:  # ended from another thread while this one waited
+            self._keep_until_done(backend_work)
+            self._raise_dead(PLAIN_NAMES[call.op])
         if finished is not True:
             if finished is False and callers and (time.monotonic_ns() - entry.start_mono_ns) / 1e9 < call.deadline_s:
                 self._log.debug(
@@ -639,9 +644,10 @@ class Communicator:
 
     def _wait_in_slices(
         self, wait: Callable[[timedelta], bool], budget_s: float, since_mono_ns: int
-    ) -> bool | dict[str, Any]:
-        """Call `wait(slice)` until it returns True (done), `budget_s` passes (False), or a
-        peer's abort announcement is read between two slices (its announcement)."""
+    ) -> bool | dict[str, Any] | None:
+        """Call `wait(slice)` until it returns True (done), `budget_s` passes (False), a peer's
+        abort announcement is read between two slices (its announcement), or this communicator
+        was ended meanwhile from another thread (None)."""
         # Most waits end within the first slice, which is the same for all of them.
         if budget_s >= self.abort_poll_s:
             if wait(self._first_slice):
@@ -651,6 +657,10 @@ class Communicator:
             slice_td = timedelta(seconds=budget_s)
         until = time.monotonic() + budget_s - slice_td.total_seconds()
         while not wait(slice_td):
+            # An abort from another thread (torchft's, a watchdog's): a CPU engine's abort does not
+            # wake a wait already blocked in it (gloo's does not), so the wait stops here.
+            if self._dead is not None:
+                return None
             now = time.monotonic()
             if now >= until:
                 return False
@@ -707,7 +717,7 @@ class Communicator:
         started = time.time_ns(), time.monotonic_ns()
         if check.via_engine:
             exchange = check.digest_exchange(call, fingerprint)
-            outcome: bool | dict[str, Any] = False
+            outcome: bool | dict[str, Any] | None = False
             try:
                 work = self._backend.launch(exchange, deadline_timedelta(call.deadline_s))
                 outcome = (
@@ -749,9 +759,12 @@ class Communicator:
         entry.start_ns, entry.start_mono_ns = started
         return entry
 
-    def _check_failed(self, call: Collective, started: tuple[int, int], outcome: bool | dict[str, Any]) -> None:
+    def _check_failed(self, call: Collective, started: tuple[int, int], outcome: bool | dict[str, Any] | None) -> None:
         """Raise for a check's wait that ended without every rank: its deadline passed (False),
-        or a peer's abort announcement was read (`_wait_in_slices`)."""
+        a peer's abort announcement was read, or this communicator was ended from another thread
+        (None; `_wait_in_slices`)."""
+        if outcome is None:
+            self._raise_dead(PLAIN_NAMES[call.op])
         entry = self._check_entry(call, started)
         if outcome is False:
             raise self._fail(call, entry, self._reports.timeout(call, entry, None))
@@ -1071,8 +1084,11 @@ class Communicator:
     def _refuse_if_dead(self, what: str) -> None:
         """Raise for a call on a communicator that can no longer be used: the failure found off
         the caller's thread first (once, after the failure hooks), else `CommAborted`."""
-        if self._dead is None:
-            return
+        if self._dead is not None:
+            self._raise_dead(what)
+
+    def _raise_dead(self, what: str) -> NoReturn:
+        """`_refuse_if_dead` for a communicator known to be dead."""
         if self._failure_thread not in (None, threading.current_thread()):
             # A failure found off this thread: its report comes first on its thread (bounded by
             # LINE_BEFORE_NEWS_S and the store's answers), the engine's abort after it.
