@@ -657,8 +657,8 @@ class Communicator:
             slice_td = timedelta(seconds=budget_s)
         until = time.monotonic() + budget_s - slice_td.total_seconds()
         while not wait(slice_td):
-            # An abort from another thread (torchft's, a watchdog's): a CPU engine's abort does not
-            # wake a wait already blocked in it (gloo's does not), so the wait stops here.
+            # An abort from another thread (torchft's, a watchdog's): gloo's abort does not wake a
+            # wait already blocked in it, so the wait stops here.
             if self._dead is not None:
                 return None
             now = time.monotonic()

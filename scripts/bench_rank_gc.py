@@ -7,7 +7,8 @@ restarts each rank, so this is paid at every start.
 
 Each round starts two fresh processes, one per variant, in alternating order: one rank of the
 reference trainer at the chaos tests' tiny config (8 steps, a checkpoint every 2, FlexAttention
-compiled from the warm inductor cache), world size 1, in a directory of its own:
+compiled from the warm inductor cache; the soak's small model, `chaos.soak.SOAK_MODEL_ARGS`),
+world size 1, in a directory of its own:
   entry       ``python -m chaos.entry -m chaos.workload.train ...``, as the harness starts a rank
   collector   the same, with ``gc.disable`` and ``gc.freeze`` made no-ops first: the collector
               runs as it would without the freeze
@@ -29,29 +30,10 @@ import sys
 import tempfile
 import time
 
+from chaos.soak import SOAK_MODEL_ARGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINER = (
-    "-m",
-    "chaos.workload.train",
-    "--steps",
-    "8",
-    "--ckpt-every",
-    "2",
-    "--timeout",
-    "10",
-    "--dim",
-    "16",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "64",
-    "--vocab",
-    "64",
-    "--batch-size",
-    "1",
-)
+TRAINER = ("-m", "chaos.workload.train", "--steps", "8", "--ckpt-every", "2", "--timeout", "10", *SOAK_MODEL_ARGS)
 NO_FREEZE = "import gc; gc.disable = gc.freeze = lambda: None; from chaos.entry import main; main()"
 VARIANTS = {
     "entry": ("-m", "chaos.entry", *TRAINER),
