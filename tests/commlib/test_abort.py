@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-
 import torch
 
 import commlib
