@@ -451,8 +451,8 @@ class Communicator:
 
         Peers blocked in one of this communicator's collectives learn of it (see the module
         docstring) and fail with a PeerFailure naming this rank and `reason`. A call of this rank
-        blocked in a CPU engine's wait on another thread raises CommAborted at the end of its
-        wait's slice (`_wait_in_slices`).
+        blocked on another thread in a wait taken in slices (c10d's gloo: `resumable_wait`)
+        raises CommAborted at the end of its slice (`_wait_in_slices`).
         """
         with self._end_lock:
             first = self._dead is None
