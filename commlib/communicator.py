@@ -15,7 +15,9 @@ The caller's `abort()` and `finalize()` end a communicator on purpose.
 A CPU engine's wait blocks the caller, in slices: between two slices the communicator reads
 its peers' abort announcements, so a rank that broke the communicator ends its peers' waits
 within a fraction of a second. Slices start at `abort_poll_s` and grow with the time waited
-(a tenth of it); an op done within its first slice costs no store read. A caller's
+(a tenth of it); an op done within its first slice costs no store read. Every store call of a
+wait or a failure runs on the communicator's store thread and is waited for a bounded time
+(`commlib.store_thread`): a store that stopped answering holds no deadline. A caller's
 `Work.wait(timeout)` shorter than what is left of the op's deadline is the caller's own
 bound: `WaitTimeout` leaves the op and the communicator as they were.
 
@@ -664,9 +666,12 @@ class Communicator:
             now = time.monotonic()
             if now >= until:
                 return False
-            announced = self._reports.abort_announced()
+            # Waited for at most a slice and never past the deadline: a store that stopped
+            # answering must not hold the wait (`commlib.store_thread`).
+            announced = self._reports.abort_announced(min(self.abort_poll_s, until - now))
             if announced is not None:
                 return announced
+            now = time.monotonic()
             waited_s = now - since_mono_ns / 1e9
             slice_td = timedelta(seconds=max(min(until - now, max(self.abort_poll_s, waited_s / 10)), 1e-3))
         return True
@@ -952,7 +957,7 @@ class Communicator:
     def _abort_unwatchable(self, exc: BaseException) -> None:
         try:
             report_side_failure(self._log, "deadline thread", exc)
-            self.board.close_broken(type(exc).__name__)
+            self._reports.announce_broken(type(exc).__name__)
         finally:
             self._failure_reported.set()
             self._abort_engine()
@@ -1003,7 +1008,7 @@ class Communicator:
         except Exception as exc:  # the error still has to reach the caller
             report_side_failure(self._log, "dump", exc)
         finally:
-            self.board.close_broken(type(error).__name__)
+            self._reports.announce_broken(type(error).__name__)
 
     def _log_then_announce(self, line: Callable[[], None], news: Callable[[], None] | None) -> None:
         """Write the log line of a failure or an abort, then tell the peers (`news`).

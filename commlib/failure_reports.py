@@ -14,15 +14,17 @@ fails with the same `CollectiveTimeout` naming the ranks that never arrived. The
 a rank that only met a peer's failure names what it found, never itself.
 
 Ranks: the board and the announcements hold the communicator's own ranks; every error names
-global ranks (`commlib.members`). Store clients: the communicator's own on the thread that made
-it, one of its own on any other thread (a TCPStore client serializes its calls).
+global ranks (`commlib.members`). The store: every call goes through the communicator's
+`StoreThread` and is waited for at most `STORE_ANSWER_S` (`commlib.store_thread`): a store that
+stopped answering must not hold a deadline, nor the error that reports it.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -33,8 +35,9 @@ from commlib.failures import Failure
 from commlib.members import Members
 from commlib.missing_ranks import ask_for_stacks, explain_timeout, find_gone
 from commlib.ops import Collective, OpName
-from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, own_client, stale_after_s
+from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, stale_after_s
 from commlib.record.flight import FlightEntry
+from commlib.store_thread import STORE_ANSWER_S, StoreSilent, StoreThread, answer
 
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`FailureReports._find_gone_peers`)
@@ -55,19 +58,10 @@ class FailureReports:
         self.rank = rank
         self.me = members.name(rank)
         self.board = board
-        self._store = store
+        self._store = StoreThread(store, rank, members.comm)
         self._log = log
         self._backend = backend  # what a raw engine failure means is the backend's (`Backend.classify`)
-        self._owner_thread = threading.get_ident()
-        self._side_store: dist.Store | None = None  # the store client of other threads (`store`)
-
-    def store(self) -> dist.Store:
-        """The store client for the calling thread (module docstring)."""
-        if threading.get_ident() == self._owner_thread:
-            return self._store
-        if self._side_store is None:
-            self._side_store = own_client(self._store, self.rank)
-        return self._side_store
+        self._abort_read: Future[dict[str, Any] | None] | None = None  # the read under way (`abort_announced`)
 
     def where(self, call: Collective) -> dict[str, Any]:
         """An error's place: its rank is this process's global rank."""
@@ -94,14 +88,37 @@ class FailureReports:
         elif isinstance(error, PeerFailure):
             failed = error.failed_ranks
             announcement.update(after_peer_failure=True, failed=None if failed is None else own(failed))
+        text = json.dumps(announcement)
         try:
-            self.store().compare_set(ABORT_KEY, "", json.dumps(announcement))
+            self._store.call(lambda store: store.compare_set(ABORT_KEY, "", text))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
             report_side_failure(self._log, "abort announcement", exc)
 
-    def abort_announced(self) -> dict[str, Any] | None:
-        """The announcement of the peer that aborted this communicator, if one did."""
-        store = self.store()
+    def announce_broken(self, why: str) -> None:
+        """Mark this rank's board entry broken by it (`BoardEntry.broken`: the error's type), so
+        that its exit is not taken for a culprit's; then close the board."""
+        try:
+            self._store.call(partial(self.board.publish_broken, why))
+        except Exception as exc:  # the store may be gone with the failure: nothing to tell it
+            report_side_failure(self._log, "board's broken mark", exc)
+        finally:
+            self.board.close()
+
+    def abort_announced(self, wait_s: float = STORE_ANSWER_S) -> dict[str, Any] | None:
+        """The announcement of the peer that aborted this communicator, if one did. A read the
+        store has not answered within `wait_s` tells nothing yet (the deadline still holds): the
+        next call takes its answer, or waits for it again."""
+        read = self._abort_read
+        if read is None:
+            read = self._abort_read = self._store.submit(self._read_announcement)
+        try:
+            announced = answer(read, wait_s)
+        except StoreSilent:
+            return None
+        self._abort_read = None
+        return announced
+
+    def _read_announcement(self, store: dist.Store) -> dict[str, Any] | None:
         try:
             if not store.check([ABORT_KEY]):
                 return None
@@ -147,7 +164,7 @@ class FailureReports:
         is undefined."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
-            board = self.board.read(self.store())
+            board = self._store.call(self.board.read)
             if call.peer is not None:
                 message, missing, stale = _explain_p2p_timeout(call, self.members, elapsed, board)
             else:
@@ -275,25 +292,24 @@ class FailureReports:
         sockets before /proc shows it gone (`GONE_GRACE_S`), and another host's heartbeat
         takes up to `STALE_AFTER_S` to go stale. The board is read at most every `BOARD_REREAD_S`,
         /proc asked about the last one read every `GONE_POLL_S`."""
-        store = self.store()
         start = time.monotonic()
         read_at = start - BOARD_REREAD_S  # so the board is read at once
         while True:
             if time.monotonic() - read_at >= BOARD_REREAD_S:
                 read_at = time.monotonic()
                 try:
-                    board = self.board.read(store)
+                    board = self._store.call(self.board.read)
                 except Exception as exc:  # the store went with the dead rank's host
                     return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
             gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
-            gone = self._not_broken_since(store, gone)
+            gone = self._not_broken_since(gone)
             if gone:
                 return gone, how
             if time.monotonic() - start >= (STALE_AFTER_S + HEARTBEAT_S if remote else GONE_GRACE_S):
                 return [], f"which one could not be told: {how}"
             time.sleep(GONE_POLL_S)
 
-    def _not_broken_since(self, store: dist.Store, gone: list[int]) -> list[int]:
+    def _not_broken_since(self, gone: list[int]) -> list[int]:
         """`gone` but the ranks the board, read again, says broke. A rank marks itself broken on
         the board before it exits: one that met the failure too, said so and exited between the
         board's read and /proc's answer would be named gone. Where the store does not answer
@@ -301,7 +317,7 @@ class FailureReports:
         if not gone:
             return gone
         try:
-            again = self.board.read(store)
+            again = self._store.call(self.board.read)
         except Exception:  # the store went meanwhile (with the dead rank's host)
             return gone
         return [r for r in gone if (e := again.get(r)) is None or e.broken is None]

@@ -45,7 +45,10 @@ def test_every_group_made_from_the_default_group_inherits_its_deadline() -> None
         assert r["deadlines"] == {"new_group": 2.0, "dp": 2.0, "tp": 2.0, "flattened": 2.0, "own": 7.0}, r
     peer = results[0]
     assert peer["error"]["error"] == "CollectiveTimeout" and peer["error"]["missing_ranks"] == [1], peer
-    assert 1.9 <= peer["waited_s"] < 3.0, peer  # the default group's 2 s, not torch's 30 min
+    # The default group's 2 s, not torch's 30 min nor the own group's 7 s (with either, the op
+    # would have completed at 3.5 s). Slack for one of this machine's 5 s stalls
+    # (docs/testing.md): CI met one here, the deadline expiring at 5.0 s.
+    assert peer["error"]["deadline"] == 2.0 and 1.9 <= peer["waited_s"] < 8.0, peer
     assert results[2]["error"] == results[3]["error"] == {"error": None}  # the other tp group is untouched
 
 
@@ -81,7 +84,9 @@ def test_a_train_timeout_set_through_torch_becomes_commlibs_deadline(tmp_path: P
         assert r["deadlines"] == {"world": 2.0, "dp": 2.0, "by_method": 3.0, "by_engine": 4.0}, r
     peer = results[0]
     assert peer["error"]["error"] == "CollectiveTimeout" and peer["error"]["missing_ranks"] == [1], peer
-    assert 1.9 <= peer["waited_s"] < 3.0, peer  # the train timeout, not the init timeout's 60 s
+    # The train timeout, not the init timeout's 60 s (the op would have completed at 3.5 s);
+    # slack for one of this machine's 5 s stalls, as above.
+    assert peer["error"]["deadline"] == 2.0 and 1.9 <= peer["waited_s"] < 8.0, peer
     set_events = [(e["comm"], e["timeout_s"]) for e in read_events(tmp_path / "rank0.jsonl")
                   if e["event"] == "comm.set_timeout"]
     # On 2 ranks the mesh's one dimension is the default group itself: dist.set_timeout set it twice.

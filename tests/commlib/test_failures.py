@@ -19,6 +19,7 @@ import commlib
 from commlib import testing
 from commlib.engines import EngineOptions
 from commlib.process_group import group_over_store
+from store_relay import StoreRelay
 
 
 def _rank1_never_joins(comm: commlib.Communicator) -> dict[str, object]:
@@ -168,6 +169,48 @@ def test_a_peer_timing_out_first_in_the_same_collective_is_no_culprit() -> None:
     assert r1["elapsed"] < 1.0 + 1.5, r1
     assert "all_reduce #2 on 'world' timed out after 1." in r1["message"] and "rank 2 never started it" in r1["message"]
     assert "rank 0's deadline for it expired first: this rank stopped waiting before its own 30 s" in r1["message"]
+
+
+def _store_stops_answering(store: object, rank: int, size: int, relay: StoreRelay,
+                           rank0_done: threading.Event) -> dict[str, object]:
+    relayed = torch.distributed.TCPStore("127.0.0.1", relay.port, size, is_master=False)
+    comm = group_over_store(relayed, rank, size, 1.0, "world", EngineOptions(engine="gloo")).communicator()
+    t = torch.ones(2)
+    comm.all_reduce(t)
+    if rank == 1:  # never joins #2; ends once the store answers again
+        rank0_done.wait(30)
+        comm.finalize()
+        return {}
+    relay.stop()
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t)
+    except commlib.CollectiveTimeout as exc:
+        return {"elapsed": time.monotonic() - start, "message": str(exc)}
+    finally:
+        relay.resume()
+        rank0_done.set()
+    return {"elapsed": time.monotonic() - start, "message": "no error"}
+
+
+@pytest.mark.contract
+def test_a_deadline_holds_while_the_store_does_not_answer() -> None:
+    """A store that stops answering neither holds a wait past its deadline nor its error."""
+    # The wait reads the peers' abort announcements from the store, and the timeout reads the
+    # board and announces the abort there: each call is waited for a bounded time
+    # (commlib.store_thread). Without that the wait blocked in the store's client for its
+    # timeout (5 minutes), once per slice.
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    relay = StoreRelay(server.port)
+    try:
+        r0, _ = testing.run_threads(_store_stops_answering, 2, backend=None, timeout=30,
+                                    args=(relay, threading.Event()))
+    finally:
+        relay.close()
+    # 1 s deadline, and at most one STORE_ANSWER_S (1 s) waited for the board's read.
+    assert 1.0 <= r0["elapsed"] < 1.0 + 1.0 + 1.0, r0
+    assert ("all_reduce #2 on 'world' timed out after 1.0 s on rank 0; the progress board could not be read "
+            "(the store did not answer within 1 s)") in r0["message"], r0
 
 
 def _mismatch(comm: commlib.Communicator, transport: str) -> str:

@@ -1,0 +1,100 @@
+"""The store calls of a communicator's failure path, each waited for at most a bound.
+
+A collective's deadline, and the error that says who did not arrive, must not wait on the
+store. The job's store is one server (on rank 0's host, or torchrun's agent) that can stop
+answering: frozen, cut off by a partition, or gone without a reset. A TCPStore client then
+blocks for the store's own timeout (the job's init timeout: minutes), so a 2 s deadline whose
+wait read the peers' abort announcements through it would hang for minutes and say nothing.
+
+So the failure path (a wait's reads of the announcements, the board read that names the missing
+ranks, the announcement of this rank's own abort, the board's "broken" mark) calls the store
+on a thread of its own, with a client of its own, and waits for each answer at most a bound
+(`STORE_ANSWER_S`) before it goes on without it; the error then says the store did not answer.
+c10d does the same with the side work of a timeout: ProcessGroupNCCL runs its debug dump
+asynchronously and waits for it at most a bound (`waitForFutureOrTimeout`), and reads peers'
+signals from the store on its monitor thread, never on the thread that waits for an op.
+
+A call left behind finishes on the thread whenever the store answers; the calls after it wait
+their turn. Once one call has gone unanswered past the bound, the next caller does not wait for
+its own: the store is not answering (`StoreSilent`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from commlib.record.board import own_client
+
+# The longest the failure path waits for one answer of the store. Its answers take well under
+# a millisecond; a survivor's read of a 2,000-rank board a few tens of milliseconds
+# (docs/measurements.md, "Reading the board"). A store slower than this is not answering.
+STORE_ANSWER_S = 1.0
+
+_T = TypeVar("_T")
+
+
+class StoreSilent(TimeoutError):
+    """The store did not answer a call within its bound."""
+
+
+class StoreThread:
+    """One communicator's failure-path store calls, on a daemon thread started at the first."""
+
+    def __init__(self, store: dist.Store, rank: int, name: str) -> None:
+        self._store = store
+        self._rank = rank
+        self._name = name
+        self._calls: queue.SimpleQueue[tuple[Callable[[dist.Store], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None  # monotonic: when the call under way began
+
+    def submit(self, fn: Callable[[dist.Store], _T]) -> Future[_T]:
+        """`fn(client)` on the thread, after the calls before it; its future."""
+        future: Future[_T] = Future()
+        self._calls.put((fn, future))
+        with self._lock:
+            if self._thread is None:
+                # A daemon thread, not an executor's: one blocked on a silent store must not
+                # hold the interpreter's exit (concurrent.futures joins its workers at exit).
+                self._thread = threading.Thread(target=self._run, name=f"commlib-store-{self._name}", daemon=True)
+                self._thread.start()
+        return future
+
+    def call(self, fn: Callable[[dist.Store], _T], bound_s: float = STORE_ANSWER_S) -> _T:
+        """`fn(client)`'s result, or `StoreSilent` once `bound_s` passed without it (module docstring)."""
+        future = self.submit(fn)
+        busy = self._busy_since
+        if busy is not None and time.monotonic() - busy >= bound_s and not future.done():
+            raise StoreSilent(f"the store has not answered a call for {time.monotonic() - busy:.1f} s")
+        return answer(future, bound_s)
+
+    def _run(self) -> None:
+        client = None
+        while True:
+            fn, future = self._calls.get()
+            self._busy_since = time.monotonic()
+            try:
+                if client is None:  # made here: its connection may be what does not answer
+                    client = own_client(self._store, self._rank)
+                future.set_result(fn(client))
+            except BaseException as exc:
+                future.set_exception(exc)
+            finally:
+                self._busy_since = None
+
+
+def answer(future: Future[_T], bound_s: float) -> _T:
+    """The future's result, or `StoreSilent` once `bound_s` passed without it."""
+    try:
+        return future.result(timeout=bound_s)
+    except FutureTimeout:
+        raise StoreSilent(f"the store did not answer within {bound_s:g} s") from None
