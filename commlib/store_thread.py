@@ -17,13 +17,20 @@ signals from the store on its monitor thread, never on the thread that waits for
 A call left behind finishes on the thread whenever the store answers; the calls after it wait
 their turn. Once one call has gone unanswered past the bound, the next caller does not wait for
 its own: the store is not answering (`StoreSilent`).
+
+The thread ends when it has had no call for `IDLE_S` (the next call starts another), so a job
+that rebuilds its communicators keeps no thread or connection per old one. At interpreter exit
+the calls under way get at most `STORE_ANSWER_S` to finish: a daemon thread that comes back from
+a store call into a finalizing interpreter aborts the process (`commlib.record.board`).
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,9 +41,10 @@ import torch.distributed as dist
 from commlib.record.board import own_client
 
 # The longest the failure path waits for one answer of the store. Its answers take well under
-# a millisecond; a survivor's read of a 2,000-rank board a few tens of milliseconds
-# (docs/measurements.md, "Reading the board"). A store slower than this is not answering.
+# a millisecond; a read of a 1,000-rank board by 32 ranks at once, 90 ms (`commlib.store_reads`).
+# A store slower than this is not answering.
 STORE_ANSWER_S = 1.0
+IDLE_S = 10.0  # a thread with no call for this long ends
 
 _T = TypeVar("_T")
 
@@ -63,6 +71,7 @@ class StoreThread:
         self._calls.put((fn, future))
         with self._lock:
             if self._thread is None:
+                _LIVE.add(self)
                 # A daemon thread, not an executor's: one blocked on a silent store must not
                 # hold the interpreter's exit (concurrent.futures joins its workers at exit).
                 self._thread = threading.Thread(target=self._run, name=f"commlib-store-{self._name}", daemon=True)
@@ -77,10 +86,21 @@ class StoreThread:
             raise StoreSilent(f"the store has not answered a call for {time.monotonic() - busy:.1f} s")
         return answer(future, bound_s)
 
+    def idle(self) -> bool:
+        """Whether no call is under way or waiting."""
+        return self._busy_since is None and self._calls.empty()
+
     def _run(self) -> None:
         client = None
         while True:
-            fn, future = self._calls.get()
+            try:
+                fn, future = self._calls.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:  # `submit` starts a thread under the lock once this one is gone
+                    if self._calls.empty():
+                        self._thread = None
+                        return
+                continue
             self._busy_since = time.monotonic()
             try:
                 if client is None:  # made here: its connection may be what does not answer
@@ -98,3 +118,15 @@ def answer(future: Future[_T], bound_s: float) -> _T:
         return future.result(timeout=bound_s)
     except FutureTimeout:
         raise StoreSilent(f"the store did not answer within {bound_s:g} s") from None
+
+
+_LIVE: weakref.WeakSet[StoreThread] = weakref.WeakSet()
+
+
+def _let_calls_finish_at_exit() -> None:
+    until = time.monotonic() + STORE_ANSWER_S
+    while any(not t.idle() for t in list(_LIVE)) and time.monotonic() < until:
+        time.sleep(0.01)
+
+
+atexit.register(_let_calls_finish_at_exit)
