@@ -3,8 +3,8 @@ commlib, and `--backend` is the one word a team changes to run it over commlib.
 
     torchrun --nproc-per-node 2 tests/chaos/ddp_trainer.py --backend commlib --steps 10
 
-A small MLP under DistributedDataParallel, AdamW, each rank's batch drawn from a seed of the
-step. Rank 0 saves model, optimizer and step every `--ckpt-every` steps (`torch.save` to a
+A small model with a FlexAttention block and a fused LinearCrossEntropyLoss head (`user_model`)
+under DistributedDataParallel, AdamW, each rank's batch drawn from a seed of the step. Rank 0 saves model, optimizer and step every `--ckpt-every` steps (`torch.save` to a
 temporary name, then a rename) into `checkpoints/` of its working directory; every start
 resumes from it. SIGTERM (a preemption) stops every rank after the step in progress, with a
 checkpoint of it: the flag rides on one all_reduce per step, and the job exits 143 so torchrun
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from user_model import UserModel
 
 EXIT_PREEMPTED = 143
 
@@ -36,7 +36,7 @@ def main() -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)))
+    model = DistributedDataParallel(UserModel())
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     checkpoint = Path("checkpoints") / "latest.pt"
     done = 0
@@ -49,8 +49,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     for step in range(done + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-        loss = nn.functional.mse_loss(model(x), y)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -3,7 +3,8 @@
 
     torchrun --nproc-per-node 2 tests/chaos/fsdp_trainer.py --backend commlib --steps 10
 
-A small MLP sharded with `fully_shard`, AdamW with a learning-rate schedule (LambdaLR),
+A small model with a FlexAttention block and a fused LinearCrossEntropyLoss head (`user_model`),
+each linear layer and the root sharded with `fully_shard`, AdamW with a learning-rate schedule (LambdaLR),
 `--accumulate` micro-batches per optimizer step (gradient accumulation), each drawn from a
 seed of the step. Every `--ckpt-every` steps it saves model, optimizer, schedule and step with
 torch.distributed.checkpoint (DCP) into `checkpoints/step{N}` of its working directory; a
@@ -22,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from user_model import UserModel
 
 EXIT_PREEMPTED = 143
 
@@ -45,10 +46,9 @@ def main() -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
+    model = UserModel()
+    for layer in (model.embed, model.qkv, model.proj):
+        fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.1 * step))
@@ -66,8 +66,8 @@ def main() -> int:
     for step in range(done + 1, args.steps + 1):
         for micro in range(args.accumulate):
             g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-            loss = nn.functional.mse_loss(model(x), y) / args.accumulate
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = model(x, y) / args.accumulate
             loss.backward()
         optimizer.step()
         schedule.step()

@@ -3,7 +3,8 @@ neither chaos nor commlib), whose resume can be made wrong on purpose: the proof
 
     torchrun --nproc-per-node 2 tests/chaos/torch_save_trainer.py --backend commlib --steps 10
 
-Every rank holds the whole model (a small MLP with dropout, Adam); gradients are averaged
+Every rank holds the whole model (a FlexAttention block with dropout and a fused
+LinearCrossEntropyLoss head, `user_model`; Adam); gradients are averaged
 with `dist.all_reduce`, so the ranks stay equal. Each rank's batch comes from a seed of the
 step; dropout draws from torch's global RNG. Rank 0 saves model, optimizer, step and RNG state
 every `--ckpt-every` steps into `checkpoints/step{N}.pt` of its working directory (to a
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from user_model import UserModel
 
 EXIT_PREEMPTED = 143
 
@@ -48,7 +49,7 @@ def main() -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    model = UserModel(dropout=0.2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     directory = Path("checkpoints")
     done = 0
@@ -64,8 +65,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     for step in range(done + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-        loss = nn.functional.mse_loss(model(x), y)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        loss = model(x, y)
         loss.backward()
         for param in model.parameters():
             dist.all_reduce(param.grad)
