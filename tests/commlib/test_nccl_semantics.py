@@ -22,6 +22,7 @@ from commlib import testing
 from commlib.backends import nccl
 from commlib.backends.c10d import C10dBackend
 from commlib.engines import main_cuda_device
+from commlib.store_thread import STORE_ANSWER_S
 
 from emulated_device import EmulatedNccl, device, init, raised
 
@@ -131,7 +132,9 @@ def test_a_launch_that_blocks_on_its_peers_is_timed_from_its_issue() -> None:
     connection to a dead peer ends at the deadline with the typed error."""
     r0, _ = testing.run(_first_op_with_lazy_connections, 2, backend=None, timeout=60, allow_dead_ranks=True)
     assert r0["error"]["type"] == "CollectiveTimeout", r0
-    assert r0["s"] < 1.0 + 1.0, r0
+    # The deadline, and at most STORE_ANSWER_S while the error is worded: under the full suite's
+    # load the store once took longer than that to answer the board's read.
+    assert r0["s"] < 1.0 + STORE_ANSWER_S + 1.0, r0
 
 
 def _rebuilt_many_times() -> dict[str, object]:
