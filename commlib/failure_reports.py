@@ -24,11 +24,13 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 
+from commlib import store_thread
 from commlib.backends.base import Backend
 from commlib.errors import CollectiveTimeout, CommAborted, CommError, PeerFailure, WaitTimeout
 from commlib.failures import Failure
@@ -37,7 +39,7 @@ from commlib.missing_ranks import ask_for_stacks, explain_timeout, find_gone
 from commlib.ops import Collective, OpName
 from commlib.record.board import HEARTBEAT_S, STALE_AFTER_S, BoardEntry, ProgressBoard, stale_after_s
 from commlib.record.flight import FlightEntry
-from commlib.store_thread import STORE_ANSWER_S, StoreSilent, StoreThread, answer
+from commlib.store_thread import StoreThread
 
 ABORT_KEY = "commlib/aborted"  # in a communicator's store: the first rank that broke or aborted it
 GONE_GRACE_S = 1.0  # how long a broken connection's rank may take to show as exited (`FailureReports._find_gone_peers`)
@@ -104,16 +106,17 @@ class FailureReports:
         finally:
             self.board.close()
 
-    def abort_announced(self, wait_s: float = STORE_ANSWER_S) -> dict[str, Any] | None:
+    def abort_announced(self, wait_s: float | None = None) -> dict[str, Any] | None:
         """The announcement of the peer that aborted this communicator, if one did. A read the
-        store has not answered within `wait_s` tells nothing yet (the deadline still holds): the
-        next call takes its answer, or waits for it again."""
+        store has not answered within `wait_s` (`STORE_ANSWER_S`) tells nothing yet (the deadline
+        still holds): the next call takes its answer, or waits for it again."""
+        wait_s = store_thread.STORE_ANSWER_S if wait_s is None else wait_s
         read = self._abort_read
         if read is None:
             read = self._abort_read = self._store.submit(self._read_announcement)
         try:
-            announced = answer(read, wait_s)
-        except StoreSilent:
+            announced = read.result(timeout=wait_s)
+        except FutureTimeout:
             return None
         self._abort_read = None
         return announced
