@@ -60,7 +60,7 @@ class FailureReports:
         self.rank = rank
         self.me = members.name(rank)
         self.board = board
-        self._store = StoreThread(store, rank, members.comm)
+        self._store_thread = StoreThread(store, rank, members.comm)
         self._log = log
         self._backend = backend  # what a raw engine failure means is the backend's (`Backend.classify`)
         self._abort_read: Future[dict[str, Any] | None] | None = None  # the read under way (`abort_announced`)
@@ -92,7 +92,7 @@ class FailureReports:
             announcement.update(after_peer_failure=True, failed=None if failed is None else own(failed))
         text = json.dumps(announcement)
         try:
-            self._store.call(lambda store: store.compare_set(ABORT_KEY, "", text))
+            self._store_thread.call(lambda store: store.compare_set(ABORT_KEY, "", text))
         except Exception as exc:  # the store is gone too: peers fall back on their deadlines
             report_side_failure(self._log, "abort announcement", exc)
 
@@ -100,7 +100,7 @@ class FailureReports:
         """Mark this rank's board entry broken by it (`BoardEntry.broken`: the error's type), so
         that its exit is not taken for a culprit's; then close the board."""
         try:
-            self._store.call(partial(self.board.publish_broken, why))
+            self._store_thread.call(partial(self.board.publish_broken, why))
         except Exception as exc:  # the store may be gone with the failure: nothing to tell it
             report_side_failure(self._log, "board's broken mark", exc)
         finally:
@@ -113,7 +113,7 @@ class FailureReports:
         wait_s = store_thread.STORE_ANSWER_S if wait_s is None else wait_s
         read = self._abort_read
         if read is None:
-            read = self._abort_read = self._store.submit(self._read_announcement)
+            read = self._abort_read = self._store_thread.submit(self._read_announcement)
         try:
             announced = read.result(timeout=wait_s)
         except FutureTimeout:
@@ -167,7 +167,7 @@ class FailureReports:
         is undefined."""
         elapsed = (time.monotonic_ns() - entry.start_mono_ns) / 1e9
         try:
-            board = self._store.call(self.board.read)
+            board = self._store_thread.call(self.board.read)
             if call.peer is not None:
                 message, missing, stale = _explain_p2p_timeout(call, self.members, elapsed, board)
             else:
@@ -301,7 +301,7 @@ class FailureReports:
             if time.monotonic() - read_at >= BOARD_REREAD_S:
                 read_at = time.monotonic()
                 try:
-                    board = self._store.call(self.board.read)
+                    board = self._store_thread.call(self.board.read)
                 except Exception as exc:  # the store went with the dead rank's host
                     return [], f"which one could not be told: the progress board could not be read ({first_line(exc)})"
             gone, how, remote = find_gone(board, self.rank, announcer, time.time_ns())
@@ -320,7 +320,7 @@ class FailureReports:
         if not gone:
             return gone
         try:
-            again = self._store.call(self.board.read)
+            again = self._store_thread.call(self.board.read)
         except Exception:  # the store went meanwhile (with the dead rank's host)
             return gone
         return [r for r in gone if (e := again.get(r)) is None or e.broken is None]

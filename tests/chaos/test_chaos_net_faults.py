@@ -2,7 +2,7 @@
 node's torchrun agent in a network namespace of its own, joined by `chaos.net`'s link
 emulator (real kernel TCP on both sides; gloo and the rendezvous store cross it).
 
-- ``net_loss`` (5 % of rank 1's node's packets) and then ``net_delay`` (150 ms each way): the
+- ``net_loss`` (5 % of rank 1's node's packets) and then ``net_delay`` (300 ms each way): the
   job rides both out with no error, no recovery and no restart, bitwise; the steps during the
   delay are measurably slower, and the loss really dropped packets (TCP resent them). Each
   ends with steps to go: a fault still on when the job ends would have no step after it;
@@ -44,7 +44,7 @@ def _run(passing_run, faults, checks):
 
 def test_latency_and_loss_are_ridden_out_bitwise(passing_run):
     report, run_dir, notes, releases = _run(
-        passing_run, ["net_loss:rank=1,step=2,pct=5,duration_s=1", "net_delay:rank=1,step=5,ms=150,duration_s=2"],
+        passing_run, ["net_loss:rank=1,step=2,pct=5,duration_s=1", "net_delay:rank=1,step=5,ms=300,duration_s=2"],
         {"net_fault_survived", "losses_bitwise", "state_bitwise"})
     assert report.restarts == 0
     for fault in report.faults:
@@ -55,8 +55,9 @@ def test_latency_and_loss_are_ridden_out_bitwise(passing_run):
     assert loss["link"]["dropped_loss"] > 0 and loss["link"]["dropped_cut"] == 0, loss
 
     # The steps that started inside the delay were slower than the rank's steps outside any
-    # network fault (its first step, which warms up, aside): a step makes many round trips, each +300 ms
-    # (it was 50 ms each way, and a step under load varied by more than the +0.16 s it made).
+    # network fault (its first step, which warms up, aside): each of a step's synchronous
+    # collectives waits for the peer's bytes, 300 ms late. (At 150 ms each way a step was once
+    # only 0.21 s slower, under load and with no store read on a wait's path: commlib.store_thread.)
     [slow] = [n for n in notes if n["event"] == "chaos.net_steps" and n["fault"] == "net_delay"]
     assert slow["steps"] and slow["steps_outside"] >= 3, slow
     assert slow["step_time_s_during"] >= slow["step_time_s_outside"] + 0.3, slow
