@@ -209,7 +209,7 @@ class Communicator:
         bound = {"comm": name, "backend": backend.name, "comm_rank": self.rank, "comm_size": self.size}
         self._log = _log.get_logger().bind(**bound)
         self._events = _log.event_writer(**bound)  # collective.start and .end: the hot path's own
-        self._reports = FailureReports(self.members, self.rank, store, self.board, self._log, backend)
+        self._reports = FailureReports(self.members, self.rank, self.board, self._log, backend)
         # The check compares digests on a CPU engine, where that costs no device sync.
         self._consistency = (
             ConsistencyCheck(store, self.members, self.rank, via_engine=self.events is None)

@@ -52,15 +52,13 @@ GONE_POLL_S = 0.02
 class FailureReports:
     """The typed errors of one communicator's failures (module docstring)."""
 
-    def __init__(
-        self, members: Members, rank: int, store: dist.Store, board: ProgressBoard, log: Any, backend: Backend
-    ) -> None:
+    def __init__(self, members: Members, rank: int, board: ProgressBoard, log: Any, backend: Backend) -> None:
         self.members = members
         self.comm = members.comm
         self.rank = rank
         self.me = members.name(rank)
         self.board = board
-        self._store_thread = StoreThread(store, rank, members.comm)
+        self._store_thread = StoreThread(board.side_client, members.comm)
         self._log = log
         self._backend = backend  # what a raw engine failure means is the backend's (`Backend.classify`)
         self._abort_read: Future[dict[str, Any] | None] | None = None  # the read under way (`abort_announced`)

@@ -8,7 +8,9 @@ wait read the peers' abort announcements through it would hang for minutes and s
 
 So the failure path (a wait's reads of the announcements, the board read that names the missing
 ranks, the announcement of this rank's own abort, the board's "broken" mark) calls the store
-on a thread of its own, with a client of its own, and waits for each answer at most a bound
+on a thread of its own, through a client other than the waiting thread's (the progress board's,
+made with the communicator: a new connection to a busy store server has taken seconds, too long
+to make on a failure's path), and waits for each answer at most a bound
 (`STORE_ANSWER_S`) before it goes on without it; the error then says the store did not answer.
 c10d does the same with the side work of a timeout: ProcessGroupNCCL runs its debug dump
 asynchronously and waits for it at most a bound (`waitForFutureOrTimeout`), and reads peers'
@@ -39,8 +41,6 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from commlib.record.board import own_client
-
 # The longest the failure path waits for one answer of the store: a store slower than this is
 # not answering. Its answers take well under a millisecond, a read of a 1,000-rank board by 32
 # ranks at once 90 ms (`commlib.store_reads`); but a busy machine has held one for about 2 s
@@ -59,9 +59,8 @@ class StoreSilent(TimeoutError):
 class StoreThread:
     """One communicator's failure-path store calls, on a daemon thread started at the first."""
 
-    def __init__(self, store: dist.Store, rank: int, name: str) -> None:
-        self._store = store
-        self._rank = rank
+    def __init__(self, client: dist.Store, name: str) -> None:
+        self._client = client  # not the waiting thread's: see the module docstring
         self._name = name
         self._calls: queue.SimpleQueue[tuple[Callable[[dist.Store], Any], Future[Any]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -101,7 +100,6 @@ class StoreThread:
         return self._busy_since is None and self._calls.empty()
 
     def _run(self) -> None:
-        client = None
         while True:
             try:
                 fn, future = self._calls.get(timeout=IDLE_S)
@@ -113,9 +111,7 @@ class StoreThread:
                 continue
             self._busy_since = time.monotonic()
             try:
-                if client is None:  # made here: its connection may be what does not answer
-                    client = own_client(self._store, self._rank)
-                future.set_result(fn(client))
+                future.set_result(fn(self._client))
             except BaseException as exc:
                 future.set_exception(exc)
             finally:

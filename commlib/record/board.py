@@ -14,10 +14,13 @@ peer outside the pair can compare with.
 On a stream-ordered communicator (a GPU engine, `commlib.device`) "started" and "finished"
 are what the rank's host issued and enqueued: its device runs the op later.
 
-The publisher writes through a store client of its own (`Store.clone()`): a TCPStore client
-serializes its operations, so sharing the communicator's would stop the heartbeat while the
-main thread blocks in a `store.wait` (the consistency check's store exchange), and peers
-would call a live rank dead. A failed publication is retried at the next interval and logged (rate-limited);
+The publisher writes through a store client of its own (`Store.clone()`, `side_client`): a
+TCPStore client serializes its operations, so sharing the communicator's would stop the
+heartbeat while the main thread blocks in a `store.wait` (the consistency check's store
+exchange), and peers would call a live rank dead. The communicator's store thread
+(`commlib.store_thread`) shares it: its calls never wait on the server, and the connection is
+made at creation, not on a failure's path, where a new connection to a busy store server has
+taken seconds. A failed publication is retried at the next interval and logged (rate-limited);
 the board stops publishing only once the store has failed `GIVE_UP_FAILURES` times in a
 row over at least `GIVE_UP_S` (the job is ending, or the store's host is gone).
 
@@ -83,7 +86,7 @@ class BoardEntry:
 class ProgressBoard:
     def __init__(self, store: dist.Store, rank: int, size: int, pid: int) -> None:
         self._store = store
-        self._publish_store = own_client(store, rank)
+        self.side_client = own_client(store, rank)  # see the module docstring
         self.rank = rank
         self.size = size
         self.entry = BoardEntry(
@@ -126,7 +129,7 @@ class ProgressBoard:
             return
         version = self._version
         self.entry.heartbeat_ns = now_ns
-        (store or self._publish_store).set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
+        (store or self.side_client).set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
         self._published_version, self._published_ns = version, now_ns
 
     def publish_failed(self, exc: Exception, now_ns: int) -> None:

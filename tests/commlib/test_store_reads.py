@@ -164,7 +164,7 @@ def test_looking_for_a_dead_peer_reads_the_board_again_only_as_often_as_a_heartb
                                                             heartbeat_ns=stopped_ns))))
     board = ProgressBoard(store, 0, 3, os.getpid())
     try:
-        reports = FailureReports(Members.of("world", 3), 0, store, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
+        reports = FailureReports(Members.of("world", 3), 0, board, log.get_logger(), backend=None)  # type: ignore[arg-type]
         store.requests = 0
         gone, how = reports._find_gone_peers(None)
     finally:

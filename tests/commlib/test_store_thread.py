@@ -15,15 +15,12 @@ pytestmark = pytest.mark.contract
 
 
 class _Store:
-    """Stands in for a store client: `clone` is what `own_client` asks of it."""
-
-    def clone(self) -> _Store:
-        return self
+    """Stands in for a store client: the calls under test never touch it."""
 
 
 def test_a_call_returns_its_answer_or_raises_its_error() -> None:
     """The result of `fn(client)` comes back; its exception is raised to the caller."""
-    calls = StoreThread(_Store(), 0, "world")
+    calls = StoreThread(_Store(), "world")
     assert calls.call(lambda store: type(store).__name__) == "_Store"
 
     def fail(store: Any) -> None:
@@ -35,7 +32,7 @@ def test_a_call_returns_its_answer_or_raises_its_error() -> None:
 
 def test_a_silent_store_is_given_up_on_at_the_bound_then_at_once() -> None:
     """A call unanswered past its bound raises StoreSilent; the next does not wait its own bound."""
-    calls, answered = StoreThread(_Store(), 0, "world"), threading.Event()
+    calls, answered = StoreThread(_Store(), "world"), threading.Event()
     start = time.monotonic()
     with pytest.raises(StoreSilent, match="has not answered a call for 0.2 s"):
         calls.call(lambda store: answered.wait(30), bound_s=0.2)
@@ -51,7 +48,7 @@ def test_a_silent_store_is_given_up_on_at_the_bound_then_at_once() -> None:
 def test_the_thread_ends_when_idle_and_the_next_call_starts_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """No thread is kept for a communicator that makes no store call."""
     monkeypatch.setattr(store_thread, "IDLE_S", 0.05)
-    calls = StoreThread(_Store(), 0, "idle-test")
+    calls = StoreThread(_Store(), "idle-test")
     threads = []
     for _ in range(2):
         calls.call(lambda store: threads.append(threading.current_thread()))
