@@ -43,9 +43,10 @@ import torch.distributed as dist
 
 # The longest the failure path waits for one answer of the store: a store slower than this is
 # not answering. Its answers take well under a millisecond, a read of a 1,000-rank board by 32
-# ranks at once 90 ms (`commlib.store_reads`); but a busy machine has held one for about 2 s
-# (and this 2-core one stalls every process for up to 5 s: docs/testing.md), and an error that
-# waits a little longer still names the ranks that never came.
+# ranks at once 90 ms (`commlib.store_reads`); but under the full test suite's load a call
+# (on a connection then opened for it) has taken about 2 s, this 2-core machine stalls every
+# process for up to 5 s at times (docs/testing.md), and an error that waits a little longer
+# still names the ranks that never came.
 STORE_ANSWER_S = 5.0
 IDLE_S = 10.0  # a thread with no call for this long ends
 
