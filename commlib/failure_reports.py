@@ -25,7 +25,6 @@ import json
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -98,7 +97,7 @@ class FailureReports:
         """Mark this rank's board entry broken by it (`BoardEntry.broken`: the error's type), so
         that its exit is not taken for a culprit's; then close the board."""
         try:
-            self._store_thread.call(partial(self.board.publish_broken, why))
+            self._store_thread.call(lambda _: self.board.publish_broken(why))  # the board's own client
         except Exception as exc:  # the store may be gone with the failure: nothing to tell it
             report_side_failure(self._log, "board's broken mark", exc)
         finally:

@@ -122,14 +122,13 @@ class ProgressBoard:
         e.finished_seq, e.finished_op = seq, op
         self._version += 1
 
-    def publish_if_due(self, now_ns: int, store: dist.Store | None = None) -> None:
-        """`store`: a client of the board's store for a thread other than the publisher's."""
+    def publish_if_due(self, now_ns: int) -> None:
         due = now_ns - self._published_ns >= HEARTBEAT_S * 1e9
         if self.closed or (self._version == self._published_version and not due):
             return
         version = self._version
         self.entry.heartbeat_ns = now_ns
-        (store or self.side_client).set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
+        self.side_client.set(f"board/{self.rank}", json.dumps(asdict(self.entry)))
         self._published_version, self._published_ns = version, now_ns
 
     def publish_failed(self, exc: Exception, now_ns: int) -> None:
@@ -171,13 +170,12 @@ class ProgressBoard:
         self.closed = True
         _Publisher.unregister(self)
 
-    def publish_broken(self, why: str, store: dist.Store) -> None:
-        """Publish now, through `store` (the calling thread's client), that this rank broke the
-        communicator (`BoardEntry.broken`)."""
+    def publish_broken(self, why: str) -> None:
+        """Publish now that this rank broke the communicator (`BoardEntry.broken`)."""
         if not self.closed:
             self.entry.broken = why
             self._version += 1
-            self.publish_if_due(time.time_ns(), store)
+            self.publish_if_due(time.time_ns())
 
 
 class _Publisher:
